@@ -1,0 +1,205 @@
+"""The engine interface: plain request/event types, the Engine protocol and engine errors.
+
+Engines never see HTTP or OpenAI types.  The gateway turns a validated API request into a
+`GenerationRequest`; an engine turns that into a stream of `TokenEvent`s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+import numpy.typing as npt
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling settings, already validated by the caller."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repeat_penalty: float = 1.0
+    max_tokens: int | None = None
+    stop: tuple[str, ...] = ()
+    logprobs: bool = False
+    top_logprobs: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # Constrained output: "json_object" (any JSON object) or "json_schema" (with `json_schema`).
+    structured: str | None = None
+    json_schema: str | None = None
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One generation: either a raw prompt or chat messages (the engine applies the model's template)."""
+
+    request_id: str
+    sampling: SamplingParams
+    prompt: str | None = None
+    messages: tuple[ChatMessage, ...] | None = None
+    add_generation_prompt: bool = True
+
+
+@dataclass(frozen=True)
+class TopLogprob:
+    token: str
+    token_id: int
+    logprob: float
+    bytes: bytes
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token: str
+    token_id: int
+    logprob: float
+    bytes: bytes
+    top: tuple[TopLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    # Seconds spent waiting for a free sequence slot before prefill started.
+    queue_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One step of a generation.
+
+    `text` is the text released by this step: it can be empty (a token that ends inside a UTF-8
+    character, or text held back because it may start a stop string) and it can carry text of
+    earlier tokens.  The last event has `finish_reason` ("stop" or "length") and `usage`.
+    """
+
+    text: str
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] = ()
+    finish_reason: str | None = None
+    usage: Usage | None = None
+
+
+@dataclass(frozen=True)
+class EngineHealth:
+    ready: bool
+    detail: str = ""
+    running: int = 0
+    waiting: int = 0
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How to instantiate one model on one runtime and device (built by the gateway's selector)."""
+
+    model_path: str
+    context_length: int = 2048  # tokens per sequence
+    parallel: int = 4  # sequences decoded together
+    n_batch: int = 512
+    n_threads: int = 0  # 0 = all cores
+    n_gpu_layers: int = 0  # -1 = all layers on the device
+    main_gpu: int = 0
+    max_queue: int = 64  # requests that may wait for a free sequence
+    backend: str = "cpu"  # cpu, vulkan, cuda, metal, directml, coreml
+    device: str = "cpu"  # human-readable device name
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What an engine is, for logs, headers and metrics labels."""
+
+    runtime: str
+    backend: str
+    device: str
+    version: str = ""
+    context_length: int = 0
+    parallel: int = 1
+    extra: dict[str, str] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """A loaded model on one runtime and device."""
+
+    info: EngineInfo
+
+    async def load(self) -> None:
+        """Load weights and allocate the context.  Raises ModelLoadError."""
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        """Stream token events.  Closing the iterator early aborts the generation.
+
+        Errors known before the first token (context too long, bad grammar, queue full) are
+        raised on the first `__anext__`, before any event is produced.
+        """
+        ...
+
+    async def logits(self, token_ids: list[int]) -> npt.NDArray[np.float32]:
+        """Next-token logits at every position of `token_ids`: shape (len(token_ids), n_vocab)."""
+        ...
+
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids of `text` as this engine's model sees it (with BOS where the model adds one)."""
+        ...
+
+    def health(self) -> EngineHealth: ...
+
+    async def close(self) -> None: ...
+
+
+class EngineError(Exception):
+    """Base of every error an engine raises."""
+
+
+class ModelLoadError(EngineError):
+    """The model could not be loaded on this runtime/device."""
+
+
+class ModelNotAvailable(EngineError):
+    """The model's files are not present and cannot be obtained."""
+
+
+class ContextLengthExceeded(EngineError):
+    def __init__(self, prompt_tokens: int, context_length: int) -> None:
+        super().__init__(
+            f"This model's maximum context length is {context_length} tokens, "
+            f"but the prompt has {prompt_tokens} tokens."
+        )
+        self.prompt_tokens = prompt_tokens
+        self.context_length = context_length
+
+
+class InvalidGenerationRequest(EngineError):
+    """The request is well-formed but this engine cannot serve it (e.g. a grammar it rejects)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class EngineOverloaded(EngineError):
+    """The engine's wait queue is full."""
+
+
+class EngineClosed(EngineError):
+    """The engine was closed (unloaded) while the request was waiting or running."""
+
+
+class EngineFailure(EngineError):
+    """The runtime failed while generating."""

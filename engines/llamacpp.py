@@ -1,0 +1,325 @@
+"""The llama.cpp engine (llama-cpp-python): CPU, Vulkan, CUDA and Metal builds alike.
+
+Loads a GGUF with the low-level API, renders chat prompts with the GGUF's Jinja template, and runs
+every request through the continuous-batching scheduler in `engines.llamacpp_batch`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from engines.base import (
+    ContextLengthExceeded,
+    EngineHealth,
+    EngineConfig,
+    EngineInfo,
+    GenerationRequest,
+    InvalidGenerationRequest,
+    ModelLoadError,
+    TokenEvent,
+)
+from engines.registry import register_runtime
+
+log = logging.getLogger(__name__)
+# llama.cpp's own log lines go through this logger (llama_cpp._logger); keep only warnings.
+logging.getLogger("llama-cpp-python").setLevel(logging.WARNING)
+
+
+def llama_cpp_version() -> str:
+    try:
+        import llama_cpp
+
+        return str(llama_cpp.__version__)
+    except Exception:  # noqa: BLE001 - absence is reported, not raised
+        return ""
+
+
+class LlamaCppEngine:
+    """A GGUF model served by llama.cpp."""
+
+    def __init__(self, options: EngineConfig) -> None:
+        self.options = options
+        self.info = EngineInfo(
+            runtime="llamacpp",
+            backend=options.backend,
+            device=options.device,
+            version=llama_cpp_version(),
+            context_length=options.context_length,
+            parallel=options.parallel,
+        )
+        self._model: Any = None
+        self._ctx: Any = None
+        self._vocab: Any = None
+        self._sched: Any = None
+        self._n_vocab = 0
+        self._n_ctx_seq = options.context_length
+        self._pieces: dict[int, bytes] = {}
+        self._eog: list[int] = []
+        self._template: Any = None
+        self._bos_text = ""
+
+    # --- lifecycle -----------------------------------------------------------------------
+
+    async def load(self) -> None:
+        await asyncio.to_thread(self._load_blocking)
+
+    def _load_blocking(self) -> None:
+        try:
+            import llama_cpp as lc
+        except ImportError as exc:
+            raise ModelLoadError(
+                f"llama-cpp-python is not installed ({exc}); run scripts/install-llama-cpp.sh"
+            ) from exc
+        from engines.llamacpp_batch import BatchScheduler
+
+        o = self.options
+        if not os.path.isfile(o.model_path):
+            raise ModelLoadError(f"model file not found: {o.model_path}")
+        lc.llama_backend_init()
+        mparams = lc.llama_model_default_params()
+        mparams.n_gpu_layers = o.n_gpu_layers
+        mparams.main_gpu = o.main_gpu
+        model = lc.llama_model_load_from_file(o.model_path.encode(), mparams)
+        if not model:
+            raise ModelLoadError(f"llama.cpp could not load {o.model_path} on {o.device}")
+        self._model = model
+        self._vocab = lc.llama_model_get_vocab(model)
+        self._n_vocab = lc.llama_vocab_n_tokens(self._vocab)
+        n_ctx_train = lc.llama_model_n_ctx_train(model)
+        self._n_ctx_seq = min(o.context_length, n_ctx_train) if n_ctx_train > 0 else o.context_length
+        cparams = lc.llama_context_default_params()
+        cparams.n_ctx = self._n_ctx_seq * o.parallel
+        cparams.n_batch = o.n_batch
+        cparams.n_ubatch = o.n_batch
+        cparams.n_seq_max = o.parallel
+        # One KV stream per sequence: each request gets its full context, whatever the others do.
+        cparams.kv_unified = False
+        threads = o.n_threads or os.cpu_count() or 1
+        cparams.n_threads = threads
+        cparams.n_threads_batch = threads
+        cparams.no_perf = True
+        ctx = lc.llama_init_from_model(model, cparams)
+        if not ctx:
+            lc.llama_model_free(model)
+            self._model = None
+            raise ModelLoadError(
+                f"llama.cpp could not create a context of {cparams.n_ctx} tokens on {o.device}"
+            )
+        self._ctx = ctx
+        self._eog = [t for t in range(self._n_vocab) if lc.llama_vocab_is_eog(self._vocab, t)]
+        self._template = self._load_template(lc)
+        self._sched = BatchScheduler(
+            ctx=ctx,
+            vocab=self._vocab,
+            n_vocab=self._n_vocab,
+            n_parallel=o.parallel,
+            n_ctx_seq=self._n_ctx_seq,
+            n_batch=o.n_batch,
+            max_queue=o.max_queue,
+            piece=self.piece,
+            is_eog=lambda t: lc.llama_vocab_is_eog(self._vocab, t),
+        )
+        self.info = EngineInfo(
+            runtime="llamacpp",
+            backend=o.backend,
+            device=o.device,
+            version=llama_cpp_version(),
+            context_length=self._n_ctx_seq,
+            parallel=o.parallel,
+        )
+        log.info(
+            "llama.cpp loaded %s: backend=%s device=%s ctx/seq=%d parallel=%d vocab=%d",
+            o.model_path, o.backend, o.device, self._n_ctx_seq, o.parallel, self._n_vocab,
+        )
+
+    def _load_template(self, lc: Any) -> Any:
+        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+        raw = lc.llama_model_chat_template(self._model, None)
+        if not raw:
+            return None
+        bos = lc.llama_vocab_bos(self._vocab)
+        eos = lc.llama_vocab_eos(self._vocab)
+        self._bos_text = self.piece(bos, special=True).decode(errors="replace") if bos >= 0 else ""
+        eos_text = self.piece(eos, special=True).decode(errors="replace") if eos >= 0 else ""
+        return Jinja2ChatFormatter(
+            template=raw.decode("utf-8"), eos_token=eos_text, bos_token=self._bos_text
+        )
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self._close_blocking)
+
+    def _close_blocking(self) -> None:
+        import llama_cpp as lc
+
+        if self._sched is not None:
+            self._sched.close()
+            self._sched = None
+        if self._ctx is not None:
+            lc.llama_free(self._ctx)
+            self._ctx = None
+        if self._model is not None:
+            lc.llama_model_free(self._model)
+            self._model = None
+
+    def health(self) -> EngineHealth:
+        if self._sched is None:
+            return EngineHealth(ready=False, detail="not loaded")
+        running, waiting = self._sched.counts()
+        return EngineHealth(ready=True, running=running, waiting=waiting)
+
+    # --- text ------------------------------------------------------------------------------
+
+    def piece(self, token: int, special: bool = False) -> bytes:
+        if not special:
+            cached = self._pieces.get(token)
+            if cached is not None:
+                return cached
+        import llama_cpp as lc
+
+        buf = ctypes.create_string_buffer(64)
+        n = lc.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = lc.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
+        out = buf.raw[:n]
+        if not special:
+            self._pieces[token] = out
+        return out
+
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        import llama_cpp as lc
+
+        data = text.encode("utf-8")
+        cap = len(data) + 8
+        arr = (lc.llama_token * cap)()
+        n = lc.llama_tokenize(self._vocab, data, len(data), arr, cap, add_special, True)
+        if n < 0:
+            cap = -n
+            arr = (lc.llama_token * cap)()
+            n = lc.llama_tokenize(self._vocab, data, len(data), arr, cap, add_special, True)
+        return list(arr[:n])
+
+    def render_prompt(self, request: GenerationRequest) -> list[int]:
+        if request.messages is None:
+            return self.tokenize(request.prompt or "")
+        if self._template is None:
+            raise InvalidGenerationRequest(
+                "this model has no chat template; use /v1/completions", param="messages"
+            )
+        try:
+            text = self._template(
+                messages=[{"role": m.role, "content": m.content} for m in request.messages]
+            ).prompt
+        except Exception as exc:  # template raise_exception() or Jinja errors
+            raise InvalidGenerationRequest(
+                f"the model's chat template rejected the messages: {exc}", param="messages"
+            ) from exc
+        # Templates that write the BOS text themselves must not get a second BOS token.
+        add_special = not (self._bos_text and text.startswith(self._bos_text))
+        return self.tokenize(text, add_special=add_special)
+
+    # --- generation ------------------------------------------------------------------------
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        from engines.llamacpp_batch import GenJob, build_sampler
+
+        if self._sched is None:
+            raise ModelLoadError("model is not loaded")
+        prompt = self.render_prompt(request)
+        if not prompt:
+            raise InvalidGenerationRequest("the prompt is empty", param="prompt")
+        if len(prompt) >= self._n_ctx_seq:
+            raise ContextLengthExceeded(len(prompt), self._n_ctx_seq)
+        sp = request.sampling
+        room = self._n_ctx_seq - len(prompt)
+        max_new = min(sp.max_tokens, room) if sp.max_tokens is not None else room
+        grammar = self._grammar(sp.structured, sp.json_schema)
+        sampler = build_sampler(self._vocab, self._n_vocab, sp, grammar, self._eog, max_new)
+        if sampler is None:
+            raise InvalidGenerationRequest(
+                "llama.cpp could not compile the grammar for response_format",
+                param="response_format",
+            )
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[TokenEvent | BaseException] = asyncio.Queue()
+
+        def emit(item: TokenEvent | BaseException) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+        job = GenJob(prompt_ids=prompt, sampling=sp, max_new_tokens=max_new, sampler=sampler, emit=emit)
+        try:
+            self._sched.submit(job)
+        except BaseException:
+            import llama_cpp as lc
+
+            lc.llama_sampler_free(sampler)
+            raise
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            self._sched.cancel(job)
+
+    @staticmethod
+    def _grammar(structured: str | None, schema: str | None) -> bytes | None:
+        if structured is None:
+            return None
+        from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
+
+        if structured == "json_object" or not schema:
+            return JSON_GBNF.encode()
+        try:
+            return json_schema_to_gbnf(schema).encode()
+        except Exception as exc:
+            raise InvalidGenerationRequest(
+                f"unsupported JSON schema: {exc}", param="response_format.json_schema"
+            ) from exc
+
+    async def logits(self, token_ids: list[int]) -> npt.NDArray[np.float32]:
+        from engines.llamacpp_batch import ScoreJob
+
+        if self._sched is None:
+            raise ModelLoadError("model is not loaded")
+        if not token_ids:
+            raise InvalidGenerationRequest("no tokens to score")
+        if len(token_ids) > self._n_ctx_seq:
+            raise ContextLengthExceeded(len(token_ids), self._n_ctx_seq)
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[npt.NDArray[np.float32]] = loop.create_future()
+
+        def done(item: npt.NDArray[np.float32] | BaseException) -> None:
+            def settle() -> None:
+                if fut.done():
+                    return
+                if isinstance(item, BaseException):
+                    fut.set_exception(item)
+                else:
+                    fut.set_result(item)
+
+            loop.call_soon_threadsafe(settle)
+
+        job = ScoreJob(token_ids=list(token_ids), done=done)
+        self._sched.submit(job)
+        try:
+            return await fut
+        finally:
+            self._sched.cancel(job)
+
+
+@register_runtime("llamacpp")
+def create_llamacpp(options: EngineConfig) -> LlamaCppEngine:
+    return LlamaCppEngine(options)

@@ -1,0 +1,433 @@
+"""Continuous batching over llama.cpp's low-level API.
+
+One thread owns the `llama_context`.  Every active request holds a slot: its own KV sequence id,
+sampler chain, detokenizer and stop matcher.  Each step builds one `llama_batch` with one token per
+decoding sequence plus chunks of pending prompts (chunked prefill, so a long prompt cannot stall
+running streams), calls `llama_decode` once, then samples each sequence that produced logits.
+Requests join and leave the batch at token boundaries.  A finished slot keeps its tokens in the KV
+cache, so a later request sharing a prefix (the next chat turn, a common system prompt) only
+prefills the part that differs.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import llama_cpp as lc
+import numpy as np
+import numpy.typing as npt
+
+from engines.base import (
+    EngineClosed,
+    EngineFailure,
+    EngineOverloaded,
+    SamplingParams,
+    TokenEvent,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
+from engines.text import Detokenizer, StopMatcher
+
+log = logging.getLogger(__name__)
+
+EmitFn = Callable[[TokenEvent | BaseException], None]
+
+
+@dataclass(eq=False)
+class GenJob:
+    """A generation waiting for, or holding, a slot."""
+
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    max_new_tokens: int
+    sampler: Any  # llama_sampler_p, owned by the job and freed when it leaves the engine
+    emit: EmitFn
+    submitted: float = field(default_factory=time.perf_counter)
+    cancelled: bool = False
+
+
+@dataclass(eq=False)
+class ScoreJob:
+    """Teacher-forced logits for every position of a token sequence (parity mode)."""
+
+    token_ids: list[int]
+    done: Callable[[npt.NDArray[np.float32] | BaseException], None]
+    submitted: float = field(default_factory=time.perf_counter)
+    cancelled: bool = False
+    rows: list[npt.NDArray[np.float32]] = field(default_factory=list)
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.token_ids
+
+
+Job = GenJob | ScoreJob
+
+
+@dataclass(eq=False)
+class _Slot:
+    seq_id: int
+    cached: list[int] = field(default_factory=list)  # tokens whose KV this sequence holds
+    job: Job | None = None
+    n_fed: int = 0  # prompt tokens already in the KV cache
+    pending: int | None = None  # sampled token not yet decoded
+    n_generated: int = 0
+    n_cached_prompt: int = 0
+    queue_seconds: float = 0.0
+    detok: Detokenizer | None = None
+    stopper: StopMatcher | None = None
+
+
+class BatchScheduler:
+    """Runs every request of one model on one llama_context, batched."""
+
+    def __init__(
+        self,
+        ctx: Any,
+        vocab: Any,
+        n_vocab: int,
+        n_parallel: int,
+        n_ctx_seq: int,
+        n_batch: int,
+        max_queue: int,
+        piece: Callable[[int], bytes],
+        is_eog: Callable[[int], bool],
+    ) -> None:
+        self._ctx = ctx
+        self._vocab = vocab
+        self._n_vocab = n_vocab
+        self._n_ctx_seq = n_ctx_seq
+        self._n_batch = n_batch
+        self._max_queue = max_queue
+        self._piece = piece
+        self._is_eog = is_eog
+        self._mem = lc.llama_get_memory(ctx)
+        self._batch = lc.llama_batch_init(n_batch, 0, 1)
+        self._slots = [_Slot(seq_id=i) for i in range(n_parallel)]
+        self._waiting: deque[Job] = deque()
+        self._cv = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="llamacpp-batch", daemon=True)
+        self._thread.start()
+
+    # --- called from other threads -------------------------------------------------------
+
+    def submit(self, job: Job) -> None:
+        with self._cv:
+            if self._stopping:
+                raise EngineClosed("the engine is shutting down")
+            if len(self._waiting) >= self._max_queue:
+                raise EngineOverloaded(
+                    f"all {len(self._slots)} sequences are busy and {len(self._waiting)} "
+                    "requests are already waiting; retry later"
+                )
+            self._waiting.append(job)
+            self._cv.notify()
+
+    def cancel(self, job: Job) -> None:
+        with self._cv:
+            job.cancelled = True
+            self._cv.notify()
+
+    def counts(self) -> tuple[int, int]:
+        """(running, waiting)."""
+        with self._cv:
+            return sum(s.job is not None for s in self._slots), len(self._waiting)
+
+    def close(self) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        self._thread.join()
+        lc.llama_batch_free(self._batch)
+
+    # --- the scheduler thread --------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stopping and not self._waiting and not self._active():
+                    self._cv.wait()
+                if self._stopping:
+                    break
+                self._drop_cancelled_waiting()
+                self._admit()
+            self._release_cancelled()
+            if self._active():
+                try:
+                    self._step()
+                except Exception as exc:  # a runtime failure must not kill the thread silently
+                    log.exception("llama.cpp batch step failed")
+                    for slot in self._active():
+                        self._fail(slot, EngineFailure(f"llama.cpp failed: {exc}"))
+        self._shutdown()
+
+    def _active(self) -> list[_Slot]:
+        return [s for s in self._slots if s.job is not None]
+
+    def _drop_cancelled_waiting(self) -> None:
+        kept: deque[Job] = deque()
+        for job in self._waiting:
+            if job.cancelled:
+                _free_job(job)
+            else:
+                kept.append(job)
+        self._waiting = kept
+
+    def _admit(self) -> None:
+        free = [s for s in self._slots if s.job is None]
+        while self._waiting and free:
+            job = self._waiting.popleft()
+            slot = max(free, key=lambda s: _common_prefix(s.cached, job.prompt_ids))
+            free.remove(slot)
+            self._start(slot, job)
+
+    def _start(self, slot: _Slot, job: Job) -> None:
+        keep = 0
+        if isinstance(job, GenJob):
+            # Reuse the cached prefix; at least one prompt token must be decoded for logits.
+            keep = min(_common_prefix(slot.cached, job.prompt_ids), len(job.prompt_ids) - 1)
+        if keep == 0 or not lc.llama_memory_seq_rm(self._mem, slot.seq_id, keep, -1):
+            lc.llama_memory_seq_rm(self._mem, slot.seq_id, -1, -1)
+            keep = 0
+        slot.cached = slot.cached[:keep]
+        slot.job = job
+        slot.n_fed = keep
+        slot.n_cached_prompt = keep
+        slot.pending = None
+        slot.n_generated = 0
+        slot.queue_seconds = time.perf_counter() - job.submitted
+        if isinstance(job, GenJob):
+            slot.detok = Detokenizer()
+            slot.stopper = StopMatcher(job.sampling.stop)
+
+    def _release_cancelled(self) -> None:
+        for slot in self._active():
+            if slot.job is not None and slot.job.cancelled:
+                self._finish_slot(slot)
+
+    def _finish_slot(self, slot: _Slot) -> None:
+        if slot.job is not None:
+            _free_job(slot.job)
+        slot.job = None
+        slot.pending = None
+
+    def _fail(self, slot: _Slot, exc: BaseException) -> None:
+        job = slot.job
+        lc.llama_memory_seq_rm(self._mem, slot.seq_id, -1, -1)
+        slot.cached = []
+        self._finish_slot(slot)
+        if isinstance(job, GenJob):
+            job.emit(exc)
+        elif isinstance(job, ScoreJob):
+            job.done(exc)
+
+    def _step(self) -> None:
+        batch = self._batch
+        n = 0
+        outputs: list[tuple[_Slot, int]] = []
+
+        def add(slot: _Slot, token: int, want_logits: bool) -> None:
+            nonlocal n
+            batch.token[n] = token
+            batch.pos[n] = len(slot.cached)
+            batch.n_seq_id[n] = 1
+            batch.seq_id[n][0] = slot.seq_id
+            batch.logits[n] = want_logits
+            slot.cached.append(token)
+            if want_logits:
+                outputs.append((slot, n))
+            n += 1
+
+        active = self._active()
+        # Decoding sequences first: one token each, so running streams never wait for prefill.
+        for slot in active:
+            if slot.pending is not None:
+                add(slot, slot.pending, True)
+                slot.pending = None
+        for slot in active:
+            job = slot.job
+            assert job is not None
+            remaining = len(job.prompt_ids) - slot.n_fed
+            if remaining <= 0 or n >= self._n_batch:
+                continue
+            take = min(remaining, self._n_batch - n)
+            score = isinstance(job, ScoreJob)
+            for i in range(slot.n_fed, slot.n_fed + take):
+                last = i == len(job.prompt_ids) - 1
+                add(slot, job.prompt_ids[i], score or last)
+            slot.n_fed += take
+        if n == 0:
+            return
+        batch.n_tokens = n
+        rc = lc.llama_decode(self._ctx, batch)
+        if rc != 0:
+            reason = "no free KV cache space" if rc == 1 else f"llama_decode returned {rc}"
+            for slot in {s for s, _ in outputs} | set(active):
+                self._fail(slot, EngineFailure(f"llama.cpp could not decode: {reason}"))
+            return
+        for slot, idx in outputs:
+            if isinstance(slot.job, ScoreJob):
+                self._collect_logits(slot, idx)
+            elif isinstance(slot.job, GenJob):
+                self._sample(slot, idx)
+
+    def _logits_row(self, idx: int) -> npt.NDArray[np.float32]:
+        ptr = lc.llama_get_logits_ith(self._ctx, idx)
+        return np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
+
+    def _collect_logits(self, slot: _Slot, idx: int) -> None:
+        job = slot.job
+        assert isinstance(job, ScoreJob)
+        job.rows.append(self._logits_row(idx).copy())
+        if len(job.rows) == len(job.token_ids):
+            self._finish_slot(slot)
+            job.done(np.stack(job.rows))
+
+    def _sample(self, slot: _Slot, idx: int) -> None:
+        job = slot.job
+        assert isinstance(job, GenJob) and slot.detok is not None and slot.stopper is not None
+        sp = job.sampling
+        logprobs: tuple[TokenLogprob, ...] = ()
+        raw = self._logits_row(idx).copy() if sp.logprobs else None
+        token = lc.llama_sampler_sample(job.sampler, self._ctx, idx)
+        if raw is not None:
+            logprobs = (self._logprob(raw, token, sp.top_logprobs),)
+        slot.n_generated += 1
+        finish: str | None = None
+        text = ""
+        if self._is_eog(token) and not sp.ignore_eos:
+            finish = "stop"
+        else:
+            text = slot.stopper.push(slot.detok.push(self._piece(token)))
+            if slot.stopper.stopped:
+                finish = "stop"
+            elif slot.n_generated >= job.max_new_tokens:
+                finish = "length"
+        if finish is None:
+            slot.pending = token
+            job.emit(TokenEvent(text=text, token_ids=(token,), logprobs=logprobs))
+            return
+        text += slot.stopper.push(slot.detok.flush()) + slot.stopper.flush()
+        usage = Usage(
+            prompt_tokens=len(job.prompt_ids),
+            completion_tokens=slot.n_generated,
+            cached_tokens=slot.n_cached_prompt,
+            queue_seconds=slot.queue_seconds,
+        )
+        self._finish_slot(slot)
+        job.emit(
+            TokenEvent(
+                text=text, token_ids=(token,), logprobs=logprobs, finish_reason=finish, usage=usage
+            )
+        )
+
+    def _logprob(self, logits: npt.NDArray[np.float32], token: int, top_n: int) -> TokenLogprob:
+        x = logits.astype(np.float64)
+        m = float(x.max())
+        lse = m + float(np.log(np.exp(x - m).sum()))
+        top: tuple[TopLogprob, ...] = ()
+        if top_n > 0:
+            ids = np.argpartition(-x, top_n)[:top_n]
+            ids = ids[np.argsort(-x[ids])]
+            top = tuple(
+                TopLogprob(
+                    token=_text(self._piece(int(t))),
+                    token_id=int(t),
+                    logprob=float(x[t] - lse),
+                    bytes=self._piece(int(t)),
+                )
+                for t in ids
+            )
+        piece = self._piece(token)
+        return TokenLogprob(
+            token=_text(piece), token_id=token, logprob=float(x[token] - lse), bytes=piece, top=top
+        )
+
+    def _shutdown(self) -> None:
+        closed = EngineClosed("the model was unloaded")
+        for slot in self._active():
+            self._fail(slot, closed)
+        with self._cv:
+            waiting, self._waiting = list(self._waiting), deque()
+        for job in waiting:
+            _free_job(job)
+            if isinstance(job, GenJob):
+                job.emit(closed)
+            else:
+                job.done(closed)
+
+
+def _free_job(job: Job) -> None:
+    if isinstance(job, GenJob) and job.sampler is not None:
+        lc.llama_sampler_free(job.sampler)
+        job.sampler = None
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _text(piece: bytes) -> str:
+    return piece.decode("utf-8", errors="replace")
+
+
+def build_sampler(
+    vocab: Any,
+    n_vocab: int,
+    sp: SamplingParams,
+    grammar: bytes | None,
+    eog_ids: list[int],
+    penalty_window: int,
+) -> Any:
+    """A llama.cpp sampler chain for one request.  Returns None if the grammar does not parse."""
+    chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
+    bias = list(sp.logit_bias)
+    if sp.ignore_eos:
+        bias += [(t, float("-inf")) for t in eog_ids]
+    if bias:
+        arr = (lc.llama_logit_bias * len(bias))()
+        for i, (tok, b) in enumerate(bias):
+            arr[i].token = tok
+            arr[i].bias = b
+        lc.llama_sampler_chain_add(
+            chain, lc.llama_sampler_init_logit_bias(n_vocab, len(bias), arr)
+        )
+    if grammar is not None:
+        g = lc.llama_sampler_init_grammar(vocab, grammar, b"root")
+        if not g:
+            lc.llama_sampler_free(chain)
+            return None
+        lc.llama_sampler_chain_add(chain, g)
+    if sp.presence_penalty or sp.frequency_penalty or sp.repeat_penalty != 1.0:
+        lc.llama_sampler_chain_add(
+            chain,
+            lc.llama_sampler_init_penalties(
+                penalty_window, sp.repeat_penalty, sp.frequency_penalty, sp.presence_penalty
+            ),
+        )
+    if sp.temperature <= 0.0:
+        lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_greedy())
+        return chain
+    if sp.top_k > 0:
+        lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_top_k(sp.top_k))
+    if sp.top_p < 1.0:
+        lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_top_p(sp.top_p, 1))
+    if sp.min_p > 0.0:
+        lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_min_p(sp.min_p, 1))
+    lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_temp(sp.temperature))
+    seed = sp.seed if sp.seed is not None else lc.LLAMA_DEFAULT_SEED
+    lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_dist(seed & 0xFFFFFFFF))
+    return chain
+

@@ -1,0 +1,62 @@
+"""Turning a token stream into text: incremental UTF-8 decoding and stop-string matching.
+
+Shared by every engine so that stop strings behave the same whatever the runtime.
+"""
+
+from __future__ import annotations
+
+import codecs
+
+
+class StopMatcher:
+    """Releases text as it streams, holding back any tail that may be the start of a stop string."""
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self._stops = tuple(s for s in stops if s)
+        self._held = ""
+        self.stopped = False
+
+    def push(self, text: str) -> str:
+        """Add generated text; return the text that is now safe to send."""
+        if self.stopped:
+            return ""
+        buf = self._held + text
+        if not self._stops:
+            self._held = ""
+            return buf
+        first = -1
+        for stop in self._stops:
+            i = buf.find(stop)
+            if i != -1 and (first == -1 or i < first):
+                first = i
+        if first != -1:
+            self.stopped = True
+            self._held = ""
+            return buf[:first]
+        keep = 0
+        for stop in self._stops:
+            # Longest suffix of buf that is a proper prefix of this stop string.
+            for n in range(min(len(stop) - 1, len(buf)), 0, -1):
+                if buf.endswith(stop[:n]):
+                    keep = max(keep, n)
+                    break
+        self._held = buf[len(buf) - keep :] if keep else ""
+        return buf[: len(buf) - keep]
+
+    def flush(self) -> str:
+        """At the end of generation, release whatever was held back."""
+        out, self._held = ("" if self.stopped else self._held), ""
+        return out
+
+
+class Detokenizer:
+    """Decodes token byte pieces to text without splitting multi-byte UTF-8 characters."""
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, piece: bytes) -> str:
+        return self._decoder.decode(piece)
+
+    def flush(self) -> str:
+        return self._decoder.decode(b"", final=True)

@@ -1,0 +1,82 @@
+"""create_app(): builds every dependency once and wires the routes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.middleware.base import RequestResponseEndpoint
+
+from engines.registry import create_engine
+from gateway.errors import APIError, install_error_handlers
+from gateway.pool import EngineFactory, ModelManager
+from gateway.registry import Registry, load_registry
+from gateway.routes import router
+from gateway.serving import ChatService, CompletionService
+from gateway.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def create_app(
+    settings: Settings,
+    registry: Registry | None = None,
+    engine_factory: EngineFactory | None = None,
+) -> FastAPI:
+    registry = registry or load_registry(settings.config)
+    if settings.model:
+        if registry.get(settings.model) is None:
+            raise ValueError(f"unknown model {settings.model!r}; models.yaml defines {sorted(registry.models)}")
+        registry.default = settings.model
+    manager = ModelManager(registry, settings, engine_factory or create_engine)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        preload: asyncio.Task[None] | None = None
+        if settings.preload:
+            preload = asyncio.create_task(_preload(app, manager))
+        try:
+            yield
+        finally:
+            if preload is not None and not preload.done():
+                preload.cancel()
+            await manager.close()
+
+    app = FastAPI(title="llm-gateway", version="0.1.0", lifespan=lifespan)
+    app.state.settings = settings
+    app.state.manager = manager
+    app.state.chat = ChatService(manager)
+    app.state.completions = CompletionService(manager)
+    app.state.started = int(time.time())
+    app.state.preload = settings.preload
+    app.state.preloading = settings.preload
+    install_error_handlers(app)
+    app.include_router(router)
+
+    if settings.api_key:
+        key = settings.api_key
+
+        @app.middleware("http")
+        async def require_key(request: Request, call_next: RequestResponseEndpoint) -> Response:
+            if request.url.path.startswith("/v1/") and request.headers.get("authorization") != f"Bearer {key}":
+                err = APIError(401, "invalid or missing API key", type="authentication_error", code="invalid_api_key")
+                return JSONResponse(err.body(), status_code=401)
+            return await call_next(request)
+
+    return app
+
+
+async def _preload(app: FastAPI, manager: ModelManager) -> None:
+    spec = manager.registry.get(manager.registry.default)
+    assert spec is not None
+    try:
+        await manager.get(spec)
+    except Exception as exc:  # noqa: BLE001 - reported in /health and the log
+        log.error("default model %s failed to load: %s", spec.id, exc)
+    finally:
+        app.state.preloading = False

@@ -1,0 +1,106 @@
+"""`gateway` command line: serve, models."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from gateway.registry import RegistryError, load_registry
+from gateway.selection import SelectionError, plan
+from gateway.settings import ENGINE_CHOICES, Settings
+
+log = logging.getLogger("gateway")
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from gateway.app import create_app
+
+    settings = Settings.from_env(
+        host=args.host, port=args.port, config=args.config, model=args.model, engine=args.engine,
+        max_resident=args.max_models, parallel=args.parallel, threads=args.threads,
+        api_key=args.api_key,
+    )
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        registry = load_registry(settings.config)
+        default = registry.get(settings.model or registry.default)
+        if default is None:
+            print(f"error: unknown model {settings.model!r}; known: {', '.join(registry.models)}", file=sys.stderr)
+            return 2
+        candidates = plan(default, settings.engine)
+        app = create_app(settings, registry)
+    except (RegistryError, SelectionError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    first = candidates[0]
+    log.info(
+        "serving %s on %s/%s (device %s) at http://%s:%d/v1",
+        default.id, first.runtime, first.backend, first.device, settings.host, settings.port,
+    )
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower())
+    return 0
+
+
+def _models(args: argparse.Namespace) -> int:
+    try:
+        registry = load_registry(args.config or Settings.from_env().config)
+    except RegistryError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.download:
+        spec = registry.get(args.download)
+        if spec is None:
+            print(f"error: unknown model {args.download!r}", file=sys.stderr)
+            return 2
+        logging.basicConfig(level="INFO")
+        for fmt in spec.formats:
+            try:
+                print(f"{spec.id} [{fmt}]: {registry.resolve(spec, fmt)}")
+            except Exception as exc:  # noqa: BLE001 - reported to the user
+                print(f"error: {exc}", file=sys.stderr)
+                return 1
+        return 0
+    rows = [("ID", "FORMATS", "CONTEXT", "PRESENT", "DEFAULT")]
+    for spec in registry.models.values():
+        present = [f for f in spec.formats if registry.local_path(spec, f) is not None]
+        rows.append((
+            spec.id, ",".join(spec.formats), str(spec.context_length),
+            ",".join(present) or "no (downloads on first use)", "*" if spec.id == registry.default else "",
+        ))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gateway", description="OpenAI-compatible local LLM gateway")
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="serve the OpenAI API")
+    s.add_argument("--model", help="default model id (models.yaml's default otherwise)")
+    s.add_argument("--engine", choices=ENGINE_CHOICES, default=None, help="where to run (default auto)")
+    s.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=None, help="port (default 8080)")
+    s.add_argument("--config", default=None, help="models.yaml path")
+    s.add_argument("--max-models", type=int, default=None, help="models kept loaded (LRU, default 2)")
+    s.add_argument("--parallel", type=int, default=None, help="sequences decoded together per model")
+    s.add_argument("--threads", type=int, default=None, help="CPU threads per model (default: all cores)")
+    s.add_argument("--api-key", default=None, help="require this bearer token on /v1")
+    s.set_defaults(func=_serve)
+    m = sub.add_parser("models", help="list the registry and what is present locally")
+    m.add_argument("--config", default=None)
+    m.add_argument("--download", metavar="ID", help="fetch (or assemble) the model's files now")
+    m.set_defaults(func=_models)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""Every error the gateway returns, mapped to the OpenAI envelope and an HTTP status."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engines.base import (
+    ContextLengthExceeded,
+    EngineClosed,
+    EngineError,
+    EngineOverloaded,
+    InvalidGenerationRequest,
+    ModelLoadError,
+    ModelNotAvailable,
+)
+from gateway.protocol import ErrorBody, ErrorResponse
+
+log = logging.getLogger(__name__)
+
+
+class APIError(Exception):
+    """An error with everything the envelope needs."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        err = ErrorBody(message=self.message, type=self.type, param=self.param, code=self.code)
+        return ErrorResponse(error=err).model_dump()
+
+
+def invalid(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def from_engine_error(exc: EngineError) -> APIError:
+    if isinstance(exc, ContextLengthExceeded):
+        return APIError(400, str(exc), param="messages", code="context_length_exceeded")
+    if isinstance(exc, InvalidGenerationRequest):
+        return APIError(400, str(exc), param=exc.param, code="invalid_value")
+    if isinstance(exc, EngineOverloaded):
+        return APIError(429, str(exc), type="rate_limit_error", code="queue_full")
+    if isinstance(exc, EngineClosed):
+        return APIError(503, str(exc), type="server_error", code="engine_unloaded")
+    if isinstance(exc, ModelNotAvailable):
+        return APIError(503, str(exc), type="server_error", code="model_not_available")
+    if isinstance(exc, ModelLoadError):
+        return APIError(503, str(exc), type="server_error", code="model_load_failed")
+    return APIError(500, f"engine failure: {exc}", type="server_error", code="engine_error")
+
+
+def to_api_error(exc: BaseException) -> APIError:
+    """Any exception, as the API error a client should see."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, EngineError):
+        return from_engine_error(exc)
+    log.exception("unexpected error", exc_info=exc)
+    return APIError(500, "internal server error", type="server_error", code="internal_error")
+
+
+def _param(loc: tuple[Any, ...]) -> str | None:
+    parts = [p for p in loc if p != "body"]
+    # Pydantic adds the union member it tried (e.g. "str", "list[str]") to the location.
+    parts = [p for p in parts if not (isinstance(p, str) and ("[" in p or p in _TYPE_TAGS))]
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out or None
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "function-after", "literal"}
+
+
+def _validation_error(exc: RequestValidationError) -> APIError:
+    errors = exc.errors()
+    if not errors:
+        return invalid("invalid request")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return invalid(f"request body is not valid JSON: {first.get('msg')}", code="invalid_json")
+    param = _param(tuple(first.get("loc", ())))
+    if param is None and first.get("type") in ("model_attributes_type", "dict_type"):
+        return invalid("request body must be a JSON object", code="invalid_json")
+    if first.get("type") == "missing":
+        return invalid(f"missing required parameter: '{param}'", param=param, code="missing_required_parameter")
+    if first.get("type") == "extra_forbidden":
+        return invalid(f"unrecognized request argument supplied: {param}", param=param, code="unknown_parameter")
+    msg = first.get("msg", "invalid value")
+    return invalid(f"invalid value for '{param}': {msg}", param=param, code="invalid_value")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    async def api_error(_: Request, exc: Exception) -> JSONResponse:
+        err = to_api_error(exc)
+        return JSONResponse(err.body(), status_code=err.status)
+
+    async def validation(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        err = _validation_error(exc)
+        return JSONResponse(err.body(), status_code=err.status)
+
+    async def http_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        err = APIError(exc.status_code, str(exc.detail), code=code)
+        return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
+
+    app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(EngineError, api_error)
+    app.add_exception_handler(RequestValidationError, validation)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(Exception, api_error)

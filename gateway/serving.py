@@ -1,0 +1,346 @@
+"""OpenAI requests <-> engine requests: validation, driving the engine, building responses.
+
+Routes call `ChatService` / `CompletionService`; engines only ever see `GenerationRequest`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
+
+from engines.base import (
+    ChatMessage,
+    GenerationRequest,
+    SamplingParams,
+    TokenEvent,
+    TokenLogprob,
+    Usage,
+)
+from gateway.errors import APIError, invalid
+from gateway.pool import Loaded, ModelManager
+from gateway.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChoiceLogprobs,
+    ChunkChoice,
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    Delta,
+    PromptTokensDetails,
+    TokenLogprobOut,
+    TopLogprobOut,
+    UsageOut,
+)
+from gateway.registry import ModelSpec
+
+
+def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    return (stop,) if isinstance(stop, str) else tuple(stop)
+
+
+def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    out = []
+    for k, v in (bias or {}).items():
+        try:
+            out.append((int(k), float(v)))
+        except ValueError:
+            raise invalid(f"logit_bias keys must be token ids, got {k!r}", param="logit_bias") from None
+    return tuple(out)
+
+
+def _sampling(req: ChatCompletionRequest | CompletionRequest, spec: ModelSpec, max_tokens: int | None) -> SamplingParams:
+    d = spec.defaults
+    return SamplingParams(
+        temperature=req.temperature if req.temperature is not None else (d.temperature if d.temperature is not None else 1.0),
+        top_p=req.top_p if req.top_p is not None else (d.top_p if d.top_p is not None else 1.0),
+        top_k=req.top_k if req.top_k is not None else (d.top_k or 0),
+        min_p=req.min_p if req.min_p is not None else (d.min_p or 0.0),
+        repeat_penalty=req.repeat_penalty if req.repeat_penalty is not None else (d.repeat_penalty or 1.0),
+        seed=req.seed,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        max_tokens=max_tokens if max_tokens is not None else d.max_tokens,
+        stop=_stops(req.stop),
+        logit_bias=_logit_bias(req.logit_bias),
+        ignore_eos=req.ignore_eos,
+    )
+
+
+def _fan_out(base: GenerationRequest, n: int) -> list[GenerationRequest]:
+    """n independent samples; a fixed seed gives each choice its own reproducible seed."""
+    out = []
+    for i in range(n):
+        sp = base.sampling
+        if sp.seed is not None and i:
+            sp = replace(sp, seed=sp.seed + i)
+        out.append(replace(base, request_id=f"{base.request_id}-{i}", sampling=sp))
+    return out
+
+
+def _bytes(b: bytes) -> list[int]:
+    return list(b)
+
+
+def _chat_logprobs(items: tuple[TokenLogprob, ...]) -> list[TokenLogprobOut]:
+    return [
+        TokenLogprobOut(
+            token=t.token,
+            logprob=t.logprob,
+            bytes=_bytes(t.bytes),
+            top_logprobs=[TopLogprobOut(token=x.token, logprob=x.logprob, bytes=_bytes(x.bytes)) for x in t.top],
+        )
+        for t in items
+    ]
+
+
+def _usage(usages: list[Usage]) -> UsageOut:
+    # n choices share one prompt: OpenAI counts the prompt once and sums completions.
+    prompt = usages[0].prompt_tokens if usages else 0
+    completion = sum(u.completion_tokens for u in usages)
+    cached = usages[0].cached_tokens if usages else 0
+    return UsageOut(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+    )
+
+
+async def _merge(streams: list[AsyncIterator[TokenEvent]]) -> AsyncIterator[tuple[int, TokenEvent]]:
+    """Interleave several engine streams as (choice index, event)."""
+    if len(streams) == 1:
+        async for ev in streams[0]:
+            yield 0, ev
+        return
+    queue: asyncio.Queue[tuple[int, TokenEvent | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, s: AsyncIterator[TokenEvent]) -> None:
+        try:
+            async for ev in s:
+                await queue.put((i, ev))
+            await queue.put((i, None))
+        except BaseException as exc:  # noqa: BLE001 - forwarded to the consumer
+            await queue.put((i, exc))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        live = len(streams)
+        while live:
+            i, item = await queue.get()
+            if item is None:
+                live -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@dataclass
+class Prepared:
+    """A validated request, bound to a loaded engine, ready to run."""
+
+    loaded: Loaded
+    requests: list[GenerationRequest]
+    response_id: str
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def headers(self) -> dict[str, str]:
+        c = self.loaded.candidate
+        return {"X-Engine": f"{c.runtime}/{c.backend}", "X-Device": c.device}
+
+    def events(self) -> AsyncIterator[tuple[int, TokenEvent]]:
+        return _merge([self.loaded.engine.generate(r) for r in self.requests])
+
+
+class _Service:
+    def __init__(self, manager: ModelManager) -> None:
+        self.manager = manager
+
+    def spec(self, model: str) -> ModelSpec:
+        spec = self.manager.registry.get(model)
+        if spec is None:
+            raise APIError(404, f"The model '{model}' does not exist", param="model", code="model_not_found")
+        return spec
+
+    async def prepare(self, spec: ModelSpec, base: GenerationRequest, n: int, prefix: str) -> Prepared:
+        loaded = await self.manager.get(spec)
+        rid = f"{prefix}-{uuid.uuid4().hex[:24]}"
+        base = replace(base, request_id=rid)
+        return Prepared(loaded, _fan_out(base, n), rid)
+
+
+class ChatService(_Service):
+    async def prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
+        spec = self.spec(req.model)
+        if req.tools:
+            raise invalid("tool calling is not supported by this server yet", param="tools")
+        if req.tool_choice not in (None, "none"):
+            raise invalid("tool_choice requires tools, which are not supported yet", param="tool_choice")
+        if req.top_logprobs and not req.logprobs:
+            raise invalid("top_logprobs requires logprobs to be true", param="top_logprobs")
+        if req.stream_options is not None and not req.stream:
+            raise invalid("stream_options is only allowed when stream is true", param="stream_options")
+        if req.max_tokens is not None and req.max_completion_tokens is not None and req.max_tokens != req.max_completion_tokens:
+            raise invalid("max_tokens and max_completion_tokens disagree; send one", param="max_tokens")
+        messages = []
+        for i, m in enumerate(req.messages):
+            if m.role == "assistant" and m.content is None:
+                raise invalid("assistant messages need content", param=f"messages[{i}].content")
+            # "developer" is OpenAI's new name for the system role.
+            messages.append(ChatMessage(role="system" if m.role == "developer" else m.role, content=m.text()))
+        sp = _sampling(req, spec, req.max_completion_tokens or req.max_tokens)
+        sp = replace(sp, logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0)
+        fmt = req.response_format
+        if fmt is not None and fmt.type != "text":
+            schema = None
+            if fmt.type == "json_schema":
+                if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                    raise invalid("response_format json_schema needs json_schema.schema", param="response_format.json_schema")
+                schema = json.dumps(fmt.json_schema.schema_)
+            sp = replace(sp, structured=fmt.type, json_schema=schema)
+        base = GenerationRequest(request_id="", sampling=sp, messages=tuple(messages))
+        return await self.prepare(spec, base, req.n, "chatcmpl")
+
+    async def complete(self, p: Prepared, model: str) -> ChatCompletion:
+        n = len(p.requests)
+        texts = [""] * n
+        lps: list[list[TokenLogprobOut]] = [[] for _ in range(n)]
+        finish: list[str | None] = [None] * n
+        usages: list[Usage] = []
+        want_lp = p.requests[0].sampling.logprobs
+        async for i, ev in p.events():
+            texts[i] += ev.text
+            if want_lp:
+                lps[i] += _chat_logprobs(ev.logprobs)
+            if ev.finish_reason is not None:
+                finish[i] = ev.finish_reason
+                if ev.usage is not None:
+                    usages.append(ev.usage)
+        choices = [
+            ChatChoice(
+                index=i,
+                message=AssistantMessage(content=texts[i]),
+                logprobs=ChoiceLogprobs(content=lps[i]) if want_lp else None,
+                finish_reason=finish[i],
+            )
+            for i in range(n)
+        ]
+        return ChatCompletion(id=p.response_id, created=p.created, model=model, choices=choices, usage=_usage(usages))
+
+    async def stream(self, p: Prepared, model: str, include_usage: bool) -> AsyncIterator[str]:
+        started: set[int] = set()
+        usages: list[Usage] = []
+        want_lp = p.requests[0].sampling.logprobs
+
+        def chunk(choices: list[ChunkChoice], usage: UsageOut | None = None) -> str:
+            c = ChatCompletionChunk(id=p.response_id, created=p.created, model=model, choices=choices, usage=usage)
+            return c.model_dump_json(exclude=None if include_usage else {"usage"})
+
+        async for i, ev in p.events():
+            lp = ChoiceLogprobs(content=_chat_logprobs(ev.logprobs)) if want_lp and ev.logprobs else None
+            first = i not in started
+            if first or ev.text or lp is not None:
+                started.add(i)
+                delta = Delta(role="assistant", content=ev.text) if first else Delta(content=ev.text)
+                yield chunk([ChunkChoice(index=i, delta=delta, logprobs=lp)])
+            if ev.finish_reason is not None:
+                if ev.usage is not None:
+                    usages.append(ev.usage)
+                yield chunk([ChunkChoice(index=i, delta=Delta(), finish_reason=ev.finish_reason)])
+        if include_usage:
+            yield chunk([], _usage(usages))
+
+
+class CompletionService(_Service):
+    async def prepare_completion(self, req: CompletionRequest) -> Prepared:
+        spec = self.spec(req.model)
+        if req.echo:
+            raise invalid("echo is not supported", param="echo")
+        if req.suffix:
+            raise invalid("suffix (fill-in-the-middle) is not supported", param="suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise invalid("best_of must equal n (ranking by log probability is not supported)", param="best_of")
+        if req.stream_options is not None and not req.stream:
+            raise invalid("stream_options is only allowed when stream is true", param="stream_options")
+        prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+        if len(prompts) != 1:
+            raise invalid("only one prompt per request is supported; send a string", param="prompt")
+        sp = _sampling(req, spec, req.max_tokens)
+        if req.logprobs is not None:
+            sp = replace(sp, logprobs=True, top_logprobs=req.logprobs)
+        base = GenerationRequest(request_id="", sampling=sp, prompt=prompts[0])
+        return await self.prepare(spec, base, req.n, "cmpl")
+
+    async def complete(self, p: Prepared, model: str) -> Completion:
+        n = len(p.requests)
+        texts = [""] * n
+        toks: list[list[TokenLogprob]] = [[] for _ in range(n)]
+        finish: list[str | None] = [None] * n
+        usages: list[Usage] = []
+        async for i, ev in p.events():
+            texts[i] += ev.text
+            toks[i] += ev.logprobs
+            if ev.finish_reason is not None:
+                finish[i] = ev.finish_reason
+                if ev.usage is not None:
+                    usages.append(ev.usage)
+        want_lp = p.requests[0].sampling.logprobs
+        choices = [
+            CompletionChoice(
+                index=i,
+                text=texts[i],
+                logprobs=_completion_logprobs(toks[i], 0) if want_lp else None,
+                finish_reason=finish[i],
+            )
+            for i in range(n)
+        ]
+        return Completion(id=p.response_id, created=p.created, model=model, choices=choices, usage=_usage(usages))
+
+    async def stream(self, p: Prepared, model: str, include_usage: bool) -> AsyncIterator[str]:
+        usages: list[Usage] = []
+        want_lp = p.requests[0].sampling.logprobs
+        offsets = [0] * len(p.requests)
+
+        def chunk(choices: list[CompletionChoice], usage: UsageOut | None = None) -> str:
+            c = Completion(id=p.response_id, created=p.created, model=model, choices=choices, usage=usage)
+            return c.model_dump_json(exclude=None if include_usage else {"usage"})
+
+        async for i, ev in p.events():
+            lp = _completion_logprobs(list(ev.logprobs), offsets[i]) if want_lp and ev.logprobs else None
+            if lp is not None:
+                offsets[i] = lp.text_offset[-1] + len(lp.tokens[-1])
+            if ev.usage is not None:
+                usages.append(ev.usage)
+            yield chunk([CompletionChoice(index=i, text=ev.text, logprobs=lp, finish_reason=ev.finish_reason)])
+        if include_usage:
+            yield chunk([], _usage(usages))
+
+
+def _completion_logprobs(items: list[TokenLogprob], start: int) -> CompletionLogprobs:
+    offsets = []
+    pos = start
+    for t in items:
+        offsets.append(pos)
+        pos += len(t.token)
+    return CompletionLogprobs(
+        tokens=[t.token for t in items],
+        token_logprobs=[t.logprob for t in items],
+        top_logprobs=[{x.token: x.logprob for x in t.top} for t in items],
+        text_offset=offsets,
+    )

@@ -1,0 +1,72 @@
+"""Streaming to clients: SSE framing, error frames, `[DONE]`, and stopping work when they leave."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Mapping
+from typing import TypeVar
+
+from sse_starlette import EventSourceResponse
+from starlette.requests import Request
+
+from gateway.errors import to_api_error
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# How often a waiting request checks whether its client is still there.
+DISCONNECT_POLL_S = 0.2
+
+
+class ClientDisconnected(Exception):
+    """The client went away before the response started."""
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise ClientDisconnected()
+    finally:
+        if not task.done():
+            task.cancel()
+            try:
+                await task
+            except BaseException:  # noqa: BLE001 - the task's own cancellation
+                pass
+
+
+async def _frames(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
+    try:
+        yield first
+        async for data in rest:
+            yield data
+    except asyncio.CancelledError:
+        raise  # the client disconnected: `rest` is closed below, which aborts generation
+    except Exception as exc:  # after the first byte, errors travel in-band
+        err = to_api_error(exc)
+        log.warning("stream failed after start: %s", err.message)
+        yield json.dumps(err.body())
+    finally:
+        aclose = getattr(rest, "aclose", None)
+        if aclose is not None:
+            await aclose()
+    yield "[DONE]"
+
+
+def sse_response(first: str, rest: AsyncIterator[str], headers: Mapping[str, str] | None = None) -> EventSourceResponse:
+    """An SSE response whose first frame (already produced) goes out with the headers."""
+    return EventSourceResponse(
+        _frames(first, rest),
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})},
+        sep="\n",
+        ping=15,
+    )

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Build and install llama-cpp-python for one ggml backend, cached by build flags.
+#
+# pip caches built wheels by package version only, so a CPU wheel would be silently
+# reused for a Vulkan or CUDA request.  We build with --no-cache-dir into our own
+# cache directory keyed by (version, backend, CMake flags, Python, machine) and
+# install from there.
+#
+# usage: scripts/install-llama-cpp.sh [cpu|vulkan|cuda|metal] [python]
+set -euo pipefail
+
+backend="${1:-cpu}"
+python="${2:-python3}"
+version="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
+cache_root="${GATEWAY_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/llm-gateway/wheels}"
+
+# Components we never use from Python; skipping them shortens the build.
+common="-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAVA_BUILD=OFF -DLLAMA_CURL=OFF"
+case "$backend" in
+  cpu)    flags="" ;;
+  vulkan) flags="-DGGML_VULKAN=on ${VULKAN_CMAKE_ARGS:-}" ;;
+  cuda)   flags="-DGGML_CUDA=on ${CUDA_CMAKE_ARGS:-}" ;;
+  metal)  flags="-DGGML_METAL=on" ;;
+  *) echo "unknown backend '$backend' (expected cpu, vulkan, cuda or metal)" >&2; exit 2 ;;
+esac
+# GGML_NATIVE (the default) tunes for this CPU only; set GGML_PORTABLE=1 for a wheel
+# meant to run on another machine.
+if [ "${GGML_PORTABLE:-0}" = "1" ]; then flags="$flags -DGGML_NATIVE=off"; fi
+cmake_args="$common $flags ${EXTRA_CMAKE_ARGS:-}"
+
+pyver="$("$python" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')"
+cpu_sig="$(grep -m1 -E '^flags' /proc/cpuinfo 2>/dev/null | md5sum | cut -c1-8 || echo any)"
+key="$(printf '%s|%s|%s|%s|%s|%s' "$version" "$backend" "$cmake_args" "$pyver" "$(uname -m)" "$cpu_sig" | sha256sum | cut -c1-16)"
+dir="$cache_root/$backend-$version-$key"
+
+if ! ls "$dir"/llama_cpp_python-*.whl >/dev/null 2>&1; then
+  echo "building llama-cpp-python $version for $backend (flags: $cmake_args) into $dir" >&2
+  tmp="$dir.tmp.$$"
+  mkdir -p "$tmp"
+  CMAKE_ARGS="$cmake_args" CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}" \
+    "$python" -m pip wheel --no-deps --no-cache-dir --no-binary llama-cpp-python \
+      -w "$tmp" "llama-cpp-python==$version"
+  rm -rf "$dir"; mv "$tmp" "$dir"
+  printf '%s\n' "$cmake_args" > "$dir/CMAKE_ARGS"
+else
+  echo "using cached $backend build in $dir" >&2
+fi
+"$python" -m pip install --no-deps --force-reinstall "$dir"/llama_cpp_python-*.whl
+# The pure-Python dependencies of llama-cpp-python.
+"$python" -m pip install "typing-extensions>=4.5" "numpy>=1.20" "diskcache>=5.6.1" "jinja2>=2.11.3"

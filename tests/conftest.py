@@ -1,0 +1,74 @@
+"""Shared fixtures: a real gateway on loopback serving the real SmolLM2 model through llama.cpp."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from gateway.app import create_app
+from gateway.registry import load_registry
+from gateway.settings import Settings
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = "smollm2-135m-instruct"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServerThread:
+    """uvicorn in a background thread, on a free loopback port."""
+
+    def __init__(self, app: object) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")  # type: ignore[arg-type]
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def start(self, wait_ready: bool = True, timeout: float = 120) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                r = httpx.get(f"{self.url}/health", timeout=2)
+                if r.status_code == 200 or (not wait_ready and r.status_code == 503):
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError("gateway did not become ready")
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+@pytest.fixture(scope="session")
+def registry_path() -> Path:
+    return ROOT / "models.yaml"
+
+
+@pytest.fixture(scope="session")
+def gateway_url(registry_path: Path) -> Iterator[str]:
+    settings = Settings.from_env(env={}, config=str(registry_path), parallel=4, max_resident=2)
+    app = create_app(settings, load_registry(registry_path))
+    server = ServerThread(app).start()
+    yield server.url
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def client(gateway_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{gateway_url}/v1", api_key="unused", max_retries=0, timeout=120)
