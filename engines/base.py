@@ -118,6 +118,7 @@ class EngineConfig:
     max_queue: int = 64  # requests that may wait for a free sequence
     backend: str = "cpu"  # cpu, vulkan, cuda, metal, directml, coreml
     device: str = "cpu"  # human-readable device name
+    chat_template: str | None = None  # Jinja; overrides the template shipped with the model
 
 
 @dataclass(frozen=True)

@@ -143,7 +143,7 @@ class LlamaCppEngine:
     def _load_template(self, lc: Any) -> Any:
         from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
-        raw = lc.llama_model_chat_template(self._model, None)
+        raw = (self.options.chat_template or "").encode() or lc.llama_model_chat_template(self._model, None)
         if not raw:
             return None
         bos = lc.llama_vocab_bos(self._vocab)

@@ -47,6 +47,10 @@ class APIError(Exception):
         return ErrorResponse(error=err).model_dump()
 
 
+class ClientDisconnected(Exception):
+    """The client went away before the response started; nobody is left to answer."""
+
+
 def invalid(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
 
@@ -73,6 +77,8 @@ def to_api_error(exc: BaseException) -> APIError:
         return exc
     if isinstance(exc, EngineError):
         return from_engine_error(exc)
+    if isinstance(exc, ClientDisconnected):
+        return APIError(499, "client closed the connection", code="client_closed_request")
     log.exception("unexpected error", exc_info=exc)
     return APIError(500, "internal server error", type="server_error", code="internal_error")
 

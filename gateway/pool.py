@@ -106,6 +106,7 @@ class ModelManager:
             max_queue=s.max_queue,
             backend=cand.backend,
             device=cand.device,
+            chat_template=spec.chat_template,
         )
 
     async def _make_room(self) -> None:

@@ -70,6 +70,7 @@ class ModelSpec(_Strict):
     formats: dict[str, Source] = Field(description="runtime format (gguf, onnx, coreml) -> source")
     runtimes: list[str] = Field(default_factory=lambda: ["llamacpp"], description="runtime preference order")
     parallel: int | None = Field(default=None, ge=1, le=64, description="sequences decoded together")
+    chat_template: str | None = Field(default=None, description="Jinja chat template overriding the model's")
     defaults: Defaults = Defaults()
 
 

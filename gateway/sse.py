@@ -11,7 +11,7 @@ from typing import TypeVar
 from sse_starlette import EventSourceResponse
 from starlette.requests import Request
 
-from gateway.errors import to_api_error
+from gateway.errors import ClientDisconnected, to_api_error
 
 log = logging.getLogger(__name__)
 
@@ -19,10 +19,6 @@ T = TypeVar("T")
 
 # How often a waiting request checks whether its client is still there.
 DISCONNECT_POLL_S = 0.2
-
-
-class ClientDisconnected(Exception):
-    """The client went away before the response started."""
 
 
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T:

@@ -1,0 +1,76 @@
+"""A scripted engine for gateway-logic tests; it goes through the same registry interface."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import numpy as np
+import numpy.typing as npt
+
+from engines.base import (
+    EngineConfig,
+    EngineHealth,
+    EngineInfo,
+    EngineOverloaded,
+    GenerationRequest,
+    ModelLoadError,
+    TokenEvent,
+    Usage,
+)
+
+
+class FakeEngine:
+    """Emits the words of `script`, one per token; `load_delay` simulates a slow load."""
+
+    instances: list[FakeEngine] = []
+
+    def __init__(self, config: EngineConfig, script: str = "hello from the fake engine", load_delay: float = 0.0,
+                 fail_load: bool = False, capacity: int = 1000) -> None:
+        self.config = config
+        self.info = EngineInfo(runtime="fake", backend=config.backend, device=config.device)
+        self.script = script.split()
+        self.load_delay = load_delay
+        self.fail_load = fail_load
+        self.capacity = capacity
+        self.loaded = False
+        self.closed = False
+        self.running = 0
+        FakeEngine.instances.append(self)
+
+    async def load(self) -> None:
+        await asyncio.sleep(self.load_delay)
+        if self.fail_load:
+            raise ModelLoadError("fake load failure")
+        self.loaded = True
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        if self.running >= self.capacity:
+            raise EngineOverloaded("fake engine is full")
+        self.running += 1
+        try:
+            limit = request.sampling.max_tokens or len(self.script)
+            words = self.script[:limit]
+            for i, w in enumerate(words):
+                await asyncio.sleep(0.001)
+                last = i == len(words) - 1
+                yield TokenEvent(
+                    text=(" " if i else "") + w,
+                    token_ids=(i,),
+                    finish_reason=("length" if limit < len(self.script) else "stop") if last else None,
+                    usage=Usage(prompt_tokens=3, completion_tokens=len(words)) if last else None,
+                )
+        finally:
+            self.running -= 1
+
+    async def logits(self, token_ids: list[int]) -> npt.NDArray[np.float32]:
+        return np.zeros((len(token_ids), 8), dtype=np.float32)
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(range(len(text.split())))
+
+    def health(self) -> EngineHealth:
+        return EngineHealth(ready=self.loaded and not self.closed, running=self.running)
+
+    async def close(self) -> None:
+        self.closed = True

@@ -1,0 +1,99 @@
+"""The llama.cpp engine on the real models: logits, templates, prefix reuse, isolation."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engines.base import ChatMessage, ContextLengthExceeded, EngineConfig, GenerationRequest, SamplingParams
+from engines.llamacpp import LlamaCppEngine
+from gateway.registry import load_registry
+from tests.conftest import ROOT
+
+
+async def _engine(model: str, cache: Path | None = None, **kw: object) -> LlamaCppEngine:
+    reg = load_registry(ROOT / "models.yaml", cache_dir=cache)
+    spec = reg.models[model]
+    path = reg.resolve(spec, "gguf")
+    e = LlamaCppEngine(EngineConfig(model_path=str(path), context_length=512, chat_template=spec.chat_template, **kw))  # type: ignore[arg-type]
+    await e.load()
+    return e
+
+
+@pytest.fixture(scope="module")
+async def smol() -> AsyncIterator[LlamaCppEngine]:
+    e = await _engine("smollm2-135m-instruct", parallel=4)
+    yield e
+    await e.close()
+
+
+def _req(prompt: str, **sp: object) -> GenerationRequest:
+    return GenerationRequest("t", SamplingParams(temperature=0, **sp), prompt=prompt)  # type: ignore[arg-type]
+
+
+async def _run(e: LlamaCppEngine, req: GenerationRequest) -> tuple[list[int], str]:
+    toks: list[int] = []
+    text = ""
+    async for ev in e.generate(req):
+        toks += ev.token_ids
+        text += ev.text
+    return toks, text
+
+
+async def test_logits_agree_with_greedy_generation(smol: LlamaCppEngine) -> None:
+    prompt = "The quick brown fox"
+    ids = smol.tokenize(prompt)
+    toks, _ = await _run(smol, _req(prompt, max_tokens=4))
+    logits = await smol.logits(ids + toks[:-1])
+    assert logits.shape == (len(ids) + 3, smol._n_vocab)
+    # Teacher-forced argmax at each generated position reproduces greedy decoding.
+    assert [int(x) for x in logits[len(ids) - 1 :].argmax(axis=1)] == toks
+    again = await smol.logits(ids + toks[:-1])
+    np.testing.assert_allclose(again, logits, rtol=0, atol=1e-4)
+
+
+async def test_prefix_reuse_reports_cached_tokens(smol: LlamaCppEngine) -> None:
+    msgs = (ChatMessage("system", "You are helpful. " * 10), ChatMessage("user", "Hello"))
+    req = GenerationRequest("t", SamplingParams(temperature=0, max_tokens=3), messages=msgs)
+    first = [ev async for ev in smol.generate(req)][-1]
+    second = [ev async for ev in smol.generate(req)][-1]
+    assert first.usage and second.usage
+    assert first.usage.cached_tokens < first.usage.prompt_tokens - 1
+    assert second.usage.cached_tokens == second.usage.prompt_tokens - 1
+
+
+async def test_cancelling_one_stream_leaves_others_intact(smol: LlamaCppEngine) -> None:
+    alone = await _run(smol, _req("Once upon a time", max_tokens=24))
+
+    async def cancelled() -> None:
+        agen = smol.generate(_req("A different story begins", max_tokens=200, ignore_eos=True))
+        async for _ in agen:
+            await agen.aclose()
+            break
+
+    results = await asyncio.gather(_run(smol, _req("Once upon a time", max_tokens=24)), cancelled())
+    assert results[0] == alone
+    assert smol.health().running == 0
+
+
+async def test_context_length_is_checked_before_generation(smol: LlamaCppEngine) -> None:
+    with pytest.raises(ContextLengthExceeded):
+        await _run(smol, _req("word " * 600, max_tokens=2))
+
+
+async def test_gemma_template_and_generation(tmp_path: Path) -> None:
+    e = await _engine("gemma-3-270m", cache=tmp_path, parallel=1)
+    try:
+        req = GenerationRequest("g", SamplingParams(temperature=0, max_tokens=6),
+                                messages=(ChatMessage("user", "Say hi"),))
+        ids = e.render_prompt(req)
+        assert ids.count(ids[0]) == 1, "BOS must not be doubled"
+        assert e.tokenize("<start_of_turn>", add_special=False)[0] in ids  # special tokens parsed
+        _, text = await _run(e, req)
+        assert text.strip()
+    finally:
+        await e.close()

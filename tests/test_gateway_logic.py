@@ -1,0 +1,127 @@
+"""Gateway logic on a fake engine: LRU residency, /health while loading, load failures, queue full."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from pathlib import Path
+
+import httpx
+import pytest
+
+from engines.base import EngineConfig
+from gateway.app import create_app
+from gateway.registry import load_registry
+from gateway.settings import Settings
+from tests.conftest import ServerThread
+from tests.fakes import FakeEngine
+
+YAML = """
+default: a
+models:
+  - id: a
+    formats: {gguf: {path: a.gguf}}
+  - id: b
+    formats: {gguf: {path: b.gguf}}
+  - id: c
+    formats: {gguf: {path: c.gguf}}
+"""
+
+
+@pytest.fixture
+def registry_file(tmp_path: Path) -> Path:
+    for name in "abc":
+        (tmp_path / f"{name}.gguf").write_bytes(b"GGUF")
+    p = tmp_path / "models.yaml"
+    p.write_text(YAML)
+    return p
+
+
+def _server(registry_file: Path, **engine_kw: object) -> tuple[ServerThread, list[FakeEngine]]:
+    made: list[FakeEngine] = []
+
+    def factory(runtime: str, config: EngineConfig) -> FakeEngine:
+        e = FakeEngine(config, **engine_kw)  # type: ignore[arg-type]
+        made.append(e)
+        return e
+
+    settings = Settings.from_env(env={}, config=str(registry_file), max_resident=2)
+    app = create_app(settings, load_registry(registry_file), engine_factory=factory)  # type: ignore[arg-type]
+    return ServerThread(app), made
+
+
+def _chat(url: str, model: str, **kw: object) -> httpx.Response:
+    return httpx.post(f"{url}/v1/chat/completions", json={"model": model, "messages": [{"role": "user", "content": "x"}], **kw}, timeout=10)
+
+
+def test_lru_keeps_at_most_n_models(registry_file: Path) -> None:
+    server, made = _server(registry_file)
+    server.start()
+    try:
+        for m in ("a", "b", "a", "c"):
+            assert _chat(server.url, m).status_code == 200
+        by_path = {Path(e.config.model_path).stem: e for e in made}
+        # "b" was least recently used when "c" arrived; "a" stays.
+        assert by_path["b"].closed and not by_path["a"].closed and not by_path["c"].closed
+        loaded = {m["id"]: m["loaded"] for m in httpx.get(f"{server.url}/v1/models").json()["data"]}
+        assert loaded == {"a": True, "b": False, "c": True}
+        assert len(made) == 3  # "a" was not loaded twice
+    finally:
+        server.stop()
+
+
+def test_health_is_503_while_default_loads(registry_file: Path) -> None:
+    server, _ = _server(registry_file, load_delay=1.5)
+    server.start(wait_ready=False)
+    try:
+        r = httpx.get(f"{server.url}/health")
+        assert r.status_code == 503 and r.json()["status"] == "loading"
+        for _ in range(100):
+            if httpx.get(f"{server.url}/health").status_code == 200:
+                break
+            asyncio.run(asyncio.sleep(0.05))
+        assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
+    finally:
+        server.stop()
+
+
+def test_load_failure_is_reported(registry_file: Path) -> None:
+    server, _ = _server(registry_file, fail_load=True)
+    server.start(wait_ready=False)
+    try:
+        for _ in range(50):
+            h = httpx.get(f"{server.url}/health")
+            if h.json()["status"] != "loading":
+                break
+            asyncio.run(asyncio.sleep(0.05))
+        assert h.status_code == 503 and h.json()["status"] == "error"
+        assert "fake load failure" in h.json()["models"]["a"]["error"]
+        r = _chat(server.url, "a")
+        assert r.status_code == 503 and r.json()["error"]["code"] == "model_load_failed"
+    finally:
+        server.stop()
+
+
+def test_queue_full_is_429(registry_file: Path) -> None:
+    server, _ = _server(registry_file, capacity=0)
+    server.start()
+    try:
+        r = _chat(server.url, "a")
+        assert r.status_code == 429
+        assert r.json()["error"]["code"] == "queue_full"
+    finally:
+        server.stop()
+
+
+def test_api_key(registry_file: Path) -> None:
+    settings = Settings.from_env(env={}, config=str(registry_file), api_key="s3cret")
+    app = create_app(settings, load_registry(registry_file), engine_factory=functools.partial(lambda r, c: FakeEngine(c)))
+    server = ServerThread(app).start()
+    try:
+        assert _chat(server.url, "a").status_code == 401
+        ok = httpx.post(f"{server.url}/v1/chat/completions", headers={"Authorization": "Bearer s3cret"},
+                        json={"model": "a", "messages": [{"role": "user", "content": "x"}]})
+        assert ok.status_code == 200
+        assert ok.json()["choices"][0]["message"]["content"] == "hello from the fake engine"
+    finally:
+        server.stop()

@@ -1,0 +1,42 @@
+"""Stop-string matching and UTF-8 safe detokenization."""
+
+from __future__ import annotations
+
+from engines.text import Detokenizer, StopMatcher
+
+
+def _run(stops: tuple[str, ...], pieces: list[str]) -> tuple[str, bool]:
+    m = StopMatcher(stops)
+    out = ""
+    for p in pieces:
+        out += m.push(p)
+        if m.stopped:
+            break
+    return out + m.flush(), m.stopped
+
+
+def test_stop_across_pieces() -> None:
+    assert _run(("END",), ["hello E", "N", "D more"]) == ("hello ", True)
+
+
+def test_partial_stop_released_when_it_diverges() -> None:
+    m = StopMatcher(("END",))
+    assert m.push("abc EN") == "abc "
+    assert m.push("X") == "ENX"
+
+
+def test_earliest_stop_wins() -> None:
+    assert _run(("b", "a"), ["xxab"]) == ("xx", True)
+
+
+def test_no_stop_flushes_everything() -> None:
+    assert _run(("zz",), ["a z", "b z"]) == ("a zb z", False)
+
+
+def test_detokenizer_holds_partial_utf8() -> None:
+    d = Detokenizer()
+    euro = "€".encode()
+    assert d.push(euro[:1]) == ""
+    assert d.push(euro[1:]) == "€"
+    assert d.push(b"\xe2") == ""
+    assert d.flush() == "\ufffd"
