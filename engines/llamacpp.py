@@ -18,8 +18,8 @@ import numpy.typing as npt
 
 from engines.base import (
     ContextLengthExceeded,
-    EngineHealth,
     EngineConfig,
+    EngineHealth,
     EngineInfo,
     GenerationRequest,
     InvalidGenerationRequest,

@@ -47,7 +47,7 @@ async def _frames(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
             yield data
     except asyncio.CancelledError:
         raise  # the client disconnected: `rest` is closed below, which aborts generation
-    except Exception as exc:  # after the first byte, errors travel in-band
+    except Exception as exc:  # noqa: BLE001 - after the first byte, errors travel in-band
         err = to_api_error(exc)
         log.warning("stream failed after start: %s", err.message)
         yield json.dumps(err.body())
