@@ -29,8 +29,28 @@ from engines.base import (
 from engines.registry import register_runtime
 
 log = logging.getLogger(__name__)
-# llama.cpp's own log lines go through this logger (llama_cpp._logger); keep only warnings.
-logging.getLogger("llama-cpp-python").setLevel(logging.WARNING)
+native_log = logging.getLogger("llama.cpp")
+_GGML_LEVELS = {1: logging.INFO, 2: logging.WARNING, 3: logging.ERROR, 4: logging.DEBUG}
+_log_callback: Any = None
+
+
+def _route_native_logs(lc: Any) -> None:
+    """Send llama.cpp's own log lines to Python logging (INFO lines are debug noise for us)."""
+    global _log_callback
+    if _log_callback is not None:
+        return
+    last = [logging.DEBUG]
+
+    @lc.llama_log_callback  # type: ignore[misc]
+    def callback(level: int, text: bytes, _user: Any) -> None:
+        lvl = last[0] if level == 5 else _GGML_LEVELS.get(level, logging.DEBUG)
+        last[0] = lvl
+        lvl = logging.DEBUG if lvl == logging.INFO else lvl
+        if native_log.isEnabledFor(lvl):
+            native_log.log(lvl, "%s", text.decode("utf-8", errors="replace").rstrip())
+
+    _log_callback = callback
+    lc.llama_log_set(callback, ctypes.c_void_p(0))
 
 
 def llama_cpp_version() -> str:
@@ -83,6 +103,7 @@ class LlamaCppEngine:
         o = self.options
         if not os.path.isfile(o.model_path):
             raise ModelLoadError(f"model file not found: {o.model_path}")
+        _route_native_logs(lc)
         lc.llama_backend_init()
         mparams = lc.llama_model_default_params()
         mparams.n_gpu_layers = o.n_gpu_layers
