@@ -14,6 +14,7 @@ from starlette.middleware.base import RequestResponseEndpoint
 
 from engines.registry import create_engine
 from gateway.errors import APIError, install_error_handlers
+from gateway.metrics import Metrics
 from gateway.pool import EngineFactory, ModelManager
 from gateway.registry import Registry, load_registry
 from gateway.routes import router
@@ -33,7 +34,14 @@ def create_app(
         if registry.get(settings.model) is None:
             raise ValueError(f"unknown model {settings.model!r}; models.yaml defines {sorted(registry.models)}")
         registry.default = settings.model
-    manager = ModelManager(registry, settings, engine_factory or create_engine)
+    metrics = Metrics()
+    manager = ModelManager(registry, settings, engine_factory or create_engine, metrics)
+    metrics.watch(
+        lambda: [
+            (e.spec.id, f"{e.candidate.runtime}/{e.candidate.backend}", e.candidate.device, e.engine.health())
+            for e in manager.loaded()
+        ]
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -50,8 +58,9 @@ def create_app(
     app = FastAPI(title="llm-gateway", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
     app.state.manager = manager
-    app.state.chat = ChatService(manager)
-    app.state.completions = CompletionService(manager)
+    app.state.metrics = metrics
+    app.state.chat = ChatService(manager, metrics)
+    app.state.completions = CompletionService(manager, metrics)
     app.state.started = int(time.time())
     app.state.preload = settings.preload
     app.state.preloading = settings.preload

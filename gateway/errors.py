@@ -115,20 +115,26 @@ def _validation_error(exc: RequestValidationError) -> APIError:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    async def api_error(_: Request, exc: Exception) -> JSONResponse:
-        err = to_api_error(exc)
-        return JSONResponse(err.body(), status_code=err.status)
+    def respond(request: Request, err: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
+        outcome = err.code or err.type
+        observer = getattr(request.state, "observer", None)
+        if observer is not None:
+            observer.finish(outcome, err.status)  # once per request: a no-op if already recorded
+        elif request.url.path.startswith("/v1/"):
+            request.app.state.metrics.count_error(("", "", ""), outcome, err.status)
+        return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
-    async def validation(_: Request, exc: Exception) -> JSONResponse:
+    async def api_error(request: Request, exc: Exception) -> JSONResponse:
+        return respond(request, to_api_error(exc))
+
+    async def validation(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
-        err = _validation_error(exc)
-        return JSONResponse(err.body(), status_code=err.status)
+        return respond(request, _validation_error(exc))
 
-    async def http_error(_: Request, exc: Exception) -> JSONResponse:
+    async def http_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        err = APIError(exc.status_code, str(exc.detail), code=code)
-        return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
+        return respond(request, APIError(exc.status_code, str(exc.detail), code=code), exc.headers)
 
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(EngineError, api_error)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from engines.base import Engine, EngineConfig, EngineError, ModelLoadError, ModelNotAvailable
 from engines.registry import create_engine
+from gateway.metrics import Metrics
 from gateway.registry import ModelSpec, ModelUnavailable, Registry
 from gateway.selection import Candidate, plan
 from gateway.settings import Settings
@@ -37,10 +38,12 @@ class ModelManager:
         registry: Registry,
         settings: Settings,
         factory: EngineFactory = create_engine,
+        metrics: Metrics | None = None,
     ) -> None:
         self.registry = registry
         self.settings = settings
         self._factory = factory
+        self.metrics = metrics or Metrics()
         self._loaded: OrderedDict[str, Loaded] = OrderedDict()
         self._locks: dict[str, asyncio.Lock] = {}
         self.loading: set[str] = set()
@@ -77,13 +80,21 @@ class ModelManager:
                 except ModelUnavailable as exc:
                     raise ModelNotAvailable(str(exc)) from exc
                 engine = self._factory(cand.runtime, self._config(spec, cand, str(path)))
+                labels = (spec.id, f"{cand.runtime}/{cand.backend}", cand.device)
                 try:
                     await engine.load()
                 except EngineError as exc:
+                    self.metrics.loads.labels(*labels, "failed").inc()
+                    self.metrics.fallbacks.labels(spec.id, labels[1], "load_failed").inc()
                     errors.append(f"{cand.runtime}/{cand.backend}: {exc}")
                     log.warning("loading %s on %s/%s failed: %s", spec.id, cand.runtime, cand.backend, exc)
                     continue
                 dt = time.perf_counter() - t0
+                self.metrics.loads.labels(*labels, "ok").inc()
+                info = engine.info
+                self.metrics.build.labels(spec.id).info(
+                    {"runtime": info.runtime, "version": info.version, "backend": info.backend, "device": info.device}
+                )
                 log.info("loaded %s on %s/%s (%s) in %.2fs", spec.id, cand.runtime, cand.backend, cand.device, dt)
                 entry = Loaded(spec, engine, cand, dt, time.monotonic())
                 self._loaded[spec.id] = entry

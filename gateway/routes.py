@@ -7,6 +7,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from gateway.serving import ChatService, CompletionService, Prepared
@@ -30,16 +31,20 @@ async def _respond(
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    received = time.perf_counter()
     service: ChatService = request.app.state.chat
-    p = await until_disconnect(request, service.prepare_chat(body))
+    p = await until_disconnect(request, service.prepare_chat(body, received))
+    request.state.observer = p.observer
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return await _respond(request, service, p, body.model, body.stream, include_usage)
 
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
+    received = time.perf_counter()
     service: CompletionService = request.app.state.completions
-    p = await until_disconnect(request, service.prepare_completion(body))
+    p = await until_disconnect(request, service.prepare_completion(body, received))
+    request.state.observer = p.observer
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return await _respond(request, service, p, body.model, body.stream, include_usage)
 
@@ -60,6 +65,11 @@ async def list_models(request: Request) -> ModelList:
         for spec in manager.registry.models.values()
     ]
     return ModelList(data=cards)
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.get("/health")

@@ -20,7 +20,8 @@ from engines.base import (
     TokenLogprob,
     Usage,
 )
-from gateway.errors import APIError, invalid
+from gateway.errors import APIError, invalid, to_api_error
+from gateway.metrics import Metrics, RequestObserver
 from gateway.pool import Loaded, ModelManager
 from gateway.protocol import (
     AssistantMessage,
@@ -157,6 +158,7 @@ class Prepared:
     loaded: Loaded
     requests: list[GenerationRequest]
     response_id: str
+    observer: RequestObserver
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -164,13 +166,29 @@ class Prepared:
         c = self.loaded.candidate
         return {"X-Engine": f"{c.runtime}/{c.backend}", "X-Device": c.device}
 
-    def events(self) -> AsyncIterator[tuple[int, TokenEvent]]:
-        return _merge([self.loaded.engine.generate(r) for r in self.requests])
+    async def events(self) -> AsyncIterator[tuple[int, TokenEvent]]:
+        """The engine's events, timed by the request's observer, which records the outcome."""
+        finish: str | None = None
+        try:
+            async for i, ev in _merge([self.loaded.engine.generate(r) for r in self.requests]):
+                self.observer.on_event(i, ev)
+                if finish is None and ev.finish_reason is not None:
+                    finish = ev.finish_reason
+                yield i, ev
+        except (asyncio.CancelledError, GeneratorExit):
+            self.observer.finish("cancelled", 499)
+            raise
+        except Exception as exc:
+            err = to_api_error(exc)
+            self.observer.finish(err.code or err.type, err.status)
+            raise
+        self.observer.finish(finish or "stop")
 
 
 class _Service:
-    def __init__(self, manager: ModelManager) -> None:
+    def __init__(self, manager: ModelManager, metrics: Metrics) -> None:
         self.manager = manager
+        self.metrics = metrics
 
     def spec(self, model: str) -> ModelSpec:
         spec = self.manager.registry.get(model)
@@ -178,15 +196,17 @@ class _Service:
             raise APIError(404, f"The model '{model}' does not exist", param="model", code="model_not_found")
         return spec
 
-    async def prepare(self, spec: ModelSpec, base: GenerationRequest, n: int, prefix: str) -> Prepared:
+    async def prepare(self, spec: ModelSpec, base: GenerationRequest, n: int, prefix: str, received: float) -> Prepared:
         loaded = await self.manager.get(spec)
         rid = f"{prefix}-{uuid.uuid4().hex[:24]}"
         base = replace(base, request_id=rid)
-        return Prepared(loaded, _fan_out(base, n), rid)
+        c = loaded.candidate
+        observer = self.metrics.observe(spec.id, f"{c.runtime}/{c.backend}", c.device, received)
+        return Prepared(loaded, _fan_out(base, n), rid, observer)
 
 
 class ChatService(_Service):
-    async def prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
+    async def prepare_chat(self, req: ChatCompletionRequest, received: float) -> Prepared:
         spec = self.spec(req.model)
         if req.tools:
             raise invalid("tool calling is not supported by this server yet", param="tools")
@@ -215,7 +235,7 @@ class ChatService(_Service):
                 schema = json.dumps(fmt.json_schema.schema_)
             sp = replace(sp, structured=fmt.type, json_schema=schema)
         base = GenerationRequest(request_id="", sampling=sp, messages=tuple(messages))
-        return await self.prepare(spec, base, req.n, "chatcmpl")
+        return await self.prepare(spec, base, req.n, "chatcmpl", received)
 
     async def complete(self, p: Prepared, model: str) -> ChatCompletion:
         n = len(p.requests)
@@ -268,7 +288,7 @@ class ChatService(_Service):
 
 
 class CompletionService(_Service):
-    async def prepare_completion(self, req: CompletionRequest) -> Prepared:
+    async def prepare_completion(self, req: CompletionRequest, received: float) -> Prepared:
         spec = self.spec(req.model)
         if req.echo:
             raise invalid("echo is not supported", param="echo")
@@ -285,7 +305,7 @@ class CompletionService(_Service):
         if req.logprobs is not None:
             sp = replace(sp, logprobs=True, top_logprobs=req.logprobs)
         base = GenerationRequest(request_id="", sampling=sp, prompt=prompts[0])
-        return await self.prepare(spec, base, req.n, "cmpl")
+        return await self.prepare(spec, base, req.n, "cmpl", received)
 
     async def complete(self, p: Prepared, model: str) -> Completion:
         n = len(p.requests)

@@ -1,0 +1,130 @@
+"""Every Prometheus metric the gateway exports, defined once.
+
+Definitions follow vLLM's benchmark semantics, measured in the gateway:
+- TTFT: request received -> first token sent;
+- ITL: each gap between consecutive tokens of one choice;
+- TPOT: (e2e - TTFT) / (output tokens - 1), per request with at least two output tokens;
+- e2e: request received -> last token sent.
+Labels are bounded: `model` is a configured model id (never client text), `engine` is
+runtime/backend, `device` the device name.  SLO thresholds shipped in deploy/prometheus
+(TTFT 0.5 s, TPOT 0.05 s = 20 tok/s, e2e 10 s) sit exactly on bucket edges.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, Info
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from engines.base import EngineHealth, TokenEvent
+
+LABELS = ("model", "engine", "device")
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+QUEUE_BUCKETS = (0.0, 0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+LENGTH_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+
+# SLO thresholds, shared with deploy/prometheus/rules.yml.
+SLO_TTFT_S = 0.5
+SLO_TPOT_S = 0.05
+SLO_E2E_S = 10.0
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry or CollectorRegistry()
+        self.ttft = Histogram("gateway_time_to_first_token_seconds", "Request received to first token sent.", LABELS, buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("gateway_inter_token_latency_seconds", "Gap between consecutive tokens of one choice.", LABELS, buckets=TOKEN_GAP_BUCKETS, registry=r)
+        self.tpot = Histogram("gateway_time_per_output_token_seconds", "(e2e - TTFT) / (output tokens - 1) per request.", LABELS, buckets=TOKEN_GAP_BUCKETS, registry=r)
+        self.e2e = Histogram("gateway_e2e_request_latency_seconds", "Request received to last token sent.", LABELS, buckets=E2E_BUCKETS, registry=r)
+        self.queue = Histogram("gateway_queue_wait_seconds", "Time waiting for a free sequence before prefill.", LABELS, buckets=QUEUE_BUCKETS, registry=r)
+        self.prompt_len = Histogram("gateway_request_prompt_tokens", "Prompt length per request.", LABELS, buckets=LENGTH_BUCKETS, registry=r)
+        self.gen_len = Histogram("gateway_request_generation_tokens", "Generated tokens per request.", LABELS, buckets=LENGTH_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("gateway_prompt_tokens", "Prompt tokens processed.", LABELS, registry=r)
+        self.gen_tokens = Counter("gateway_generation_tokens", "Tokens generated.", LABELS, registry=r)
+        self.requests = Counter("gateway_requests", "Finished requests by outcome (finish reason or error code) and HTTP status.", (*LABELS, "outcome", "status"), registry=r)
+        self.fallbacks = Counter("gateway_fallbacks", "Engine candidates skipped, by reason.", ("model", "engine", "reason"), registry=r)
+        self.loads = Counter("gateway_engine_loads", "Engine load attempts.", (*LABELS, "result"), registry=r)
+        self.build = Info("gateway_engine_build", "Engine build of each loaded model.", ("model",), registry=r)
+
+    def watch(self, resident: Callable[[], Iterable[tuple[str, str, str, EngineHealth]]]) -> None:
+        """Export running/waiting/resident gauges read from the engines at scrape time."""
+        self.registry.register(_EngineGauges(resident))
+
+    def observe(self, model: str, engine: str, device: str, received: float) -> RequestObserver:
+        return RequestObserver(self, (model, engine, device), received)
+
+    def count_error(self, labels: tuple[str, str, str], outcome: str, status: int) -> None:
+        self.requests.labels(*labels, outcome, str(status)).inc()
+
+
+class _EngineGauges(Collector):
+    def __init__(self, resident: Callable[[], Iterable[tuple[str, str, str, EngineHealth]]]) -> None:
+        self._resident = resident
+
+    def collect(self) -> Iterable[Metric]:
+        running = GaugeMetricFamily("gateway_requests_running", "Requests generating now.", labels=LABELS)
+        waiting = GaugeMetricFamily("gateway_requests_waiting", "Requests waiting for a free sequence.", labels=LABELS)
+        count = 0
+        for model, engine, device, h in self._resident():
+            running.add_metric([model, engine, device], h.running)
+            waiting.add_metric([model, engine, device], h.waiting)
+            count += 1
+        yield running
+        yield waiting
+        yield GaugeMetricFamily("gateway_models_resident", "Models loaded now.", value=count)
+
+
+@dataclass
+class RequestObserver:
+    """Timing of one request, recorded once when it ends."""
+
+    metrics: Metrics
+    labels: tuple[str, str, str]
+    received: float
+    first: float | None = None
+    last: float | None = None
+    tokens: int = 0
+    last_by_choice: dict[int, float] = field(default_factory=dict)
+    prompt_tokens: int = 0
+    done: bool = False
+
+    def on_event(self, choice: int, ev: TokenEvent, now: float | None = None) -> None:
+        now = time.perf_counter() if now is None else now
+        n = len(ev.token_ids)
+        if n:
+            if self.first is None:
+                self.first = now
+                self.metrics.ttft.labels(*self.labels).observe(now - self.received)
+            prev = self.last_by_choice.get(choice)
+            if prev is not None:
+                self.metrics.itl.labels(*self.labels).observe(now - prev)
+            self.last_by_choice[choice] = now
+            self.last = now
+            self.tokens += n
+        if ev.usage is not None:
+            if not self.prompt_tokens:
+                self.prompt_tokens = ev.usage.prompt_tokens
+                self.metrics.queue.labels(*self.labels).observe(ev.usage.queue_seconds)
+
+    def finish(self, outcome: str, status: int = 200) -> None:
+        if self.done:
+            return
+        self.done = True
+        m, lb = self.metrics, self.labels
+        m.requests.labels(*lb, outcome, str(status)).inc()
+        if self.first is None or self.last is None:
+            return
+        m.e2e.labels(*lb).observe(self.last - self.received)
+        if self.tokens > 1:
+            m.tpot.labels(*lb).observe((self.last - self.first) / (self.tokens - 1))
+        m.prompt_len.labels(*lb).observe(self.prompt_tokens)
+        m.gen_len.labels(*lb).observe(self.tokens)
+        m.prompt_tokens.labels(*lb).inc(self.prompt_tokens)
+        m.gen_tokens.labels(*lb).inc(self.tokens)
