@@ -1,4 +1,4 @@
-"""`gateway` command line: serve, models."""
+"""`gateway` command line: serve, models, bench."""
 
 from __future__ import annotations
 
@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--config", default=None)
     m.add_argument("--download", metavar="ID", help="fetch (or assemble) the model's files now")
     m.set_defaults(func=_models)
+    from gateway.bench import add_parser as add_bench
+
+    add_bench(sub)
     return p
 
 

@@ -1,0 +1,221 @@
+"""`gateway bench`: a client-side load generator for any OpenAI-compatible server.
+
+In the spirit of `vllm bench serve`: synthetic prompts of a given length (or a prompts file),
+arrivals at fixed concurrency or as a Poisson process, warm-up, fixed output length
+(`ignore_eos` plus `max_tokens`), and TTFT / TPOT / ITL / e2e percentiles, throughput and goodput
+against SLOs.  Metric definitions match gateway/metrics.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+
+@dataclass
+class Result:
+    ok: bool
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    error: str = ""
+
+    @property
+    def tpot(self) -> float | None:
+        return (self.e2e - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else None
+
+
+async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: str, output_len: int, ignore_eos: bool) -> Result:
+    body: dict[str, Any] = {
+        "model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0, "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if ignore_eos:
+        body["ignore_eos"] = True
+    t0 = time.perf_counter()
+    stamps: list[float] = []
+    res = Result(ok=False)
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                data = json.loads(line[6:])
+                if "error" in data:
+                    res.error = data["error"].get("message", "error")
+                    return res
+                if data.get("choices") and data["choices"][0].get("text"):
+                    stamps.append(time.perf_counter())
+                if data.get("usage"):
+                    res.prompt_tokens = data["usage"]["prompt_tokens"]
+                    res.output_tokens = data["usage"]["completion_tokens"]
+    except httpx.HTTPError as exc:
+        res.error = f"{type(exc).__name__}: {exc}"
+        return res
+    if not stamps:
+        res.error = "no tokens received"
+        return res
+    res.ok = True
+    res.ttft = stamps[0] - t0
+    res.e2e = stamps[-1] - t0
+    res.itl = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+    res.output_tokens = res.output_tokens or len(stamps)
+    return res
+
+
+def synthetic_prompts(n: int, input_len: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    words = "the of and to in is was for on with as by at from it an be this that are or not".split()
+    # Roughly one token per common English word; the server's usage reports the exact count.
+    return [" ".join(rng.choice(words) for _ in range(input_len)) for _ in range(n)]
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    k = (len(s) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def summarise(results: list[Result], duration: float, slo_ttft: float | None, slo_tpot: float | None) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    out: dict[str, Any] = {
+        "completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
+        "request_throughput": len(ok) / duration if duration else 0.0,
+        "output_token_throughput": sum(r.output_tokens for r in ok) / duration if duration else 0.0,
+        "total_prompt_tokens": sum(r.prompt_tokens for r in ok),
+        "total_output_tokens": sum(r.output_tokens for r in ok),
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+    }
+    series = {
+        "ttft": [r.ttft for r in ok], "e2e": [r.e2e for r in ok],
+        "tpot": [t for r in ok if (t := r.tpot) is not None], "itl": [g for r in ok for g in r.itl],
+    }
+    for name, vals in series.items():
+        out[name] = {"mean": statistics.fmean(vals) if vals else float("nan"),
+                     **{f"p{int(q * 100)}": _pct(vals, q) for q in (0.5, 0.9, 0.99)}}
+    good = [r for r in ok if (slo_ttft is None or r.ttft <= slo_ttft) and (slo_tpot is None or (r.tpot or 0) <= slo_tpot)]
+    out["goodput"] = len(good) / duration if duration else 0.0
+    out["slo"] = {"ttft_s": slo_ttft, "tpot_s": slo_tpot, "met": len(good)}
+    return out
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    prompts = (Path(args.prompts_file).read_text().splitlines() if args.prompts_file
+               else synthetic_prompts(args.num_prompts, args.input_len, args.seed))
+    prompts = [p for p in prompts if p.strip()][: args.num_prompts]
+    limits = httpx.Limits(max_connections=max(args.concurrency or 1, 64))
+    async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as client:
+        for p in prompts[: args.warmup]:
+            await one_request(client, args.url, args.model, p, args.output_len, not args.no_ignore_eos)
+        results: list[Result] = []
+        progress = _Progress(len(prompts), enabled=not args.quiet)
+        sem = asyncio.Semaphore(args.concurrency) if args.concurrency else None
+        rng = random.Random(args.seed)
+
+        async def task(p: str) -> None:
+            if sem is not None:
+                async with sem:
+                    r = await one_request(client, args.url, args.model, p, args.output_len, not args.no_ignore_eos)
+            else:
+                r = await one_request(client, args.url, args.model, p, args.output_len, not args.no_ignore_eos)
+            results.append(r)
+            progress.tick(r.ok)
+
+        t0 = time.perf_counter()
+        tasks = []
+        for p in prompts:
+            tasks.append(asyncio.create_task(task(p)))
+            if args.rate:
+                await asyncio.sleep(rng.expovariate(args.rate))
+        await asyncio.gather(*tasks)
+        duration = time.perf_counter() - t0
+        progress.close()
+    summary = summarise(results, duration, args.slo_ttft, args.slo_tpot)
+    summary["config"] = {k: v for k, v in vars(args).items() if k not in ("func",)}
+    return summary
+
+
+class _Progress:
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total, self.done, self.failed, self.enabled = total, 0, 0, enabled
+        self.t0 = time.perf_counter()
+
+    def tick(self, ok: bool) -> None:
+        self.done += 1
+        self.failed += not ok
+        if self.enabled:
+            width = 30
+            fill = int(width * self.done / max(self.total, 1))
+            rate = self.done / max(time.perf_counter() - self.t0, 1e-9)
+            sys.stderr.write(f"\r[{'#' * fill}{'.' * (width - fill)}] {self.done}/{self.total} "
+                             f"failed {self.failed}  {rate:.2f} req/s")
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")
+
+
+def print_report(s: dict[str, Any]) -> None:
+    print(f"completed {s['completed']}  failed {s['failed']}  in {s['duration_s']:.2f} s")
+    print(f"request throughput {s['request_throughput']:.2f} req/s   output {s['output_token_throughput']:.1f} tok/s   "
+          f"goodput {s['goodput']:.2f} req/s (SLO met by {s['slo']['met']})")
+    print(f"{'metric':<6} {'mean':>9} {'p50':>9} {'p90':>9} {'p99':>9}  (ms)")
+    for name in ("ttft", "tpot", "itl", "e2e"):
+        m = s[name]
+        print(f"{name:<6} " + " ".join(f"{m[k] * 1000:>9.1f}" for k in ("mean", "p50", "p90", "p99")))
+    for e in s["errors"]:
+        print(f"error: {e}")
+
+
+def add_parser(sub: Any) -> None:
+    b = sub.add_parser("bench", help="load-test an OpenAI-compatible server (client-side latencies)")
+    b.add_argument("--url", default="http://127.0.0.1:8080", help="server base URL (without /v1)")
+    b.add_argument("--model", default="smollm2-135m-instruct")
+    b.add_argument("--num-prompts", type=int, default=32)
+    b.add_argument("--input-len", type=int, default=128, help="synthetic prompt length in words (~tokens)")
+    b.add_argument("--output-len", type=int, default=64)
+    b.add_argument("--prompts-file", help="one prompt per line instead of synthetic prompts")
+    mode = b.add_mutually_exclusive_group()
+    mode.add_argument("--concurrency", type=int, default=None, help="fixed number of requests in flight")
+    mode.add_argument("--rate", type=float, default=None, help="Poisson arrivals, requests per second")
+    b.add_argument("--warmup", type=int, default=2)
+    b.add_argument("--no-ignore-eos", action="store_true", help="for servers that reject ignore_eos")
+    b.add_argument("--slo-ttft", type=float, default=None, help="seconds, for goodput")
+    b.add_argument("--slo-tpot", type=float, default=None, help="seconds per token, for goodput")
+    b.add_argument("--timeout", type=float, default=600)
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--json", default=None, help="write the full result here")
+    b.add_argument("--quiet", action="store_true", help="no progress bar")
+    b.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    if not args.concurrency and not args.rate:
+        args.concurrency = 1
+    summary = asyncio.run(run(args))
+    print_report(summary)
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2, default=str))
+    return 0 if summary["failed"] == 0 else 1
+
+
+__all__ = ["Result", "add_parser", "summarise"]
