@@ -10,6 +10,7 @@ import numpy.typing as npt
 
 from engines.base import (
     EngineConfig,
+    EngineFailure,
     EngineHealth,
     EngineInfo,
     EngineOverloaded,
@@ -26,13 +27,14 @@ class FakeEngine:
     instances: list[FakeEngine] = []
 
     def __init__(self, config: EngineConfig, script: str = "hello from the fake engine", load_delay: float = 0.0,
-                 fail_load: bool = False, capacity: int = 1000) -> None:
+                 fail_load: bool = False, capacity: int = 1000, fail_after: int | None = None) -> None:
         self.config = config
         self.info = EngineInfo(runtime="fake", backend=config.backend, device=config.device)
         self.script = script.split()
         self.load_delay = load_delay
         self.fail_load = fail_load
         self.capacity = capacity
+        self.fail_after = fail_after
         self.loaded = False
         self.closed = False
         self.running = 0
@@ -53,6 +55,8 @@ class FakeEngine:
             words = self.script[:limit]
             for i, w in enumerate(words):
                 await asyncio.sleep(0.001)
+                if self.fail_after is not None and i == self.fail_after:
+                    raise EngineFailure("fake engine crashed mid-stream")
                 last = i == len(words) - 1
                 yield TokenEvent(
                     text=(" " if i else "") + w,

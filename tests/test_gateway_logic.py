@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 from pathlib import Path
 
 import httpx
@@ -123,5 +124,21 @@ def test_api_key(registry_file: Path) -> None:
                         json={"model": "a", "messages": [{"role": "user", "content": "x"}]})
         assert ok.status_code == 200
         assert ok.json()["choices"][0]["message"]["content"] == "hello from the fake engine"
+    finally:
+        server.stop()
+
+
+def test_error_after_stream_started_is_sent_in_band(registry_file: Path) -> None:
+    server, _ = _server(registry_file, fail_after=2)
+    server.start()
+    try:
+        body = {"model": "a", "messages": [{"role": "user", "content": "x"}], "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=10) as r:
+            assert r.status_code == 200
+            lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]"
+        err = json.loads(lines[-2][6:])
+        assert err["error"]["code"] == "engine_error" and "crashed mid-stream" in err["error"]["message"]
+        assert json.loads(lines[0][6:])["choices"][0]["delta"]["content"] == "hello"
     finally:
         server.stop()
