@@ -150,6 +150,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         progress.close()
     summary = summarise(results, duration, args.slo_ttft, args.slo_tpot)
     summary["config"] = {k: v for k, v in vars(args).items() if k not in ("func",)}
+    if args.plot:
+        plot(results, args.plot)
     return summary
 
 
@@ -172,6 +174,33 @@ class _Progress:
     def close(self) -> None:
         if self.enabled:
             sys.stderr.write("\n")
+
+
+def plot(results: list[Result], path: str) -> None:
+    """A PNG of the TTFT, TPOT, ITL and e2e distributions (needs matplotlib: pip install .[bench])."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in results if r.ok]
+    series = {
+        "TTFT (ms)": [r.ttft * 1000 for r in ok],
+        "TPOT (ms)": [t * 1000 for r in ok if (t := r.tpot) is not None],
+        "ITL (ms)": [g * 1000 for r in ok for g in r.itl],
+        "e2e (ms)": [r.e2e * 1000 for r in ok],
+    }
+    fig, axes = plt.subplots(1, 4, figsize=(16, 3.5))
+    for ax, (name, vals) in zip(axes, series.items(), strict=True):
+        ax.hist(vals, bins=30, color="#4c72b0")
+        for q, style in ((0.5, "-"), (0.99, "--")):
+            if vals:
+                ax.axvline(_pct(vals, q), color="#c44e52", linestyle=style, label=f"p{int(q * 100)}")
+        ax.set_title(name)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
 
 
 def print_report(s: dict[str, Any]) -> None:
@@ -205,12 +234,19 @@ def add_parser(sub: Any) -> None:
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--json", default=None, help="write the full result here")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
+    b.add_argument("--plot", default=None, metavar="PNG", help="write a latency distribution chart (needs matplotlib)")
     b.set_defaults(func=main)
 
 
 def main(args: argparse.Namespace) -> int:
     if not args.concurrency and not args.rate:
         args.concurrency = 1
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("error: --plot needs matplotlib: pip install 'llm-gateway[bench]'", file=sys.stderr)
+            return 2
     summary = asyncio.run(run(args))
     print_report(summary)
     if args.json:

@@ -16,7 +16,7 @@ def test_bench_concurrency_run(gateway_url: str, tmp_path: Path) -> None:
     r = subprocess.run(
         [sys.executable, "-m", "gateway.cli", "bench", "--url", gateway_url, "--model", MODEL, "--num-prompts", "6",
          "--input-len", "32", "--output-len", "8", "--concurrency", "3", "--warmup", "1", "--slo-ttft", "60",
-         "--json", str(out), "--quiet"],
+         "--json", str(out), "--quiet", "--plot", str(tmp_path / "latency.png")],
         capture_output=True, text=True, timeout=300, cwd=ROOT,
     )
     assert r.returncode == 0, r.stdout + r.stderr
@@ -28,6 +28,8 @@ def test_bench_concurrency_run(gateway_url: str, tmp_path: Path) -> None:
     assert s["ttft"]["p50"] <= s["ttft"]["p90"] <= s["ttft"]["p99"]
     assert s["slo"]["met"] == 6
     assert "ttft" in r.stdout and "goodput" in r.stdout
+    png = (tmp_path / "latency.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
 
 
 def test_bench_poisson_and_failures_reported(tmp_path: Path) -> None:
