@@ -11,6 +11,7 @@ import ctypes
 import logging
 import os
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -139,23 +140,14 @@ class LlamaCppEngine:
         self._template = self._load_template(lc)
         self._sched = BatchScheduler(
             ctx=ctx,
-            vocab=self._vocab,
             n_vocab=self._n_vocab,
             n_parallel=o.parallel,
-            n_ctx_seq=self._n_ctx_seq,
             n_batch=o.n_batch,
             max_queue=o.max_queue,
             piece=self.piece,
             is_eog=lambda t: lc.llama_vocab_is_eog(self._vocab, t),
         )
-        self.info = EngineInfo(
-            runtime="llamacpp",
-            backend=o.backend,
-            device=o.device,
-            version=llama_cpp_version(),
-            context_length=self._n_ctx_seq,
-            parallel=o.parallel,
-        )
+        self.info = replace(self.info, context_length=self._n_ctx_seq)
         log.info(
             "llama.cpp loaded %s: backend=%s device=%s ctx/seq=%d parallel=%d vocab=%d",
             o.model_path, o.backend, o.device, self._n_ctx_seq, o.parallel, self._n_vocab,

@@ -91,19 +91,15 @@ class BatchScheduler:
     def __init__(
         self,
         ctx: Any,
-        vocab: Any,
         n_vocab: int,
         n_parallel: int,
-        n_ctx_seq: int,
         n_batch: int,
         max_queue: int,
         piece: Callable[[int], bytes],
         is_eog: Callable[[int], bool],
     ) -> None:
         self._ctx = ctx
-        self._vocab = vocab
         self._n_vocab = n_vocab
-        self._n_ctx_seq = n_ctx_seq
         self._n_batch = n_batch
         self._max_queue = max_queue
         self._piece = piece

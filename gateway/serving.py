@@ -185,10 +185,38 @@ class Prepared:
         self.observer.finish(finish or "stop")
 
 
+@dataclass
+class _Collected:
+    """A whole (non-stream) generation, per choice."""
+
+    texts: list[str]
+    tokens: list[list[TokenLogprob]]
+    finish: list[str | None]
+    usages: list[Usage]
+
+
+async def _collect(p: Prepared) -> _Collected:
+    n = len(p.requests)
+    out = _Collected([""] * n, [[] for _ in range(n)], [None] * n, [])
+    async for i, ev in p.events():
+        out.texts[i] += ev.text
+        out.tokens[i] += ev.logprobs
+        if ev.finish_reason is not None:
+            out.finish[i] = ev.finish_reason
+            if ev.usage is not None:
+                out.usages.append(ev.usage)
+    return out
+
+
 class _Service:
     def __init__(self, manager: ModelManager, metrics: Metrics) -> None:
         self.manager = manager
         self.metrics = metrics
+
+    @staticmethod
+    def check_stream_options(req: ChatCompletionRequest | CompletionRequest) -> None:
+        if req.stream_options is not None and not req.stream:
+            raise invalid("stream_options is only allowed when stream is true", param="stream_options")
 
     def spec(self, model: str) -> ModelSpec:
         spec = self.manager.registry.get(model)
@@ -214,8 +242,7 @@ class ChatService(_Service):
             raise invalid("tool_choice requires tools, which are not supported yet", param="tool_choice")
         if req.top_logprobs and not req.logprobs:
             raise invalid("top_logprobs requires logprobs to be true", param="top_logprobs")
-        if req.stream_options is not None and not req.stream:
-            raise invalid("stream_options is only allowed when stream is true", param="stream_options")
+        self.check_stream_options(req)
         if req.max_tokens is not None and req.max_completion_tokens is not None and req.max_tokens != req.max_completion_tokens:
             raise invalid("max_tokens and max_completion_tokens disagree; send one", param="max_tokens")
         messages = []
@@ -238,30 +265,18 @@ class ChatService(_Service):
         return await self.prepare(spec, base, req.n, "chatcmpl", received)
 
     async def complete(self, p: Prepared, model: str) -> ChatCompletion:
-        n = len(p.requests)
-        texts = [""] * n
-        lps: list[list[TokenLogprobOut]] = [[] for _ in range(n)]
-        finish: list[str | None] = [None] * n
-        usages: list[Usage] = []
+        c = await _collect(p)
         want_lp = p.requests[0].sampling.logprobs
-        async for i, ev in p.events():
-            texts[i] += ev.text
-            if want_lp:
-                lps[i] += _chat_logprobs(ev.logprobs)
-            if ev.finish_reason is not None:
-                finish[i] = ev.finish_reason
-                if ev.usage is not None:
-                    usages.append(ev.usage)
         choices = [
             ChatChoice(
                 index=i,
-                message=AssistantMessage(content=texts[i]),
-                logprobs=ChoiceLogprobs(content=lps[i]) if want_lp else None,
-                finish_reason=finish[i],
+                message=AssistantMessage(content=c.texts[i]),
+                logprobs=ChoiceLogprobs(content=_chat_logprobs(tuple(c.tokens[i]))) if want_lp else None,
+                finish_reason=c.finish[i],
             )
-            for i in range(n)
+            for i in range(len(p.requests))
         ]
-        return ChatCompletion(id=p.response_id, created=p.created, model=model, choices=choices, usage=_usage(usages))
+        return ChatCompletion(id=p.response_id, created=p.created, model=model, choices=choices, usage=_usage(c.usages))
 
     async def stream(self, p: Prepared, model: str, include_usage: bool) -> AsyncIterator[str]:
         started: set[int] = set()
@@ -296,8 +311,7 @@ class CompletionService(_Service):
             raise invalid("suffix (fill-in-the-middle) is not supported", param="suffix")
         if req.best_of is not None and req.best_of != req.n:
             raise invalid("best_of must equal n (ranking by log probability is not supported)", param="best_of")
-        if req.stream_options is not None and not req.stream:
-            raise invalid("stream_options is only allowed when stream is true", param="stream_options")
+        self.check_stream_options(req)
         prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
         if len(prompts) != 1:
             raise invalid("only one prompt per request is supported; send a string", param="prompt")
@@ -308,29 +322,18 @@ class CompletionService(_Service):
         return await self.prepare(spec, base, req.n, "cmpl", received)
 
     async def complete(self, p: Prepared, model: str) -> Completion:
-        n = len(p.requests)
-        texts = [""] * n
-        toks: list[list[TokenLogprob]] = [[] for _ in range(n)]
-        finish: list[str | None] = [None] * n
-        usages: list[Usage] = []
-        async for i, ev in p.events():
-            texts[i] += ev.text
-            toks[i] += ev.logprobs
-            if ev.finish_reason is not None:
-                finish[i] = ev.finish_reason
-                if ev.usage is not None:
-                    usages.append(ev.usage)
+        c = await _collect(p)
         want_lp = p.requests[0].sampling.logprobs
         choices = [
             CompletionChoice(
                 index=i,
-                text=texts[i],
-                logprobs=_completion_logprobs(toks[i], 0) if want_lp else None,
-                finish_reason=finish[i],
+                text=c.texts[i],
+                logprobs=_completion_logprobs(c.tokens[i], 0) if want_lp else None,
+                finish_reason=c.finish[i],
             )
-            for i in range(n)
+            for i in range(len(p.requests))
         ]
-        return Completion(id=p.response_id, created=p.created, model=model, choices=choices, usage=_usage(usages))
+        return Completion(id=p.response_id, created=p.created, model=model, choices=choices, usage=_usage(c.usages))
 
     async def stream(self, p: Prepared, model: str, include_usage: bool) -> AsyncIterator[str]:
         usages: list[Usage] = []
