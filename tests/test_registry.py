@@ -148,9 +148,16 @@ def _gateway(args: list[str], env: dict[str, str]) -> subprocess.CompletedProces
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
 
 
+def _hf_model(tmp_path: Path, hub: str, file: str, offline: bool) -> tuple[Path, dict[str, str]]:
+    """A models.yaml with one hub model, and the environment pointing huggingface-hub at `hub`."""
+    cfg = _write(tmp_path, f"models:\n  - id: tiny\n    formats:\n      gguf: {{hf: {{repo: someorg/tiny-GGUF, file: {file}}}}}\n")
+    env = {"HF_ENDPOINT": hub, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1" if offline else "0",
+           "HF_HUB_DISABLE_TELEMETRY": "1"}
+    return cfg, env
+
+
 def test_hf_download_into_standard_cache(tmp_path: Path, hub: str) -> None:
-    cfg = _write(tmp_path, "models:\n  - id: tiny\n    formats:\n      gguf: {hf: {repo: someorg/tiny-GGUF, file: tiny.gguf}}\n")
-    env = {"HF_ENDPOINT": hub, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "0", "HF_HUB_DISABLE_TELEMETRY": "1"}
+    cfg, env = _hf_model(tmp_path, hub, "tiny.gguf", offline=False)
     before = _gateway(["models", "--config", str(cfg)], env)
     assert "no (downloads on first use)" in before.stdout
     r = _gateway(["models", "--config", str(cfg), "--download", "tiny"], env)
@@ -165,8 +172,7 @@ def test_hf_download_into_standard_cache(tmp_path: Path, hub: str) -> None:
 
 
 def test_hf_offline_without_cache_is_a_clear_error(tmp_path: Path, hub: str) -> None:
-    cfg = _write(tmp_path, "models:\n  - id: tiny\n    formats:\n      gguf: {hf: {repo: someorg/tiny-GGUF, file: tiny.gguf}}\n")
-    env = {"HF_ENDPOINT": hub, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+    cfg, env = _hf_model(tmp_path, hub, "tiny.gguf", offline=True)
     r = _gateway(["models", "--config", str(cfg), "--download", "tiny"], env)
     assert r.returncode == 1
     assert "not in the Hugging Face cache" in r.stderr
@@ -174,8 +180,7 @@ def test_hf_offline_without_cache_is_a_clear_error(tmp_path: Path, hub: str) -> 
 
 
 def test_hf_missing_file_is_a_clear_error(tmp_path: Path, hub: str) -> None:
-    cfg = _write(tmp_path, "models:\n  - id: tiny\n    formats:\n      gguf: {hf: {repo: someorg/tiny-GGUF, file: other.gguf}}\n")
-    env = {"HF_ENDPOINT": hub, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "0"}
+    cfg, env = _hf_model(tmp_path, hub, "other.gguf", offline=False)
     r = _gateway(["models", "--config", str(cfg), "--download", "tiny"], env)
     assert r.returncode == 1
     assert "download of someorg/tiny-GGUF/other.gguf failed" in r.stderr
