@@ -18,7 +18,18 @@ cache_root="${GATEWAY_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/llm-gateway/w
 common="-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAVA_BUILD=OFF -DLLAMA_CURL=OFF"
 case "$backend" in
   cpu)    flags="" ;;
-  vulkan) flags="-DGGML_VULKAN=on ${VULKAN_CMAKE_ARGS:-}" ;;
+  vulkan)
+    # Build tools and loader from Debian; headers new enough for ggml (see vulkan-headers.sh).
+    if ! command -v glslc >/dev/null || [ ! -e /usr/include/vulkan/vulkan.h ] || [ ! -d /usr/include/spirv ]; then
+      if command -v apt-get >/dev/null; then
+        apt-get install -y --no-install-recommends libvulkan-dev glslc glslang-tools spirv-headers >&2 \
+          || { apt-get update >&2 && apt-get install -y --no-install-recommends libvulkan-dev glslc glslang-tools spirv-headers >&2; }
+      else
+        echo "the Vulkan build needs the Vulkan SDK (loader, headers, glslc); install it first" >&2; exit 2
+      fi
+    fi
+    vk_include="${VULKAN_INCLUDE_DIR:-$(bash "$(dirname "$0")/vulkan-headers.sh")}"
+    flags="-DGGML_VULKAN=on -DVulkan_INCLUDE_DIR=$vk_include ${VULKAN_CMAKE_ARGS:-}" ;;
   cuda)   flags="-DGGML_CUDA=on ${CUDA_CMAKE_ARGS:-}" ;;
   metal)  flags="-DGGML_METAL=on" ;;
   *) echo "unknown backend '$backend' (expected cpu, vulkan, cuda or metal)" >&2; exit 2 ;;
