@@ -113,11 +113,12 @@ class EngineConfig:
     parallel: int = 4  # sequences decoded together
     n_batch: int = 512
     n_threads: int = 0  # 0 = all cores
-    n_gpu_layers: int = 0  # -1 = all layers on the device
+    n_gpu_layers: int = 0  # layers on the device; 0 or -1 = all of them when a device is chosen
     main_gpu: int = 0
     max_queue: int = 64  # requests that may wait for a free sequence
     backend: str = "cpu"  # cpu, vulkan, cuda, metal, directml, coreml
     device: str = "cpu"  # human-readable device name
+    device_key: str = ""  # the runtime's own device id (ggml "Vulkan0"/"CUDA0", ORT device id); "" = CPU
     chat_template: str | None = None  # Jinja; overrides the template shipped with the model
 
 

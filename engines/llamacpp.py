@@ -107,11 +107,23 @@ class LlamaCppEngine:
         _route_native_logs(lc)
         lc.llama_backend_init()
         mparams = lc.llama_model_default_params()
-        mparams.n_gpu_layers = o.n_gpu_layers
-        mparams.main_gpu = o.main_gpu
+        # An explicit device list, even an empty one: llama.cpp would otherwise spread the
+        # model over every GPU the build sees, and a "CPU" engine would not be on the CPU.
+        from engines.ggml_devices import backends, device_list
+
+        wanted = [o.device_key] if o.device_key else []
+        devices, missing = device_list(wanted)
+        if missing:
+            raise ModelLoadError(
+                f"this llama-cpp-python build has no device {', '.join(missing)} "
+                f"(its backends: {', '.join(backends())})"
+            )
+        mparams.devices = ctypes.cast(devices, ctypes.c_void_p)
+        mparams.n_gpu_layers = (o.n_gpu_layers or -1) if wanted else 0
+        mparams.main_gpu = 0
         model = lc.llama_model_load_from_file(o.model_path.encode(), mparams)
         if not model:
-            raise ModelLoadError(f"llama.cpp could not load {o.model_path} on {o.device}")
+            raise ModelLoadError(f"llama.cpp could not load {o.model_path} on {o.device} ({o.device_key or 'CPU'})")
         self._model = model
         self._vocab = lc.llama_model_get_vocab(model)
         self._n_vocab = lc.llama_vocab_n_tokens(self._vocab)

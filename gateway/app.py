@@ -12,10 +12,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.middleware.base import RequestResponseEndpoint
 
+from engines.base import EngineConfig
 from engines.registry import create_engine
 from gateway.errors import APIError, install_error_handlers
+from gateway.functional_check import CheckResult, run_isolated
+from gateway.hardware import HostCapabilities, probe_host, vulkan_visible_env
 from gateway.metrics import Metrics
-from gateway.pool import EngineFactory, ModelManager
+from gateway.pool import Checker, EngineFactory, ModelManager
 from gateway.registry import Registry, load_registry
 from gateway.routes import router
 from gateway.serving import ChatService, CompletionService
@@ -28,14 +31,26 @@ def create_app(
     settings: Settings,
     registry: Registry | None = None,
     engine_factory: EngineFactory | None = None,
+    host: HostCapabilities | None = None,
+    checker: Checker | None = None,
 ) -> FastAPI:
+    """The app. `host` defaults to probing this machine; `checker` to the isolated
+    functional check when engines come from the real registry (a test's fake factory runs
+    only the in-process check)."""
     registry = registry or load_registry(settings.config)
     if settings.model:
         if registry.get(settings.model) is None:
             raise ValueError(f"unknown model {settings.model!r}; models.yaml defines {sorted(registry.models)}")
         registry.default = settings.model
     metrics = Metrics()
-    manager = ModelManager(registry, settings, engine_factory or create_engine, metrics)
+    host = host if host is not None else probe_host()
+    if checker is None and engine_factory is None and settings.isolate_check:
+        env = vulkan_visible_env(host.vulkan)
+
+        def checker(runtime: str, config: EngineConfig) -> CheckResult:
+            return run_isolated(runtime, config, settings.check_timeout, env)
+
+    manager = ModelManager(registry, settings, engine_factory or create_engine, metrics, host, checker)
     metrics.watch(
         lambda: [
             (e.spec.id, f"{e.candidate.runtime}/{e.candidate.backend}", e.candidate.device, e.engine.health())
@@ -46,7 +61,18 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         preload: asyncio.Task[None] | None = None
-        if settings.preload:
+        if settings.engine != "auto" or settings.runtime or settings.device:
+            # An explicit choice that cannot work fails the start, never a silent CPU run.
+            spec = registry.get(registry.default)
+            assert spec is not None
+            try:
+                await manager.get(spec)
+            except Exception as exc:
+                app.state.startup_error = str(exc)
+                log.error("cannot serve %s as asked: %s", spec.id, exc)
+                raise
+            app.state.preloading = False
+        elif settings.preload:
             preload = asyncio.create_task(_preload(app, manager))
         try:
             yield
@@ -64,6 +90,7 @@ def create_app(
     app.state.started = int(time.time())
     app.state.preload = settings.preload
     app.state.preloading = settings.preload
+    app.state.startup_error = None
     install_error_handlers(app)
     app.include_router(router)
 

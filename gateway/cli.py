@@ -5,9 +5,12 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
+from gateway.functional_check import CheckCache
+from gateway.hardware import probe_host
 from gateway.registry import RegistryError, load_registry
-from gateway.selection import SelectionError, plan
+from gateway.selection import Preference, SelectionError, plan
 from gateway.settings import ENGINE_CHOICES, Settings
 
 log = logging.getLogger("gateway")
@@ -20,6 +23,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     settings = Settings.from_env(
         host=args.host, port=args.port, config=args.config, model=args.model, engine=args.engine,
+        runtime=args.runtime, device=args.device,
         max_resident=args.max_models, parallel=args.parallel, threads=args.threads,
         api_key=args.api_key,
     )
@@ -30,17 +34,27 @@ def _serve(args: argparse.Namespace) -> int:
         if default is None:
             print(f"error: unknown model {settings.model!r}; known: {', '.join(registry.models)}", file=sys.stderr)
             return 2
-        candidates = plan(default, settings.engine)
-        app = create_app(settings, registry)
+        host = probe_host()
+        if args.recheck:
+            CheckCache(Path(registry.cache_dir) / "functional-checks.json").clear()
+        the_plan = plan(default, host, Preference(settings.engine, settings.runtime, settings.device),
+                        registry.formats(default))
+        app = create_app(settings, registry, host=host)
     except (RegistryError, SelectionError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    first = candidates[0]
+    first = the_plan.candidates[0]
     log.info(
-        "serving %s on %s/%s (device %s) at http://%s:%d/v1",
-        default.id, first.runtime, first.backend, first.device, settings.host, settings.port,
+        "serving %s at http://%s:%d/v1; first choice %s on %s (%d candidate(s))",
+        default.id, settings.host, settings.port, first.label, first.device, len(the_plan.candidates),
     )
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower())
+    try:
+        uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower())
+    except SystemExit:
+        if app.state.startup_error:
+            print(f"error: {app.state.startup_error}", file=sys.stderr)
+            return 2
+        raise
     return 0
 
 
@@ -81,7 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="serve the OpenAI API")
     s.add_argument("--model", help="default model id (models.yaml's default otherwise)")
-    s.add_argument("--engine", choices=ENGINE_CHOICES, default=None, help="where to run (default auto)")
+    s.add_argument("--engine", choices=ENGINE_CHOICES, default=None,
+                   help="where to run (default auto: the best engine that passes its functional check)")
+    s.add_argument("--runtime", default=None, help="pin a runtime: llamacpp, ortgenai, coreml")
+    s.add_argument("--device", default=None, help="GPU by index or part of its name (see `gateway devices`)")
+    s.add_argument("--recheck", action="store_true", help="forget cached functional-check results")
     s.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=None, help="port (default 8080)")
     s.add_argument("--config", default=None, help="models.yaml path")
@@ -95,8 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--download", metavar="ID", help="fetch (or assemble) the model's files now")
     m.set_defaults(func=_models)
     from gateway.bench import add_parser as add_bench
+    from gateway.devices import add_parser as add_devices
 
     add_bench(sub)
+    add_devices(sub)
     return p
 
 

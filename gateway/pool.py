@@ -4,21 +4,27 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from engines.base import Engine, EngineConfig, EngineError, ModelLoadError, ModelNotAvailable
 from engines.registry import create_engine
+from gateway.functional_check import CheckCache, CheckResult, fingerprint, one_token
+from gateway.hardware import HostCapabilities, probe_host, vulkan_visible_env
 from gateway.metrics import Metrics
 from gateway.registry import ModelSpec, ModelUnavailable, Registry
-from gateway.selection import Candidate, plan
+from gateway.selection import Candidate, Plan, Preference, SelectionError, plan
 from gateway.settings import Settings
 
 log = logging.getLogger(__name__)
 
 EngineFactory = Callable[[str, EngineConfig], Engine]
+# (runtime, config) -> CheckResult, run before an engine is trusted (in a child process by default).
+Checker = Callable[[str, EngineConfig], CheckResult]
 
 
 @dataclass
@@ -28,10 +34,17 @@ class Loaded:
     candidate: Candidate
     load_seconds: float
     last_used: float
+    fallback_reason: str = ""  # why earlier candidates were not used; "" when the first one was
+    plan: Plan | None = None
 
 
 class ModelManager:
-    """Owns every loaded engine.  Safe to call from many requests at once."""
+    """Owns every loaded engine.  Safe to call from many requests at once.
+
+    For each model it plans candidates from the host probe, and for each candidate in turn
+    runs the functional check (cached), loads the engine and generates one token; the first
+    that works serves, and why the others did not is kept for headers, /health and the log.
+    """
 
     def __init__(
         self,
@@ -39,21 +52,34 @@ class ModelManager:
         settings: Settings,
         factory: EngineFactory = create_engine,
         metrics: Metrics | None = None,
+        host: HostCapabilities | None = None,
+        checker: Checker | None = None,
     ) -> None:
         self.registry = registry
         self.settings = settings
         self._factory = factory
         self.metrics = metrics or Metrics()
+        self.host = host if host is not None else probe_host()
+        self._checker = checker
+        self.checks = CheckCache(Path(registry.cache_dir) / "functional-checks.json")
         self._loaded: OrderedDict[str, Loaded] = OrderedDict()
         self._locks: dict[str, asyncio.Lock] = {}
         self.loading: set[str] = set()
         self.load_errors: dict[str, str] = {}
+        self.attempts: dict[str, list[tuple[str, str]]] = {}  # model -> [(candidate, why it failed)]
+        self.preference = Preference(settings.engine, settings.runtime, settings.device)
+        self.env = vulkan_visible_env(self.host.vulkan)
+        # ggml reads this when its Vulkan backend starts, i.e. before the first model loads.
+        os.environ.update(self.env)
 
     def is_loaded(self, model_id: str) -> bool:
         return model_id in self._loaded
 
     def loaded(self) -> list[Loaded]:
         return list(self._loaded.values())
+
+    def plan(self, spec: ModelSpec) -> Plan:
+        return plan(spec, self.host, self.preference, self.registry.formats(spec))
 
     async def get(self, spec: ModelSpec) -> Loaded:
         entry = self._loaded.get(spec.id)
@@ -69,56 +95,86 @@ class ModelManager:
 
     async def _load(self, spec: ModelSpec) -> Loaded:
         self.loading.add(spec.id)
+        failures: list[tuple[str, str]] = []
+        self.attempts[spec.id] = failures
         try:
-            candidates = plan(spec, self.settings.engine)
+            try:
+                the_plan = self.plan(spec)
+            except SelectionError as exc:
+                raise ModelLoadError(str(exc)) from exc
             await self._make_room()
-            errors = []
-            for cand in candidates:
-                t0 = time.perf_counter()
+            for cand in the_plan.candidates:
                 try:
                     path = await asyncio.to_thread(self.registry.resolve, spec, cand.format)
                 except ModelUnavailable as exc:
                     raise ModelNotAvailable(str(exc)) from exc
-                engine = self._factory(cand.runtime, self._config(spec, cand, str(path)))
-                labels = (spec.id, f"{cand.runtime}/{cand.backend}", cand.device)
-                try:
-                    await engine.load()
-                except EngineError as exc:
-                    self.metrics.loads.labels(*labels, "failed").inc()
-                    self.metrics.fallbacks.labels(spec.id, labels[1], "load_failed").inc()
-                    errors.append(f"{cand.runtime}/{cand.backend}: {exc}")
-                    log.warning("loading %s on %s/%s failed: %s", spec.id, cand.runtime, cand.backend, exc)
+                config = self._config(spec, cand, str(path))
+                t0 = time.perf_counter()
+                engine, why = await self._try(spec, cand, config)
+                if engine is None:
+                    failures.append((f"{cand.label} on {cand.device}", why))
+                    self.metrics.fallbacks.labels(spec.id, cand.label, "check_failed").inc()
+                    log.warning("%s on %s (%s) is not usable, trying the next candidate: %s",
+                                spec.id, cand.label, cand.device, why)
                     continue
                 dt = time.perf_counter() - t0
-                self.metrics.loads.labels(*labels, "ok").inc()
                 info = engine.info
                 self.metrics.build.labels(spec.id).info(
                     {"runtime": info.runtime, "version": info.version, "backend": info.backend, "device": info.device}
                 )
-                log.info("loaded %s on %s/%s (%s) in %.2fs", spec.id, cand.runtime, cand.backend, cand.device, dt)
-                entry = Loaded(spec, engine, cand, dt, time.monotonic())
+                reasons = [f"{s.what}: {s.why}" for s in the_plan.unusable()]
+                reasons += [f"{what}: {why}" for what, why in failures]
+                entry = Loaded(spec, engine, cand, dt, time.monotonic(), "; ".join(reasons), the_plan)
+                level = logging.WARNING if entry.fallback_reason else logging.INFO
+                log.log(level, "serving %s on %s (%s), loaded in %.2fs%s", spec.id, cand.label, cand.device, dt,
+                        f"; fell back because {entry.fallback_reason}" if entry.fallback_reason else "")
                 self._loaded[spec.id] = entry
                 self.load_errors.pop(spec.id, None)
                 return entry
-            raise ModelLoadError(f"model {spec.id!r} could not be loaded: " + "; ".join(errors))
+            raise ModelLoadError(
+                f"model {spec.id!r} could not be loaded: " + "; ".join(f"{w}: {y}" for w, y in failures)
+            )
         except EngineError as exc:
             self.load_errors[spec.id] = str(exc)
             raise
         finally:
             self.loading.discard(spec.id)
 
+    async def _try(self, spec: ModelSpec, cand: Candidate, config: EngineConfig) -> tuple[Engine | None, str]:
+        """Functional check (cached), load, one token. (engine, "") or (None, why)."""
+        labels = (spec.id, cand.label, cand.device)
+        key = fingerprint(cand.runtime, config, *fingerprint_parts(self.host, cand))
+        what = f"{spec.id} on {cand.label} {cand.device}"
+        if self.settings.functional_check:
+            cached = self.checks.get(key)
+            if cached is not None and not cached.ok:
+                self.metrics.loads.labels(*labels, "failed").inc()
+                return None, f"{cached.reason} (cached functional check; re-run with --recheck)"
+            if cached is None and self._checker is not None:
+                result = await asyncio.to_thread(self._checker, cand.runtime, config)
+                if not result.ok:
+                    self.checks.put(key, result, what)
+                    self.metrics.loads.labels(*labels, "failed").inc()
+                    return None, result.reason
+        engine = self._factory(cand.runtime, config)
+        try:
+            await engine.load()
+            if self.settings.functional_check:
+                await asyncio.wait_for(one_token(engine), self.settings.check_timeout)
+        except (EngineError, RuntimeError, TimeoutError) as exc:
+            self.metrics.loads.labels(*labels, "failed").inc()
+            await engine.close()
+            why = str(exc) or type(exc).__name__
+            if self.settings.functional_check:
+                self.checks.put(key, CheckResult(False, why), what)
+            return None, why
+        self.metrics.loads.labels(*labels, "ok").inc()
+        if self.settings.functional_check:
+            self.checks.put(key, CheckResult(True), what)
+        return engine, ""
+
     def _config(self, spec: ModelSpec, cand: Candidate, path: str) -> EngineConfig:
-        s = self.settings
-        return EngineConfig(
-            model_path=path,
-            context_length=spec.context_length,
-            parallel=s.parallel or spec.parallel or 4,
-            n_threads=s.threads,
-            max_queue=s.max_queue,
-            backend=cand.backend,
-            device=cand.device,
-            chat_template=spec.chat_template,
-        )
+        return engine_config(spec, cand, path, self.settings)
 
     async def _make_room(self) -> None:
         """Unload least recently used idle models until one more fits."""
@@ -137,6 +193,38 @@ class ModelManager:
         while self._loaded:
             _, entry = self._loaded.popitem()
             await entry.engine.close()
+
+
+def engine_config(spec: ModelSpec, cand: Candidate, path: str, settings: Settings) -> EngineConfig:
+    """How `spec` is instantiated on `cand`."""
+    return EngineConfig(
+        model_path=path,
+        context_length=spec.context_length,
+        parallel=settings.parallel or spec.parallel or 4,
+        n_threads=settings.threads,
+        max_queue=settings.max_queue,
+        backend=cand.backend,
+        device=cand.device,
+        device_key=cand.device_key,
+        chat_template=spec.chat_template,
+    )
+
+
+def fingerprint_parts(host: HostCapabilities, cand: Candidate) -> tuple[str, str]:
+    """(runtime build, driver) identities that a functional-check result depends on."""
+    if cand.runtime == "llamacpp":
+        build = f"llama-cpp-python {host.llamacpp.version} [{','.join(host.llamacpp.backends)}]"
+    elif cand.runtime == "ortgenai":
+        build = ",".join(f"{p}={v}" for p, v in host.ort.packages)
+    else:
+        build = cand.runtime
+    driver = ""
+    if cand.backend == "vulkan":
+        dev = next((d for d in host.vulkan.devices if d.index == cand.device_index), None)
+        driver = f"{dev.driver_name} {dev.driver_info} {dev.driver_version}" if dev else ""
+    elif cand.backend == "cuda":
+        driver = f"{host.cuda.driver_version} cuda {host.cuda.cuda_version}"
+    return build, driver
 
 
 def _idle(engine: Engine) -> bool:

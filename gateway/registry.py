@@ -68,7 +68,13 @@ class ModelSpec(_Strict):
     description: str = ""
     context_length: int = Field(default=2048, ge=16, description="tokens per request")
     formats: dict[str, Source] = Field(description="runtime format (gguf, onnx, coreml) -> source")
-    runtimes: list[str] = Field(default_factory=lambda: ["llamacpp"], description="runtime preference order")
+    runtimes: list[str] | None = Field(
+        default=None, description="runtimes allowed, preferred first (llamacpp, ortgenai, coreml); all when unset"
+    )
+    engines: list[str] | None = Field(
+        default=None,
+        description="engine preference for --engine auto, e.g. [cuda, vulkan, cpu]; the built-in order when unset",
+    )
     parallel: int | None = Field(default=None, ge=1, le=64, description="sequences decoded together")
     chat_template: str | None = Field(default=None, description="Jinja chat template overriding the model's")
     defaults: Defaults = Defaults()
@@ -111,6 +117,10 @@ class Registry:
         return self.models.get(model_id)
 
     # --- files -------------------------------------------------------------------------
+
+    def formats(self, spec: ModelSpec) -> set[str]:
+        """The formats this model can be served in."""
+        return set(spec.formats)
 
     def local_path(self, spec: ModelSpec, fmt: str) -> Path | None:
         """Where the model's file is if it is present now (no download, no assembly)."""

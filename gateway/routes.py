@@ -82,15 +82,19 @@ async def health(request: Request) -> JSONResponse:
         c = entry.candidate
         models[entry.spec.id] = {
             "ready": h.ready,
-            "engine": f"{c.runtime}/{c.backend}",
+            "engine": c.label,
             "device": c.device,
             "running": h.running,
             "waiting": h.waiting,
+            "fallback_reason": entry.fallback_reason or None,
         }
     for mid in manager.loading:
         models.setdefault(mid, {"ready": False, "status": "loading"})
     for mid, err in manager.load_errors.items():
         models.setdefault(mid, {"ready": False, "status": "failed", "error": err})
+    for mid, failures in manager.attempts.items():
+        if mid in models and failures:
+            models[mid]["failed_candidates"] = [{"candidate": w, "reason": y} for w, y in failures]
     ready = default in models and models[default].get("ready", False)
     status = "ok" if ready else ("loading" if default in manager.loading or request.app.state.preloading else "error")
     if not request.app.state.preload and not ready and default not in manager.load_errors:

@@ -151,6 +151,12 @@ async def _merge(streams: list[AsyncIterator[TokenEvent]]) -> AsyncIterator[tupl
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def _header_value(text: str, limit: int = 1024) -> str:
+    """HTTP header values are Latin-1 and one line; reasons are free text."""
+    flat = " ".join(text.split())
+    return flat.encode("ascii", "replace").decode()[:limit]
+
+
 @dataclass
 class Prepared:
     """A validated request, bound to a loaded engine, ready to run."""
@@ -164,7 +170,10 @@ class Prepared:
     @property
     def headers(self) -> dict[str, str]:
         c = self.loaded.candidate
-        return {"X-Engine": f"{c.runtime}/{c.backend}", "X-Device": c.device}
+        out = {"X-Engine": c.label, "X-Device": _header_value(c.device)}
+        if self.loaded.fallback_reason:
+            out["X-Fallback-Reason"] = _header_value(self.loaded.fallback_reason)
+        return out
 
     async def events(self) -> AsyncIterator[tuple[int, TokenEvent]]:
         """The engine's events, timed by the request's observer, which records the outcome."""

@@ -24,6 +24,8 @@ class Settings:
     config: str = ""
     model: str | None = None  # the default model; models.yaml's `default` when unset
     engine: str = "auto"
+    runtime: str | None = None  # pin a runtime: llamacpp, ortgenai, coreml
+    device: str | None = None  # GPU index or part of its name
     max_resident: int = 2  # models kept loaded at once (LRU)
     parallel: int | None = None  # sequences per model; models.yaml / runtime default when unset
     threads: int = 0  # CPU threads per model; 0 = all cores
@@ -31,6 +33,9 @@ class Settings:
     preload: bool = True  # load the default model at start-up (/health is 503 until done)
     log_level: str = "info"
     api_key: str | None = None  # when set, requests need "Authorization: Bearer <key>"
+    functional_check: bool = True  # load + one token before an engine is trusted
+    isolate_check: bool = True  # run that check in a child process first (survives driver crashes)
+    check_timeout: float = 300.0  # seconds; Vulkan on a software device compiles pipelines slowly
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides: Any) -> Settings:
@@ -41,6 +46,8 @@ class Settings:
             config=e.get("GATEWAY_CONFIG", "") or _default_config(),
             model=e.get("GATEWAY_MODEL") or None,
             engine=e.get("GATEWAY_ENGINE", cls.engine),
+            runtime=e.get("GATEWAY_RUNTIME") or None,
+            device=e.get("GATEWAY_DEVICE") or None,
             max_resident=int(e.get("GATEWAY_MAX_MODELS", cls.max_resident)),
             parallel=int(e["GATEWAY_PARALLEL"]) if e.get("GATEWAY_PARALLEL") else None,
             threads=int(e.get("GATEWAY_THREADS", cls.threads)),
@@ -48,5 +55,8 @@ class Settings:
             preload=e.get("GATEWAY_PRELOAD", "1") not in ("0", "false", "no"),
             log_level=e.get("GATEWAY_LOG_LEVEL", cls.log_level),
             api_key=e.get("GATEWAY_API_KEY") or None,
+            functional_check=e.get("GATEWAY_FUNCTIONAL_CHECK", "1") not in ("0", "false", "no"),
+            isolate_check=e.get("GATEWAY_ISOLATE_CHECK", "1") not in ("0", "false", "no"),
+            check_timeout=float(e.get("GATEWAY_CHECK_TIMEOUT", cls.check_timeout)),
         )
         return replace(s, **{k: v for k, v in overrides.items() if v is not None})

@@ -58,7 +58,8 @@ def test_disconnect_mid_stream_frees_engine(gateway_url: str) -> None:
         assert not _idle(gateway_url)
     t0 = time.monotonic()
     while not _idle(gateway_url):
-        assert time.monotonic() - t0 < 1.0, "generation still running 1 s after the client left"
+        # Uncancelled, 1500 tokens would take ~20 s; 5 s leaves room for a loaded CI machine.
+        assert time.monotonic() - t0 < 5.0, "generation still running 5 s after the client left"
         time.sleep(0.02)
     # The engine serves the next request normally.
     r2 = httpx.post(f"{gateway_url}/v1/chat/completions", json={"model": MODEL, "messages": body["messages"], "max_tokens": 3}, timeout=30)

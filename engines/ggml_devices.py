@@ -1,0 +1,141 @@
+"""ggml's backend registry, read through ctypes from the libraries llama-cpp-python loads.
+
+llama-cpp-python binds llama.h but not ggml-backend.h, yet the devices a build can use
+(`CPU`, `Vulkan0`, `CUDA0`, `MTL0` …) live there. We open the same `libggml` that
+`libllama` already loaded (dlopen returns the loaded copy) and declare the few functions
+we need.
+
+`python -m engines.ggml_devices` prints the installed build as JSON; the host probe runs it
+in a child process so a backend that crashes while initialising cannot take the gateway down.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+DEVICE_TYPES = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel", 4: "meta"}
+
+
+@dataclass(frozen=True)
+class GgmlDevice:
+    name: str  # ggml's name, e.g. "Vulkan0"; what llama.cpp calls the device
+    description: str  # the driver's device name, e.g. "NVIDIA H100 80GB HBM3"
+    type: str
+    backend: str  # the registry the device belongs to, e.g. "Vulkan"
+    memory_free: int
+    memory_total: int
+
+
+def _lib_dir() -> Path:
+    override = os.environ.get("LLAMA_CPP_LIB_PATH")
+    if override:
+        return Path(override)
+    import llama_cpp
+
+    return Path(llama_cpp.__file__).resolve().parent / "lib"
+
+
+def _ggml() -> ctypes.CDLL:
+    """The loaded libggml (loading llama_cpp first so the same copy is used)."""
+    import llama_cpp  # noqa: F401 - loads libllama and, with it, libggml
+
+    d = _lib_dir()
+    for name in ("libggml.so", "libggml.dylib", "ggml.dll"):
+        if (d / name).exists():
+            lib = ctypes.CDLL(str(d / name))
+            break
+    else:
+        raise OSError(f"libggml not found in {d}")
+    vp = ctypes.c_void_p
+    sigs: dict[str, tuple[list[Any], Any]] = {
+        "ggml_backend_reg_count": ([], ctypes.c_size_t),
+        "ggml_backend_reg_get": ([ctypes.c_size_t], vp),
+        "ggml_backend_reg_name": ([vp], ctypes.c_char_p),
+        "ggml_backend_dev_count": ([], ctypes.c_size_t),
+        "ggml_backend_dev_get": ([ctypes.c_size_t], vp),
+        "ggml_backend_dev_by_name": ([ctypes.c_char_p], vp),
+        "ggml_backend_dev_name": ([vp], ctypes.c_char_p),
+        "ggml_backend_dev_description": ([vp], ctypes.c_char_p),
+        "ggml_backend_dev_type": ([vp], ctypes.c_int),
+        "ggml_backend_dev_backend_reg": ([vp], vp),
+        "ggml_backend_dev_memory": ([vp, ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t)], None),
+    }
+    for fname, (args, res) in sigs.items():
+        fn = getattr(lib, fname)
+        fn.argtypes = args
+        fn.restype = res
+    return lib
+
+
+def backends() -> list[str]:
+    """Names of the backends compiled into (or loaded by) this build: CPU, Vulkan, CUDA, Metal…"""
+    lib = _ggml()
+    return [lib.ggml_backend_reg_name(lib.ggml_backend_reg_get(i)).decode() for i in range(lib.ggml_backend_reg_count())]
+
+
+def devices() -> list[GgmlDevice]:
+    lib = _ggml()
+    out = []
+    for i in range(lib.ggml_backend_dev_count()):
+        dev = lib.ggml_backend_dev_get(i)
+        free, total = ctypes.c_size_t(), ctypes.c_size_t()
+        lib.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
+        reg = lib.ggml_backend_dev_backend_reg(dev)
+        out.append(GgmlDevice(
+            name=lib.ggml_backend_dev_name(dev).decode(),
+            description=(lib.ggml_backend_dev_description(dev) or b"").decode(errors="replace"),
+            type=DEVICE_TYPES.get(lib.ggml_backend_dev_type(dev), "other"),
+            backend=lib.ggml_backend_reg_name(reg).decode() if reg else "",
+            memory_free=free.value,
+            memory_total=total.value,
+        ))
+    return out
+
+
+def device_list(names: list[str]) -> tuple[Any, list[str]]:
+    """A NULL-terminated `ggml_backend_dev_t[]` for llama_model_params.devices.
+
+    An empty `names` gives an empty list: the model stays on the CPU even in a GPU build.
+    Returns the array (keep it alive while the model loads) and the names not found.
+    """
+    lib = _ggml()
+    handles: list[int] = []
+    missing: list[str] = []
+    for name in names:
+        dev = lib.ggml_backend_dev_by_name(name.encode())
+        if dev:
+            handles.append(dev)
+        else:
+            missing.append(name)
+    arr = (ctypes.c_void_p * (len(handles) + 1))(*handles, None)
+    return arr, missing
+
+
+def build_report() -> dict[str, Any]:
+    """What the installed llama-cpp-python can do, as JSON-ready data."""
+    report: dict[str, Any] = {"installed": False, "version": None, "backends": [], "devices": [], "error": None}
+    try:
+        import llama_cpp
+    except Exception as exc:  # noqa: BLE001 - a broken build is reported, not raised
+        report["error"] = f"llama-cpp-python cannot be imported: {exc}"
+        return report
+    report["installed"] = True
+    report["version"] = getattr(llama_cpp, "__version__", None)
+    report["lib_dir"] = str(_lib_dir())
+    try:
+        report["backends"] = backends()
+        report["devices"] = [asdict(d) for d in devices()]
+        report["gpu_offload"] = bool(llama_cpp.llama_supports_gpu_offload())
+    except (OSError, AttributeError) as exc:
+        report["error"] = f"cannot read the ggml backend registry: {exc}"
+    return report
+
+
+if __name__ == "__main__":
+    json.dump(build_report(), sys.stdout)

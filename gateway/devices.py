@@ -1,0 +1,162 @@
+"""`gateway devices`: what this host has, what the installed engines can use, and the plan."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from gateway.functional_check import CheckCache, fingerprint, run_isolated
+from gateway.hardware import EP_MATRIX, HostCapabilities, probe_host, vulkan_visible_env
+from gateway.pool import engine_config, fingerprint_parts
+from gateway.registry import RegistryError, load_registry
+from gateway.selection import Plan, Preference, SelectionError, plan
+from gateway.settings import ENGINE_CHOICES, Settings
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n else "-"
+
+
+def _table(rows: list[tuple[str, ...]], indent: str = "  ") -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return [indent + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+
+
+def render(host: HostCapabilities, plans: dict[str, Plan | str], checks: dict[str, Any]) -> str:
+    c = host.cpu
+    lines = [
+        f"Host      {host.os}, {c.arch}",
+        f"CPU       {c.model or '?'}: {c.physical_cores} cores ({c.logical_cores} threads), "
+        f"{_gib(c.memory_bytes)}, SIMD {' '.join(c.simd) or '-'}",
+    ]
+    vk = host.vulkan
+    head = f"Vulkan    loader {vk.loader} (API {vk.loader_api_version or '?'})" if vk.loader else "Vulkan    no loader"
+    lines.append(head + ("" if vk.devices else f": {vk.reason}"))
+    if vk.devices:
+        rows = [("#", "NAME", "TYPE", "API", "DRIVER", "VENDOR:DEVICE", "LOCAL MEM", "MAX WORKGROUP", "INVOC", "SHARED", "SUBGROUP")]
+        for d in vk.devices:
+            rows.append((
+                str(d.index), d.name, d.type, d.api_version, f"{d.driver_name} {d.driver_info}".strip() or str(d.driver_version),
+                f"{d.vendor} {d.vendor_id:#06x}:{d.device_id:#06x}", _gib(d.device_local_bytes),
+                "x".join(map(str, d.max_compute_workgroup_size)), str(d.max_compute_workgroup_invocations),
+                f"{d.max_compute_shared_memory_bytes // 1024} KiB", str(d.subgroup_size or "-"),
+            ))
+        lines += _table(rows)
+    for drv in vk.drivers:
+        lines.append(f"  driver {drv.library or drv.manifest}: {'ok' if drv.ok else drv.error}")
+    cu = host.cuda
+    if cu.devices:
+        lines.append(f"CUDA      driver {cu.driver_version or '?'}, CUDA {cu.cuda_version or '?'}"
+                     + (f", CUDA_VISIBLE_DEVICES={cu.visible_devices}" if cu.visible_devices is not None else ""))
+        lines += _table([("#", "NAME", "MEMORY", "COMPUTE")] + [
+            (str(d.index), d.name, _gib(d.memory_bytes), d.compute_capability) for d in cu.devices
+        ])
+    else:
+        lines.append(f"CUDA      {cu.error}")
+    for name, rt in (("Metal", host.metal), ("DirectML", host.directml), ("CoreML", host.coreml)):
+        lines.append(f"{name:<9} {'available: ' + rt.detail if rt.available else rt.reason}")
+    b = host.llamacpp
+    if b.installed:
+        lines.append(f"llama.cpp llama-cpp-python {b.version}, backends: {', '.join(b.backends) or '-'}")
+        lines += [f"  {name:<9} {desc} ({kind})" for name, desc, kind in b.devices]
+        if b.error:
+            lines.append(f"  {b.error}")
+    else:
+        lines.append(f"llama.cpp {b.error}")
+    o = host.ort
+    pk = ", ".join(f"{p} {v}" for p, v in o.packages) or "none"
+    lines.append(f"ONNX Runtime packages: {pk}" + (f" ({o.error})" if o.error and o.packages else ""))
+    rows = [("", "EXECUTION PROVIDER", "OS", "GPU", "PACKAGE")]
+    rows += [("[x]" if ep in o.providers else "[ ]", ep, os_, gpu, pkg) for ep, os_, gpu, pkg in EP_MATRIX]
+    lines += _table(rows)
+    for model_id, p in plans.items():
+        lines.append(f"Plan for {model_id}:")
+        if isinstance(p, str):
+            lines.append(f"  none: {p}")
+            continue
+        for i, cand in enumerate(p.candidates, 1):
+            check = checks.get(f"{model_id}|{cand.label}|{cand.device_key}")
+            state = "not checked yet" if check is None else ("check ok" if check["ok"] else f"check FAILED: {check['reason']}")
+            lines.append(f"  {i}. {cand.label} on {cand.device}{f' [{cand.device_key}]' if cand.device_key else ''}: {state}")
+        for s in p.skipped:
+            lines.append(f"  - {s.what}: {s.why}" + (" (fallback)" if s.kind == "unusable" else ""))
+    return "\n".join(lines)
+
+
+def _devices(args: argparse.Namespace) -> int:
+    settings = Settings.from_env(config=args.config, engine=args.engine, runtime=args.runtime, device=args.device)
+    try:
+        registry = load_registry(settings.config)
+    except RegistryError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    host = probe_host()
+    cache = CheckCache(Path(registry.cache_dir) / "functional-checks.json")
+    if args.recheck:
+        cache.clear()
+    ids = [args.model] if args.model else [registry.default or next(iter(registry.models))]
+    pref = Preference(settings.engine, settings.runtime, settings.device)
+    plans: dict[str, Plan | str] = {}
+    checks: dict[str, Any] = {}
+    for mid in ids:
+        spec = registry.get(mid)
+        if spec is None:
+            print(f"error: unknown model {mid!r}", file=sys.stderr)
+            return 2
+        try:
+            p = plan(spec, host, pref, registry.formats(spec))
+        except SelectionError as exc:
+            plans[mid] = str(exc)
+            continue
+        plans[mid] = p
+        for cand in p.candidates:
+            path = registry.local_path(spec, cand.format)
+            if path is None:
+                continue
+            config = engine_config(spec, cand, str(path), settings)
+            key = fingerprint(cand.runtime, config, *fingerprint_parts(host, cand))
+            result = cache.get(key)
+            if result is None and (args.check or args.recheck):
+                result = run_isolated(cand.runtime, config, settings.check_timeout, vulkan_visible_env(host.vulkan))
+                cache.put(key, result, f"{mid} on {cand.label} {cand.device}")
+            if result is not None:
+                checks[f"{mid}|{cand.label}|{cand.device_key}"] = {"ok": result.ok, "reason": result.reason}
+    if args.json:
+        out = {
+            "host": host.to_dict(),
+            "ep_matrix": [
+                {"provider": ep, "os": os_, "gpu": gpu, "package": pkg, "available": ep in host.ort.providers}
+                for ep, os_, gpu, pkg in EP_MATRIX
+            ],
+            "plans": {
+                mid: ({"error": p} if isinstance(p, str) else {
+                    "candidates": [
+                        {"runtime": c.runtime, "engine": c.backend, "device": c.device, "device_key": c.device_key,
+                         "check": checks.get(f"{mid}|{c.label}|{c.device_key}")}
+                        for c in p.candidates
+                    ],
+                    "skipped": [{"what": s.what, "why": s.why, "kind": s.kind} for s in p.skipped],
+                })
+                for mid, p in plans.items()
+            },
+        }
+        print(json.dumps(out, indent=2))
+    else:
+        print(render(host, plans, checks))
+    return 0 if all(not isinstance(p, str) for p in plans.values()) else 1
+
+
+def add_parser(sub: Any) -> None:
+    d = sub.add_parser("devices", help="show the host's devices, engine builds and the selection plan")
+    d.add_argument("--json", action="store_true", help="machine-readable output")
+    d.add_argument("--model", help="plan for this model (default: models.yaml's default)")
+    d.add_argument("--engine", choices=ENGINE_CHOICES, default=None, help="plan under this --engine (default auto)")
+    d.add_argument("--runtime", default=None, help="pin a runtime (llamacpp, ortgenai, coreml)")
+    d.add_argument("--device", default=None, help="GPU index or part of its name")
+    d.add_argument("--config", default=None, help="models.yaml path")
+    d.add_argument("--check", action="store_true", help="run the functional check for unchecked candidates now")
+    d.add_argument("--recheck", action="store_true", help="forget cached check results and check again")
+    d.set_defaults(func=_devices)

@@ -1,0 +1,361 @@
+"""What this host really has: a typed, injectable probe.
+
+`probe_host()` builds one frozen `HostCapabilities`; tests build their own. Each native
+probe (Vulkan loader, CUDA driver, the installed llama.cpp build, ONNX Runtime) runs in a
+child process with a time limit, so a missing library is a reported absence and a driver
+that crashes is a reported crash — never the gateway's crash.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import logging
+import os
+import platform
+import signal
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+PROBE_TIMEOUT_S = 60.0
+
+# Seed 000 §2.6: ONNX Runtime execution providers, where they run and what provides them.
+EP_MATRIX: tuple[tuple[str, str, str, str], ...] = (
+    ("CPUExecutionProvider", "All", "N/A", "onnxruntime"),
+    ("CUDAExecutionProvider", "Lin/Win", "NVIDIA", "onnxruntime-gpu"),
+    ("DmlExecutionProvider", "Windows", "Any", "onnxruntime-directml"),
+    ("ROCMExecutionProvider", "Linux", "AMD", "onnxruntime-rocm"),
+    ("CoreMLExecutionProvider", "macOS/iOS", "Apple", "onnxruntime-silicon"),
+    ("TensorrtExecutionProvider", "Lin/Win", "NVIDIA", "onnxruntime-gpu"),
+    ("OpenVINOExecutionProvider", "All", "Intel", "onnxruntime-openvino"),
+)
+ORT_PACKAGES = (
+    "onnxruntime-genai", "onnxruntime-genai-cuda", "onnxruntime-genai-directml",
+    "onnxruntime", "onnxruntime-gpu", "onnxruntime-directml",
+)
+
+
+@dataclass(frozen=True)
+class VulkanDevice:
+    index: int  # the loader's enumeration order
+    name: str
+    type: str  # discrete, integrated, virtual, cpu, other
+    api_version: str
+    driver_name: str
+    driver_info: str
+    driver_version: int
+    vendor: str
+    vendor_id: int
+    device_id: int
+    device_local_bytes: int
+    max_compute_workgroup_size: tuple[int, int, int]
+    max_compute_workgroup_invocations: int
+    max_compute_shared_memory_bytes: int
+    subgroup_size: int = 0
+
+
+@dataclass(frozen=True)
+class VulkanDriver:
+    manifest: str
+    library: str = ""
+    ok: bool = False
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class VulkanInfo:
+    loader: str | None = None
+    loader_api_version: str = ""
+    devices: tuple[VulkanDevice, ...] = ()
+    drivers: tuple[VulkanDriver, ...] = ()
+    error: str | None = None
+
+    @property
+    def reason(self) -> str:
+        """Why there is no usable device, in the words a user needs."""
+        if self.devices:
+            return ""
+        broken = [d for d in self.drivers if d.error]
+        missing_loader = self.loader is None
+        if broken:
+            why = "; ".join(f"{d.library or d.manifest}: {d.error}" for d in broken)
+            msg = f"Vulkan driver present but failed to initialise: {why}"
+            if missing_loader:
+                msg += " (and the Vulkan loader libvulkan.so.1 is not installed)"
+            return msg
+        if missing_loader:
+            return "no Vulkan loader (libvulkan.so.1 / vulkan-1.dll) is installed"
+        return self.error or "no Vulkan device"
+
+
+@dataclass(frozen=True)
+class CudaDevice:
+    index: int
+    name: str
+    memory_bytes: int
+    compute_capability: str
+
+
+@dataclass(frozen=True)
+class CudaInfo:
+    devices: tuple[CudaDevice, ...] = ()
+    driver_version: str | None = None
+    cuda_version: str | None = None
+    visible_devices: str | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class CpuInfo:
+    model: str = ""
+    arch: str = ""
+    logical_cores: int = 1
+    physical_cores: int = 1
+    simd: tuple[str, ...] = ()
+    memory_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class PlatformRuntime:
+    """DirectML or CoreML: present or not, and why."""
+
+    available: bool = False
+    reason: str = ""
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class LlamaCppBuild:
+    installed: bool = False
+    version: str | None = None
+    backends: tuple[str, ...] = ()  # ggml registries: CPU, Vulkan, CUDA, Metal…
+    devices: tuple[tuple[str, str, str], ...] = ()  # (ggml name, description, type)
+    error: str | None = None
+
+    def has(self, backend: str) -> bool:
+        return any(b.lower() == backend.lower() for b in self.backends)
+
+
+@dataclass(frozen=True)
+class OrtBuild:
+    packages: tuple[tuple[str, str], ...] = ()  # (distribution, version)
+    providers: tuple[str, ...] = ()  # onnxruntime.get_available_providers()
+    error: str | None = None
+
+    def has_package(self, name: str) -> bool:
+        return any(p == name for p, _ in self.packages)
+
+    @property
+    def genai(self) -> bool:
+        return any(p.startswith("onnxruntime-genai") for p, _ in self.packages)
+
+
+@dataclass(frozen=True)
+class HostCapabilities:
+    os: str
+    cpu: CpuInfo
+    vulkan: VulkanInfo = field(default_factory=VulkanInfo)
+    cuda: CudaInfo = field(default_factory=CudaInfo)
+    directml: PlatformRuntime = field(default_factory=PlatformRuntime)
+    coreml: PlatformRuntime = field(default_factory=PlatformRuntime)
+    metal: PlatformRuntime = field(default_factory=PlatformRuntime)
+    llamacpp: LlamaCppBuild = field(default_factory=LlamaCppBuild)
+    ort: OrtBuild = field(default_factory=OrtBuild)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# --- child-process probes ----------------------------------------------------------------
+
+
+def run_child(module: str, timeout: float = PROBE_TIMEOUT_S, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run `python -m module`, which prints one JSON object; failures become {"error": …}."""
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", module], capture_output=True, text=True, timeout=timeout,
+            env={**os.environ, **(env or {})},
+        )
+    except subprocess.TimeoutExpired:
+        return {"error": f"probe {module} did not finish within {timeout:.0f}s"}
+    if proc.returncode < 0:
+        sig = signal.Signals(-proc.returncode).name
+        return {"error": f"probe {module} crashed ({sig}): {proc.stderr.strip()[-300:]}"}
+    try:
+        out = json.loads(proc.stdout)
+    except ValueError:
+        return {"error": f"probe {module} failed (exit {proc.returncode}): {proc.stderr.strip()[-300:]}"}
+    return out if isinstance(out, dict) else {"error": f"probe {module} printed {out!r}"}
+
+
+def vulkan_visible_env(vulkan: VulkanInfo) -> dict[str, str]:
+    """Make every Vulkan device visible to ggml, so ggml's `VulkanN` is the loader's device N.
+
+    ggml hides CPU-type devices (lavapipe) unless GGML_VK_VISIBLE_DEVICES names them; the
+    gateway decides itself which device a model uses, by name. A user's own setting wins.
+    """
+    if "GGML_VK_VISIBLE_DEVICES" in os.environ or not vulkan.devices:
+        return {}
+    return {"GGML_VK_VISIBLE_DEVICES": ",".join(str(d.index) for d in vulkan.devices)}
+
+
+def _vulkan_device(d: dict[str, Any]) -> VulkanDevice:
+    known = {f.name for f in fields(VulkanDevice)}
+    kw = {k: v for k, v in d.items() if k in known}
+    kw["max_compute_workgroup_size"] = tuple(kw["max_compute_workgroup_size"])
+    return VulkanDevice(**kw)
+
+
+def probe_vulkan() -> VulkanInfo:
+    r = run_child("gateway.vulkan_probe")
+    return VulkanInfo(
+        loader=r.get("loader"),
+        loader_api_version=r.get("loader_api_version", ""),
+        devices=tuple(_vulkan_device(d) for d in r.get("devices", [])),
+        drivers=tuple(
+            VulkanDriver(d.get("manifest", ""), d.get("library", ""), bool(d.get("ok")), d.get("error", ""))
+            for d in r.get("drivers", [])
+        ),
+        error=r.get("error"),
+    )
+
+
+def probe_cuda() -> CudaInfo:
+    r = run_child("gateway.cuda_probe")
+    return CudaInfo(
+        devices=tuple(CudaDevice(**d) for d in r.get("devices", [])),
+        driver_version=r.get("driver_version"),
+        cuda_version=r.get("cuda_version"),
+        visible_devices=r.get("visible_devices"),
+        error=r.get("error"),
+    )
+
+
+def probe_llamacpp(vulkan: VulkanInfo) -> LlamaCppBuild:
+    r = run_child("engines.ggml_devices", env=vulkan_visible_env(vulkan))
+    return LlamaCppBuild(
+        installed=bool(r.get("installed")),
+        version=r.get("version"),
+        backends=tuple(r.get("backends", [])),
+        devices=tuple((d["name"], d["description"], d["type"]) for d in r.get("devices", [])),
+        error=r.get("error"),
+    )
+
+
+def _ort_child() -> dict[str, Any]:
+    try:
+        import onnxruntime
+    except Exception as exc:  # noqa: BLE001 - absence is reported
+        return {"providers": [], "error": f"onnxruntime cannot be imported: {exc}"}
+    return {"providers": list(onnxruntime.get_available_providers())}
+
+
+def probe_ort() -> OrtBuild:
+    packages = []
+    for name in ORT_PACKAGES:
+        try:
+            packages.append((name, importlib.metadata.version(name)))
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    if not packages:
+        return OrtBuild(error="no ONNX Runtime package is installed")
+    r = run_child("gateway.hardware")
+    return OrtBuild(packages=tuple(packages), providers=tuple(r.get("providers", [])), error=r.get("error"))
+
+
+def probe_cpu() -> CpuInfo:
+    model, flags, cores = "", set(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            phys = core = ""
+            for line in f:
+                key, _, value = line.partition(":")
+                key, value = key.strip(), value.strip()
+                if key in ("model name", "Processor") and not model:
+                    model = value
+                elif key in ("flags", "Features") and not flags:
+                    flags = set(value.split())
+                elif key == "physical id":
+                    phys = value
+                elif key == "core id":
+                    core = value
+                    cores.add((phys, core))
+    except OSError:
+        model = platform.processor()
+    wanted = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16",
+              "amx_tile", "amx_int8", "amx_bf16", "neon", "asimd", "asimddp", "sve", "i8mm")
+    simd = tuple(f for f in wanted if f in flags)
+    if platform.machine() == "arm64" and platform.system() == "Darwin":
+        simd = ("neon",)
+    mem = 0
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    mem = int(line.split()[1]) * 1024
+    except OSError:
+        try:
+            mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            mem = 0
+    logical = os.cpu_count() or 1
+    return CpuInfo(model=model, arch=platform.machine(), logical_cores=logical,
+                   physical_cores=len(cores) or logical, simd=simd, memory_bytes=mem)
+
+
+def probe_directml(ort: OrtBuild) -> PlatformRuntime:
+    if platform.system() != "Windows":
+        return PlatformRuntime(False, "DirectML needs Windows with a DirectX 12 adapter")
+    if not ort.has_package("onnxruntime-genai-directml"):
+        return PlatformRuntime(False, "onnxruntime-genai-directml is not installed (pip install onnxruntime-genai-directml)")
+    if ort.providers and "DmlExecutionProvider" not in ort.providers:
+        return PlatformRuntime(False, "ONNX Runtime here has no DmlExecutionProvider")
+    return PlatformRuntime(True, "", "onnxruntime-genai-directml")
+
+
+def probe_coreml() -> PlatformRuntime:
+    if platform.system() != "Darwin":
+        return PlatformRuntime(False, "CoreML prediction needs macOS (coremltools on Linux can only convert)")
+    try:
+        importlib.metadata.version("coremltools")
+    except importlib.metadata.PackageNotFoundError:
+        return PlatformRuntime(False, "coremltools is not installed (pip install coremltools)")
+    silicon = platform.machine() == "arm64"
+    return PlatformRuntime(True, "", "Apple silicon with Neural Engine" if silicon else "Intel Mac (no Neural Engine)")
+
+
+def probe_metal() -> PlatformRuntime:
+    if platform.system() != "Darwin":
+        return PlatformRuntime(False, "Metal needs macOS")
+    return PlatformRuntime(True, "", "Apple GPU")
+
+
+def probe_host() -> HostCapabilities:
+    """Probe everything; the native parts in parallel child processes."""
+    with ThreadPoolExecutor(3) as pool:
+        vulkan_f = pool.submit(probe_vulkan)
+        cuda_f = pool.submit(probe_cuda)
+        ort_f = pool.submit(probe_ort)
+        vulkan = vulkan_f.result()
+        llamacpp = probe_llamacpp(vulkan)
+        cuda, ort = cuda_f.result(), ort_f.result()
+    return HostCapabilities(
+        os=f"{platform.system()} {platform.release()}",
+        cpu=probe_cpu(),
+        vulkan=vulkan,
+        cuda=cuda,
+        directml=probe_directml(ort),
+        coreml=probe_coreml(),
+        metal=probe_metal(),
+        llamacpp=llamacpp,
+        ort=ort,
+    )
+
+
+if __name__ == "__main__":
+    json.dump(_ort_child(), sys.stdout)
