@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import socket
 import statistics
 import subprocess
@@ -46,10 +47,10 @@ def stream_once(url: str, tokens: int) -> dict[str, float]:
     return {"ttft": stamps[0] - t0, "decode_tps": (n - 1) / (stamps[-1] - stamps[0]), "tokens": n, "e2e": stamps[-1] - t0}
 
 
-def direct(model_path: str, tokens: int, runs: int, threads: int) -> list[dict[str, float]]:
+def direct(model_path: str, tokens: int, runs: int, threads: int, gpu_layers: int = 0) -> list[dict[str, float]]:
     from llama_cpp import Llama
 
-    llm = Llama(model_path=model_path, n_ctx=2048, n_threads=threads or None, verbose=False)
+    llm = Llama(model_path=model_path, n_ctx=2048, n_threads=threads or None, n_gpu_layers=gpu_layers, verbose=False)
     eos = llm.token_eos()
     out = []
     for _ in range(runs + 1):
@@ -69,18 +70,21 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--concurrency", default="1,4,8")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--config", default=str(ROOT / "models.yaml"), help="models.yaml to take the model from")
+    ap.add_argument("--gpu-layers", type=int, default=0, help="direct llama-cpp-python run: layers on the GPU (-1 all)")
+    ap.add_argument("--gateway", default=str(ROOT / ".venv/bin/gateway"), help="command that runs the gateway CLI")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
     from gateway.registry import load_registry
 
-    reg = load_registry(ROOT / "models.yaml")
+    reg = load_registry(args.config)
     model_path = str(reg.resolve(reg.models[MODEL], "gguf"))
     conc = [int(c) for c in args.concurrency.split(",")]
     port = _port()
     url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "GATEWAY_LOG_LEVEL": "warning"}
+    env = {**os.environ, "GATEWAY_LOG_LEVEL": "warning", "GATEWAY_CONFIG": args.config}
     t_spawn = time.perf_counter()
-    proc = subprocess.Popen([str(ROOT / ".venv/bin/gateway"), "serve", "--port", str(port), "--parallel", str(max(conc))],
+    proc = subprocess.Popen([*shlex.split(args.gateway), "serve", "--port", str(port), "--parallel", str(max(conc))],
                             env=env, cwd=ROOT)
     results: dict[str, object] = {}
     try:
@@ -110,7 +114,7 @@ def main() -> int:
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-    results["direct_single"] = direct(model_path, args.tokens, args.runs, 0)
+    results["direct_single"] = direct(model_path, args.tokens, args.runs, 0, args.gpu_layers)
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     gw_tps = statistics.median(r["decode_tps"] for r in results["gateway_single"])  # type: ignore[union-attr,index]

@@ -12,6 +12,7 @@ in a child process so a backend that crashes while initialising cannot take the 
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import json
 import os
 import sys
@@ -127,7 +128,15 @@ def build_report() -> dict[str, Any]:
         return report
     report["installed"] = True
     report["version"] = getattr(llama_cpp, "__version__", None)
-    report["lib_dir"] = str(_lib_dir())
+    lib_dir = _lib_dir()
+    report["lib_dir"] = str(lib_dir)
+    # Identifies the build itself: a rebuild or relink of the same version changes it.
+    ids = []
+    for lib in sorted(lib_dir.glob("lib*.so*")) + sorted(lib_dir.glob("*.dll")) + sorted(lib_dir.glob("*.dylib")):
+        if lib.is_file() and not lib.is_symlink():
+            st = lib.stat()
+            ids.append(f"{lib.name}:{st.st_size}:{int(st.st_mtime)}")
+    report["build_id"] = hashlib.sha256("|".join(ids).encode()).hexdigest()[:16]
     try:
         report["backends"] = backends()
         report["devices"] = [asdict(d) for d in devices()]

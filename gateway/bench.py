@@ -110,7 +110,7 @@ def summarise(results: list[Result], duration: float, slo_ttft: float | None, sl
     }
     for name, vals in series.items():
         out[name] = {"mean": statistics.fmean(vals) if vals else float("nan"),
-                     **{f"p{int(q * 100)}": _pct(vals, q) for q in (0.5, 0.9, 0.99)}}
+                     **{f"p{int(q * 100)}": _pct(vals, q) for q in (0.5, 0.9, 0.95, 0.99)}}
     good = [r for r in ok if (slo_ttft is None or r.ttft <= slo_ttft) and (slo_tpot is None or (r.tpot or 0) <= slo_tpot)]
     out["goodput"] = len(good) / duration if duration else 0.0
     out["slo"] = {"ttft_s": slo_ttft, "tpot_s": slo_tpot, "met": len(good)}

@@ -136,6 +136,7 @@ class LlamaCppBuild:
     backends: tuple[str, ...] = ()  # ggml registries: CPU, Vulkan, CUDA, Metal…
     devices: tuple[tuple[str, str, str], ...] = ()  # (ggml name, description, type)
     error: str | None = None
+    build_id: str = ""  # changes with every rebuild of the native libraries
 
     def has(self, backend: str) -> bool:
         return any(b.lower() == backend.lower() for b in self.backends)
@@ -244,6 +245,7 @@ def probe_llamacpp(vulkan: VulkanInfo) -> LlamaCppBuild:
         backends=tuple(r.get("backends", [])),
         devices=tuple((d["name"], d["description"], d["type"]) for d in r.get("devices", [])),
         error=r.get("error"),
+        build_id=r.get("build_id", ""),
     )
 
 

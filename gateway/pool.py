@@ -122,7 +122,7 @@ class ModelManager:
                 self.metrics.build.labels(spec.id).info(
                     {"runtime": info.runtime, "version": info.version, "backend": info.backend, "device": info.device}
                 )
-                reasons = [f"{s.what}: {s.why}" for s in the_plan.unusable()]
+                reasons = [f"{s.what}: {s.why}" for s in the_plan.unusable(before=cand)]
                 reasons += [f"{what}: {why}" for what, why in failures]
                 entry = Loaded(spec, engine, cand, dt, time.monotonic(), "; ".join(reasons), the_plan)
                 level = logging.WARNING if entry.fallback_reason else logging.INFO
@@ -213,7 +213,8 @@ def engine_config(spec: ModelSpec, cand: Candidate, path: str, settings: Setting
 def fingerprint_parts(host: HostCapabilities, cand: Candidate) -> tuple[str, str]:
     """(runtime build, driver) identities that a functional-check result depends on."""
     if cand.runtime == "llamacpp":
-        build = f"llama-cpp-python {host.llamacpp.version} [{','.join(host.llamacpp.backends)}]"
+        b = host.llamacpp
+        build = f"llama-cpp-python {b.version} [{','.join(b.backends)}] {b.build_id}"
     elif cand.runtime == "ortgenai":
         build = ",".join(f"{p}={v}" for p, v in host.ort.packages)
     else:

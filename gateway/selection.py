@@ -8,7 +8,7 @@ tries the candidates in order (functional check, then load) and falls back on fa
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from gateway.hardware import HostCapabilities, VulkanDevice
 from gateway.registry import ModelSpec
@@ -57,6 +57,7 @@ class Candidate:
     device_key: str  # the runtime's own id: ggml "Vulkan0"/"CUDA0", ORT device id; "" for CPU
     format: str
     device_index: int | None = None
+    rank: int = 0  # position of its engine in the preference order
 
     @property
     def label(self) -> str:
@@ -70,6 +71,7 @@ class Skip:
     # "absent": nothing of the kind on this host (not a fallback); "unusable": it is there
     # but cannot serve (driver fails, build lacks the backend) — a fallback the user must hear of.
     kind: str = "absent"
+    rank: int = 0  # position of its engine in the preference order
 
 
 @dataclass(frozen=True)
@@ -77,8 +79,9 @@ class Plan:
     candidates: tuple[Candidate, ...]
     skipped: tuple[Skip, ...] = ()
 
-    def unusable(self) -> list[Skip]:
-        return [s for s in self.skipped if s.kind == "unusable"]
+    def unusable(self, before: Candidate | None = None) -> list[Skip]:
+        """Engines that are present but cannot serve; with `before`, only those preferred to it."""
+        return [s for s in self.skipped if s.kind == "unusable" and (before is None or s.rank < before.rank)]
 
 
 Found = tuple[list[tuple[str, str, int | None]], list[Skip]]  # ([(device, device_key, index)], skips)
@@ -236,20 +239,20 @@ def plan(
 
     out: list[Candidate] = []
     skipped: list[Skip] = []
-    for engine in engines:
+    for rank, engine in enumerate(engines):
         for runtime in sorted(ENGINE_RUNTIMES[engine], key=lambda r: runtimes.index(r) if r in runtimes else 99):
             if runtime not in runtimes:
                 continue
             fmt = RUNTIME_FORMAT[runtime]
             if fmt not in have:
                 hint = " (make it with `gateway convert`)" if fmt in ("onnx", "coreml") else ""
-                skipped.append(Skip(f"{runtime}/{engine}", f"model {spec.id!r} has no {fmt} format{hint}"))
+                skipped.append(Skip(f"{runtime}/{engine}", f"model {spec.id!r} has no {fmt} format{hint}", rank=rank))
                 continue
             backend = "coreml" if runtime == "coreml" else engine
             found, skips = FINDERS[(runtime, backend)](host, pref)
-            skipped.extend(skips)
+            skipped.extend(replace(s, rank=rank) for s in skips)
             for device, key, index in found:
-                out.append(Candidate(runtime, engine, device, key, fmt, index))
+                out.append(Candidate(runtime, engine, device, key, fmt, index, rank))
     if not out:
         why = "; ".join(f"{s.what}: {s.why}" for s in skipped) or "no runtime is configured"
         wanted = f"--engine {pref.engine}" + (f" --runtime {pref.runtime}" if pref.runtime else "")

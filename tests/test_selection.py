@@ -86,3 +86,10 @@ def test_missing_format_and_unknown_names() -> None:
         plan(GGUF, hosts.CPU_ONLY, Preference("tpu"))
     with pytest.raises(SelectionError, match="no vulkan|not the requested device"):
         plan(GGUF, hosts.LAVAPIPE, Preference("vulkan", device="7"))
+
+
+def test_only_engines_preferred_to_the_chosen_one_count_as_fallback() -> None:
+    p = plan(GGUF, hosts.H100_HOST)
+    cuda, cpu = p.candidates
+    assert p.unusable(before=cuda) == []  # serving on CUDA is no fallback from a broken Vulkan
+    assert [s.what for s in p.unusable(before=cpu)] == ["llamacpp/vulkan"]

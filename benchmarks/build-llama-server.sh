@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Build llama-server (and the shared libllama/libggml next to it) from the llama.cpp that
+# llama-cpp-python vendors, so the gateway and llama-server are compared on the same code.
+# Cached by (version, backend, flags); never committed. Prints the bin directory.
+#
+# usage: benchmarks/build-llama-server.sh [cpu|cuda|vulkan]
+#   LLAMA_SRC=dir-or-sdist.tar.gz   use this source instead of downloading the sdist from PyPI
+#   CUDA_ARCH=90                    CUDA architectures (default: native)
+set -euo pipefail
+backend="${1:-cpu}"
+version="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
+cache="${GATEWAY_BUILD_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/llm-gateway/llama-server}"
+flags="-DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DBUILD_SHARED_LIBS=ON -DCMAKE_BUILD_TYPE=Release"
+case "$backend" in
+  cpu) ;;
+  cuda) flags="$flags -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCH:-native}" ;;
+  vulkan) flags="$flags -DGGML_VULKAN=ON -DVulkan_INCLUDE_DIR=$(bash "$(dirname "$0")/../scripts/vulkan-headers.sh")" ;;
+  *) echo "unknown backend $backend" >&2; exit 2 ;;
+esac
+key="$(printf '%s|%s|%s|%s' "$version" "$backend" "$flags" "$(uname -m)" | sha256sum | cut -c1-12)"
+dir="$cache/$backend-$version-$key"
+if [ -x "$dir/build/bin/llama-server" ]; then echo "$dir/build/bin"; exit 0; fi
+mkdir -p "$dir"
+src="${LLAMA_SRC:-}"
+if [ -z "$src" ]; then
+  python3 -m pip download -q --no-deps --no-binary :all: -d "$dir" "llama-cpp-python==$version" >&2
+  src="$(ls "$dir"/llama_cpp_python-*.tar.gz)"
+fi
+if [ -f "$src" ]; then
+  rm -rf "$dir/src"; mkdir -p "$dir/src"; tar xzf "$src" -C "$dir/src" --strip-components=1; src="$dir/src"
+fi
+echo "building llama-server ($backend) from $src into $dir/build" >&2
+# shellcheck disable=SC2086
+cmake -S "$src/vendor/llama.cpp" -B "$dir/build" $flags >&2
+cmake --build "$dir/build" --target llama-server llama -j "${JOBS:-$(nproc)}" >&2
+echo "$dir/build/bin"
