@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -14,11 +15,17 @@ import pytest
 import uvicorn
 
 from gateway.app import create_app
+from gateway.hardware import probe_vulkan, vulkan_visible_env
 from gateway.registry import load_registry
 from gateway.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "smollm2-135m-instruct"
+# ggml reads GGML_VK_VISIBLE_DEVICES once, when its Vulkan backend first starts; tests load
+# CPU and Vulkan engines in one process, so every Vulkan device (lavapipe too) is made visible
+# before any engine loads, as `gateway serve` does.
+VULKAN = probe_vulkan()
+os.environ.update(vulkan_visible_env(VULKAN))
 
 
 def free_port() -> int:
