@@ -147,11 +147,20 @@ class LlamaCppEngine:
             piece=self.piece,
             is_eog=lambda t: lc.llama_vocab_is_eog(self._vocab, t),
         )
-        self.info = replace(self.info, context_length=self._n_ctx_seq)
+        self.info = replace(
+            self.info, context_length=self._n_ctx_seq, extra={"precision": self._precision(lc)}
+        )
         log.info(
             "llama.cpp loaded %s: backend=%s device=%s ctx/seq=%d parallel=%d vocab=%d",
             o.model_path, o.backend, o.device, self._n_ctx_seq, o.parallel, self._n_vocab,
         )
+
+    def _precision(self, lc: Any) -> str:
+        """The weights' type as llama.cpp names it ("f16", "q4_1", ...), last word of the model desc."""
+        buf = ctypes.create_string_buffer(256)
+        n = lc.llama_model_desc(self._model, buf, len(buf))
+        desc = buf.raw[: max(n, 0)].decode(errors="replace").split()
+        return desc[-1].lower() if desc else "unknown"
 
     def _load_template(self, lc: Any) -> Any:
         from llama_cpp.llama_chat_format import Jinja2ChatFormatter

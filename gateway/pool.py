@@ -30,6 +30,20 @@ class Loaded:
     last_used: float
 
 
+def engine_config(spec: ModelSpec, cand: Candidate, path: str, settings: Settings) -> EngineConfig:
+    """How to instantiate `spec` on `cand` under `settings` (shared by serving and parity)."""
+    return EngineConfig(
+        model_path=path,
+        context_length=spec.context_length,
+        parallel=settings.parallel or spec.parallel or 4,
+        n_threads=settings.threads,
+        max_queue=settings.max_queue,
+        backend=cand.backend,
+        device=cand.device,
+        chat_template=spec.chat_template,
+    )
+
+
 class ModelManager:
     """Owns every loaded engine.  Safe to call from many requests at once."""
 
@@ -79,7 +93,7 @@ class ModelManager:
                     path = await asyncio.to_thread(self.registry.resolve, spec, cand.format)
                 except ModelUnavailable as exc:
                     raise ModelNotAvailable(str(exc)) from exc
-                engine = self._factory(cand.runtime, self._config(spec, cand, str(path)))
+                engine = self._factory(cand.runtime, engine_config(spec, cand, str(path), self.settings))
                 labels = (spec.id, f"{cand.runtime}/{cand.backend}", cand.device)
                 try:
                     await engine.load()
@@ -107,18 +121,6 @@ class ModelManager:
         finally:
             self.loading.discard(spec.id)
 
-    def _config(self, spec: ModelSpec, cand: Candidate, path: str) -> EngineConfig:
-        s = self.settings
-        return EngineConfig(
-            model_path=path,
-            context_length=spec.context_length,
-            parallel=s.parallel or spec.parallel or 4,
-            n_threads=s.threads,
-            max_queue=s.max_queue,
-            backend=cand.backend,
-            device=cand.device,
-            chat_template=spec.chat_template,
-        )
 
     async def _make_room(self) -> None:
         """Unload least recently used idle models until one more fits."""
