@@ -31,7 +31,8 @@ from engines.registry import register_runtime
 
 log = logging.getLogger(__name__)
 native_log = logging.getLogger("llama.cpp")
-_GGML_LEVELS = {1: logging.INFO, 2: logging.WARNING, 3: logging.ERROR, 4: logging.DEBUG}
+# ggml.h: NONE=0, DEBUG=1, INFO=2, WARN=3, ERROR=4, CONT=5 (llama_cpp/_logger.py still has the old order).
+_GGML_LEVELS = {1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}
 _log_callback: Any = None
 
 

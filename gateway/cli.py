@@ -1,4 +1,4 @@
-"""`gateway` command line: serve, models, bench."""
+"""`gateway` command line: serve, models, bench, parity."""
 
 from __future__ import annotations
 
@@ -95,8 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--download", metavar="ID", help="fetch (or assemble) the model's files now")
     m.set_defaults(func=_models)
     from gateway.bench import add_parser as add_bench
+    from gateway.parity_cli import add_parser as add_parity
 
     add_bench(sub)
+    add_parity(sub)
     return p
 
 
