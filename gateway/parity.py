@@ -121,13 +121,13 @@ def top_k_ids(logits: npt.ArrayLike, k: int) -> npt.NDArray[np.int64]:
     k = min(k, x.shape[-1])
     ids = np.argpartition(-x, k - 1, axis=-1)[:, :k]
     order = np.argsort(-np.take_along_axis(x, ids, axis=-1), axis=-1, kind="stable")
-    return np.take_along_axis(ids, order, axis=-1).astype(np.int64)  # type: ignore[no-any-return]
+    return np.take_along_axis(ids, order, axis=-1).astype(np.int64)
 
 
 def nll(logits: npt.ArrayLike, targets: Sequence[int]) -> FloatArray:
     """Negative log-likelihood of `targets[i]` under row i."""
     lp = log_softmax(logits)
-    return -lp[np.arange(len(targets)), np.asarray(targets, dtype=np.int64)]  # type: ignore[no-any-return]
+    return -lp[np.arange(len(targets)), np.asarray(targets, dtype=np.int64)]
 
 
 @dataclass(frozen=True)

@@ -62,6 +62,9 @@ class ModelManager:
         self._locks: dict[str, asyncio.Lock] = {}
         self.loading: set[str] = set()
         self.load_errors: dict[str, str] = {}
+        # model id -> (runtime, backend) -> why that engine is out of selection (parity drift).
+        self.excluded: dict[str, dict[tuple[str, str], str]] = {}
+        self._closing: set[asyncio.Task[None]] = set()
 
     def is_loaded(self, model_id: str) -> bool:
         return model_id in self._loaded
@@ -84,7 +87,13 @@ class ModelManager:
     async def _load(self, spec: ModelSpec) -> Loaded:
         self.loading.add(spec.id)
         try:
-            candidates = plan(spec, self.settings.engine)
+            excluded = self.excluded.get(spec.id, {})
+            candidates = [c for c in plan(spec, self.settings.engine) if (c.runtime, c.backend) not in excluded]
+            if not candidates:
+                raise ModelLoadError(
+                    f"every engine for model {spec.id!r} is excluded: "
+                    + "; ".join(f"{r}/{b}: {why}" for (r, b), why in excluded.items())
+                )
             await self._make_room()
             errors = []
             for cand in candidates:
@@ -122,6 +131,32 @@ class ModelManager:
             self.loading.discard(spec.id)
 
 
+    def exclude(self, model_id: str, cand: Candidate, reason: str) -> None:
+        """Take `cand` out of selection for `model_id`; the next request loads the next candidate.
+
+        The engine in use is unloaded once its running requests finish.
+        """
+        engine = f"{cand.runtime}/{cand.backend}"
+        if (cand.runtime, cand.backend) in self.excluded.get(model_id, {}):
+            return
+        self.excluded.setdefault(model_id, {})[(cand.runtime, cand.backend)] = reason
+        log.warning("model %s: engine %s excluded: %s", model_id, engine, reason)
+        entry = self._loaded.get(model_id)
+        if entry is None or entry.candidate != cand:
+            return
+        del self._loaded[model_id]
+        self.metrics.fallbacks.labels(model_id, engine, "parity_drift").inc()
+        task = asyncio.create_task(self._close_when_idle(entry.engine))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    @staticmethod
+    async def _close_when_idle(engine: Engine, patience_s: float = 120.0) -> None:
+        deadline = time.monotonic() + patience_s
+        while not _idle(engine) and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        await engine.close()
+
     async def _make_room(self) -> None:
         """Unload least recently used idle models until one more fits."""
         while len(self._loaded) >= max(1, self.settings.max_resident):
@@ -136,6 +171,8 @@ class ModelManager:
             await entry.engine.close()
 
     async def close(self) -> None:
+        for task in list(self._closing):
+            await task
         while self._loaded:
             _, entry = self._loaded.popitem()
             await entry.engine.close()

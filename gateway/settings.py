@@ -31,6 +31,12 @@ class Settings:
     preload: bool = True  # load the default model at start-up (/health is 503 until done)
     log_level: str = "info"
     api_key: str | None = None  # when set, requests need "Authorization: Bearer <key>"
+    # Shadow parity: re-score a sample of finished requests on a reference engine (off when None).
+    parity_reference: str | None = None  # engine choice, e.g. "cpu"
+    parity_sample: float = 0.05  # share of finished requests re-scored
+    parity_window: int = 20  # samples per (model, engine) judged together for drift
+    parity_queue: int = 16  # samples waiting to be scored; more are dropped (and counted)
+    parity_enforce: bool = False  # take a drifting engine out of selection (fall back)
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides: Any) -> Settings:
@@ -48,5 +54,10 @@ class Settings:
             preload=e.get("GATEWAY_PRELOAD", "1") not in ("0", "false", "no"),
             log_level=e.get("GATEWAY_LOG_LEVEL", cls.log_level),
             api_key=e.get("GATEWAY_API_KEY") or None,
+            parity_reference=e.get("GATEWAY_PARITY_REFERENCE") or None,
+            parity_sample=float(e.get("GATEWAY_PARITY_SAMPLE", cls.parity_sample)),
+            parity_window=int(e.get("GATEWAY_PARITY_WINDOW", cls.parity_window)),
+            parity_queue=int(e.get("GATEWAY_PARITY_QUEUE", cls.parity_queue)),
+            parity_enforce=e.get("GATEWAY_PARITY_ENFORCE", "0") in ("1", "true", "yes"),
         )
         return replace(s, **{k: v for k, v in overrides.items() if v is not None})
