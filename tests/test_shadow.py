@@ -123,3 +123,16 @@ async def test_drift_over_the_window_is_reported_and_enforced() -> None:
         await manager.get(spec)
     await manager.close()
     assert loaded.engine.closed  # type: ignore[attr-defined]
+
+
+def test_parity_settings_from_env_and_flags() -> None:
+    from gateway.cli import build_parser
+
+    s = Settings.from_env(env={
+        "GATEWAY_PARITY_REFERENCE": "cpu", "GATEWAY_PARITY_SAMPLE": "0.25", "GATEWAY_PARITY_WINDOW": "7",
+        "GATEWAY_PARITY_QUEUE": "3", "GATEWAY_PARITY_ENFORCE": "1",
+    })
+    assert (s.parity_reference, s.parity_sample, s.parity_window, s.parity_queue, s.parity_enforce) == ("cpu", 0.25, 7, 3, True)
+    assert Settings.from_env(env={}).parity_reference is None
+    args = build_parser().parse_args(["serve", "--parity-reference", "cpu", "--parity-sample", "0.05", "--parity-enforce"])
+    assert (args.parity_reference, args.parity_sample, args.parity_enforce) == ("cpu", 0.05, True)
