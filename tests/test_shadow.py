@@ -19,7 +19,7 @@ from gateway.metrics import Metrics
 from gateway.pool import ModelManager
 from gateway.registry import load_registry
 from gateway.settings import Settings
-from gateway.shadow import ShadowParity
+from gateway.shadow import ShadowParity, ShadowSample
 from tests.conftest import MODEL, ROOT, ServerThread
 from tests.fakes import FakeEngine
 
@@ -75,16 +75,16 @@ class _Perturbed(FakeEngine):
         return np.tile(np.arange(8, dtype=np.float32), (len(token_ids), 1))
 
 
-async def _manager(factory: type[FakeEngine], **kw: object) -> tuple[ModelManager, ShadowParity, Metrics]:
+def _manager(factory: type[FakeEngine], **kw: object) -> tuple[ModelManager, ShadowParity, Metrics]:
     registry = load_registry(ROOT / "models.yaml")
-    settings = Settings.from_env(env={}, config=str(ROOT / "models.yaml"), parity_reference="cpu", **kw)  # type: ignore[arg-type]
+    settings = Settings.from_env(env={}, config=str(ROOT / "models.yaml"), parity_reference="cpu", **kw)
     metrics = Metrics()
     manager = ModelManager(registry, settings, lambda _r, cfg: factory(cfg), metrics)
     return manager, ShadowParity(manager, settings, metrics), metrics
 
 
 async def test_a_full_queue_drops_and_counts() -> None:
-    manager, shadow, metrics = await _manager(FakeEngine, parity_sample=1.0, parity_queue=2)
+    manager, shadow, metrics = _manager(FakeEngine, parity_sample=1.0, parity_queue=2)
     loaded = await manager.get(manager.registry.models[MODEL])
     offered = [shadow.offer(loaded, (1, 2), (3, 4)) for _ in range(5)]  # the scorer is not running
     assert offered == [True, True, False, False, False]
@@ -94,19 +94,18 @@ async def test_a_full_queue_drops_and_counts() -> None:
 
 
 async def test_sampling_rate_zero_offers_nothing() -> None:
-    manager, shadow, _ = await _manager(FakeEngine, parity_sample=0.0)
+    manager, shadow, _ = _manager(FakeEngine, parity_sample=0.0)
     loaded = await manager.get(manager.registry.models[MODEL])
     assert not any(shadow.offer(loaded, (1,), (2,)) for _ in range(50))
     await manager.close()
 
 
 async def test_drift_over_the_window_is_reported_and_enforced() -> None:
-    manager, shadow, metrics = await _manager(_Perturbed, parity_sample=1.0, parity_window=2, parity_enforce=True)
+    manager, shadow, metrics = _manager(_Perturbed, parity_sample=1.0, parity_window=2, parity_enforce=True)
     spec = manager.registry.models[MODEL]
     loaded = await manager.get(spec)
     reference = FakeEngine(EngineConfig(model_path="ref"))  # uniform logits
     shadow._refs[spec.id] = reference
-    from gateway.shadow import ShadowSample
 
     sample = ShadowSample(loaded, (1, 2, 3), (4, 5, 6))
     await shadow.score(sample)
