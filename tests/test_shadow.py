@@ -106,7 +106,6 @@ async def test_drift_over_the_window_is_reported_and_enforced() -> None:
     loaded = await manager.get(spec)
     reference = FakeEngine(EngineConfig(model_path="ref"))  # uniform logits
     shadow._refs[spec.id] = reference
-
     sample = ShadowSample(loaded, (1, 2, 3), (4, 5, 6))
     await shadow.score(sample)
     assert manager.is_loaded(spec.id), "one sample does not fill the window"
