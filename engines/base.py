@@ -78,6 +78,8 @@ class Usage:
     cached_tokens: int = 0
     # Seconds spent waiting for a free sequence slot before prefill started.
     queue_seconds: float = 0.0
+    # The prompt as token ids (the generated ids arrive in the events); shadow parity re-scores them.
+    prompt_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

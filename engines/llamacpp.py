@@ -31,7 +31,8 @@ from engines.registry import register_runtime
 
 log = logging.getLogger(__name__)
 native_log = logging.getLogger("llama.cpp")
-_GGML_LEVELS = {1: logging.INFO, 2: logging.WARNING, 3: logging.ERROR, 4: logging.DEBUG}
+# ggml.h: NONE=0, DEBUG=1, INFO=2, WARN=3, ERROR=4, CONT=5 (llama_cpp/_logger.py still has the old order).
+_GGML_LEVELS = {1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}
 _log_callback: Any = None
 
 
@@ -159,11 +160,20 @@ class LlamaCppEngine:
             piece=self.piece,
             is_eog=lambda t: lc.llama_vocab_is_eog(self._vocab, t),
         )
-        self.info = replace(self.info, context_length=self._n_ctx_seq)
+        self.info = replace(
+            self.info, context_length=self._n_ctx_seq, extra={"precision": self._precision(lc)}
+        )
         log.info(
             "llama.cpp loaded %s: backend=%s device=%s ctx/seq=%d parallel=%d vocab=%d",
             o.model_path, o.backend, o.device, self._n_ctx_seq, o.parallel, self._n_vocab,
         )
+
+    def _precision(self, lc: Any) -> str:
+        """The weights' type as llama.cpp names it ("f16", "q4_1", ...), last word of the model desc."""
+        buf = ctypes.create_string_buffer(256)
+        n = lc.llama_model_desc(self._model, buf, len(buf))
+        desc = buf.raw[: max(n, 0)].decode(errors="replace").split()
+        return desc[-1].lower() if desc else "unknown"
 
     def _load_template(self, lc: Any) -> Any:
         from llama_cpp.llama_chat_format import Jinja2ChatFormatter

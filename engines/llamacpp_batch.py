@@ -317,6 +317,7 @@ class BatchScheduler:
             completion_tokens=slot.n_generated,
             cached_tokens=slot.n_cached_prompt,
             queue_seconds=slot.queue_seconds,
+            prompt_ids=tuple(job.prompt_ids),
         )
         self._finish_slot(slot)
         job.emit(

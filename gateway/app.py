@@ -23,6 +23,7 @@ from gateway.registry import Registry, load_registry
 from gateway.routes import router
 from gateway.serving import ChatService, CompletionService
 from gateway.settings import Settings
+from gateway.shadow import ShadowParity
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,8 @@ def create_app(
         ]
     )
 
+    shadow = ShadowParity(manager, settings, metrics) if settings.parity_reference and settings.parity_sample > 0 else None
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         preload: asyncio.Task[None] | None = None
@@ -74,19 +77,25 @@ def create_app(
             app.state.preloading = False
         elif settings.preload:
             preload = asyncio.create_task(_preload(app, manager))
+        if shadow is not None:
+            shadow.start()
         try:
             yield
         finally:
             if preload is not None and not preload.done():
                 preload.cancel()
+            if shadow is not None:
+                await shadow.close()
             await manager.close()
 
     app = FastAPI(title="llm-gateway", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
     app.state.manager = manager
     app.state.metrics = metrics
-    app.state.chat = ChatService(manager, metrics)
-    app.state.completions = CompletionService(manager, metrics)
+    app.state.shadow = shadow
+    on_complete = shadow.offer if shadow is not None else None
+    app.state.chat = ChatService(manager, metrics, on_complete)
+    app.state.completions = CompletionService(manager, metrics, on_complete)
     app.state.started = int(time.time())
     app.state.preload = settings.preload
     app.state.preloading = settings.preload

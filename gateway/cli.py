@@ -1,4 +1,4 @@
-"""`gateway` command line: serve, models, bench."""
+"""`gateway` command line: serve, models, bench, parity."""
 
 from __future__ import annotations
 
@@ -25,7 +25,9 @@ def _serve(args: argparse.Namespace) -> int:
         host=args.host, port=args.port, config=args.config, model=args.model, engine=args.engine,
         runtime=args.runtime, device=args.device,
         max_resident=args.max_models, parallel=args.parallel, threads=args.threads,
-        api_key=args.api_key,
+        api_key=args.api_key, parity_reference=args.parity_reference, parity_sample=args.parity_sample,
+        parity_window=args.parity_window, parity_queue=args.parity_queue,
+        parity_enforce=True if args.parity_enforce else None,
     )
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -107,6 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--parallel", type=int, default=None, help="sequences decoded together per model")
     s.add_argument("--threads", type=int, default=None, help="CPU threads per model (default: all cores)")
     s.add_argument("--api-key", default=None, help="require this bearer token on /v1")
+    s.add_argument("--parity-reference", choices=ENGINE_CHOICES, default=None,
+                   help="shadow parity: re-score sampled requests on this reference engine")
+    s.add_argument("--parity-sample", type=float, default=None, help="share of requests re-scored (default 0.05)")
+    s.add_argument("--parity-window", type=int, default=None, help="samples judged together for drift (default 20)")
+    s.add_argument("--parity-queue", type=int, default=None, help="samples waiting to be scored (default 16)")
+    s.add_argument("--parity-enforce", action="store_true", help="fall back from an engine that drifts")
     s.set_defaults(func=_serve)
     m = sub.add_parser("models", help="list the registry and what is present locally")
     m.add_argument("--config", default=None)
@@ -114,9 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
     m.set_defaults(func=_models)
     from gateway.bench import add_parser as add_bench
     from gateway.devices import add_parser as add_devices
+    from gateway.parity_cli import add_parser as add_parity
 
     add_bench(sub)
     add_devices(sub)
+    add_parity(sub)
     return p
 
 

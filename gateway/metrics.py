@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, Info
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -28,6 +28,8 @@ TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30
 TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 QUEUE_BUCKETS = (0.0, 0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+KL_BUCKETS = (0.0, 1e-6, 1e-5, 1e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0)
+AGREEMENT_BUCKETS = (0.5, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 1.0)
 LENGTH_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
 # SLO thresholds, shared with deploy/prometheus/rules.yml.
@@ -52,6 +54,12 @@ class Metrics:
         self.fallbacks = Counter("gateway_fallbacks", "Engine candidates skipped, by reason.", ("model", "engine", "reason"), registry=r)
         self.loads = Counter("gateway_engine_loads", "Engine load attempts.", (*LABELS, "result"), registry=r)
         self.build = Info("gateway_engine_build", "Engine build of each loaded model.", ("model",), registry=r)
+        # Shadow parity: finished requests re-scored against a reference engine (labels: the serving engine).
+        self.parity_kl = Histogram("gateway_parity_kl", "Mean KL(reference || serving engine) per re-scored request, nats.", LABELS, buckets=KL_BUCKETS, registry=r)
+        self.parity_top1 = Histogram("gateway_parity_top1_agreement", "Share of positions where both engines' argmax agree, per re-scored request.", LABELS, buckets=AGREEMENT_BUCKETS, registry=r)
+        self.parity_scored = Counter("gateway_parity_samples_scored", "Requests re-scored on the reference engine.", LABELS, registry=r)
+        self.parity_dropped = Counter("gateway_parity_samples_dropped", "Sampled requests not scored, by reason (queue_full, error).", (*LABELS, "reason"), registry=r)
+        self.parity_drifted = Gauge("gateway_parity_drifted", "1 while the engine's window of samples is outside its parity tolerance.", LABELS, registry=r)
 
     def watch(self, resident: Callable[[], Iterable[tuple[str, str, str, EngineHealth]]]) -> None:
         """Export running/waiting/resident gauges read from the engines at scrape time."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import time
@@ -71,6 +72,9 @@ class ModelManager:
         self.env = vulkan_visible_env(self.host.vulkan)
         # ggml reads this when its Vulkan backend starts, i.e. before the first model loads.
         os.environ.update(self.env)
+        # model id -> (runtime, backend) -> why that engine is out of selection (parity drift).
+        self.excluded: dict[str, dict[tuple[str, str], str]] = {}
+        self._closing: set[asyncio.Task[None]] = set()
 
     def is_loaded(self, model_id: str) -> bool:
         return model_id in self._loaded
@@ -102,6 +106,14 @@ class ModelManager:
                 the_plan = self.plan(spec)
             except SelectionError as exc:
                 raise ModelLoadError(str(exc)) from exc
+            excluded = self.excluded.get(spec.id, {})
+            kept = tuple(c for c in the_plan.candidates if (c.runtime, c.backend) not in excluded)
+            if not kept:
+                raise ModelLoadError(
+                    f"every engine for model {spec.id!r} is excluded: "
+                    + "; ".join(f"{r}/{b}: {why}" for (r, b), why in excluded.items())
+                )
+            the_plan = dataclasses.replace(the_plan, candidates=kept)
             await self._make_room()
             for cand in the_plan.candidates:
                 try:
@@ -176,6 +188,32 @@ class ModelManager:
     def _config(self, spec: ModelSpec, cand: Candidate, path: str) -> EngineConfig:
         return engine_config(spec, cand, path, self.settings)
 
+    def exclude(self, model_id: str, cand: Candidate, reason: str) -> None:
+        """Take `cand` out of selection for `model_id`; the next request loads the next candidate.
+
+        The engine in use is unloaded once its running requests finish.
+        """
+        engine = f"{cand.runtime}/{cand.backend}"
+        if (cand.runtime, cand.backend) in self.excluded.get(model_id, {}):
+            return
+        self.excluded.setdefault(model_id, {})[(cand.runtime, cand.backend)] = reason
+        log.warning("model %s: engine %s excluded: %s", model_id, engine, reason)
+        entry = self._loaded.get(model_id)
+        if entry is None or entry.candidate != cand:
+            return
+        del self._loaded[model_id]
+        self.metrics.fallbacks.labels(model_id, engine, "parity_drift").inc()
+        task = asyncio.create_task(self._close_when_idle(entry.engine))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    @staticmethod
+    async def _close_when_idle(engine: Engine, patience_s: float = 120.0) -> None:
+        deadline = time.monotonic() + patience_s
+        while not _idle(engine) and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        await engine.close()
+
     async def _make_room(self) -> None:
         """Unload least recently used idle models until one more fits."""
         while len(self._loaded) >= max(1, self.settings.max_resident):
@@ -190,6 +228,8 @@ class ModelManager:
             await entry.engine.close()
 
     async def close(self) -> None:
+        for task in list(self._closing):
+            await task
         while self._loaded:
             _, entry = self._loaded.popitem()
             await entry.engine.close()

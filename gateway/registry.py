@@ -63,6 +63,20 @@ class Defaults(_Strict):
     max_tokens: int | None = None
 
 
+class ParityTolerance(_Strict):
+    """Parity limits (`gateway parity`, shadow parity); unset fields keep the built-in table's value.
+
+    Full-precision weights are judged by the largest logit difference over the reference's top-k;
+    quantised weights by KL divergence, top-1 agreement and the perplexity ratio.
+    """
+
+    max_abs_logit: float | None = Field(default=None, ge=0, description="max |logit diff| over the reference's top-k")
+    max_mean_kl: float | None = Field(default=None, ge=0, description="mean KL(reference || candidate) per token, nats")
+    max_kl: float | None = Field(default=None, ge=0, description="largest KL at any position, nats")
+    min_top1: float | None = Field(default=None, ge=0, le=1, description="share of positions with the same argmax")
+    max_ppl_ratio: float | None = Field(default=None, ge=1, description="perplexity ratio either way")
+
+
 class ModelSpec(_Strict):
     id: str
     description: str = ""
@@ -78,6 +92,7 @@ class ModelSpec(_Strict):
     parallel: int | None = Field(default=None, ge=1, le=64, description="sequences decoded together")
     chat_template: str | None = Field(default=None, description="Jinja chat template overriding the model's")
     defaults: Defaults = Defaults()
+    parity: ParityTolerance | None = Field(default=None, description="parity tolerances for this model")
 
 
 class RegistryFile(_Strict):

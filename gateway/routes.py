@@ -100,4 +100,6 @@ async def health(request: Request) -> JSONResponse:
     if not request.app.state.preload and not ready and default not in manager.load_errors:
         status, ready = "ok", True  # lazy mode: the default model loads on first request
     body = {"status": status, "default_model": default, "models": models, "uptime_s": round(time.time() - request.app.state.started, 1)}
+    if request.app.state.shadow is not None:
+        body["parity"] = request.app.state.shadow.status()
     return JSONResponse(body, status_code=200 if ready else 503)

@@ -9,7 +9,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 
 from engines.base import (
@@ -157,6 +157,10 @@ def _header_value(text: str, limit: int = 1024) -> str:
     return flat.encode("ascii", "replace").decode()[:limit]
 
 
+# Called once a request finished normally: (engine it ran on, prompt ids, choice 0's generated ids).
+CompletionHook = Callable[[Loaded, tuple[int, ...], tuple[int, ...]], object]
+
+
 @dataclass
 class Prepared:
     """A validated request, bound to a loaded engine, ready to run."""
@@ -166,6 +170,7 @@ class Prepared:
     response_id: str
     observer: RequestObserver
     created: int = field(default_factory=lambda: int(time.time()))
+    on_complete: CompletionHook | None = None
 
     @property
     def headers(self) -> dict[str, str]:
@@ -178,11 +183,17 @@ class Prepared:
     async def events(self) -> AsyncIterator[tuple[int, TokenEvent]]:
         """The engine's events, timed by the request's observer, which records the outcome."""
         finish: str | None = None
+        prompt_ids: tuple[int, ...] = ()
+        output_ids: list[int] = []
         try:
             async for i, ev in _merge([self.loaded.engine.generate(r) for r in self.requests]):
                 self.observer.on_event(i, ev)
                 if finish is None and ev.finish_reason is not None:
                     finish = ev.finish_reason
+                if i == 0 and self.on_complete is not None:
+                    output_ids.extend(ev.token_ids)
+                    if ev.usage is not None:
+                        prompt_ids = ev.usage.prompt_ids
                 yield i, ev
         except (asyncio.CancelledError, GeneratorExit):
             self.observer.finish("cancelled", 499)
@@ -192,6 +203,8 @@ class Prepared:
             self.observer.finish(err.code or err.type, err.status)
             raise
         self.observer.finish(finish or "stop")
+        if self.on_complete is not None and prompt_ids and output_ids:
+            self.on_complete(self.loaded, prompt_ids, tuple(output_ids))
 
 
 @dataclass
@@ -218,9 +231,10 @@ async def _collect(p: Prepared) -> _Collected:
 
 
 class _Service:
-    def __init__(self, manager: ModelManager, metrics: Metrics) -> None:
+    def __init__(self, manager: ModelManager, metrics: Metrics, on_complete: CompletionHook | None = None) -> None:
         self.manager = manager
         self.metrics = metrics
+        self.on_complete = on_complete
 
     @staticmethod
     def check_stream_options(req: ChatCompletionRequest | CompletionRequest) -> None:
@@ -239,7 +253,7 @@ class _Service:
         base = replace(base, request_id=rid)
         c = loaded.candidate
         observer = self.metrics.observe(spec.id, f"{c.runtime}/{c.backend}", c.device, received)
-        return Prepared(loaded, _fan_out(base, n), rid, observer)
+        return Prepared(loaded, _fan_out(base, n), rid, observer, on_complete=self.on_complete)
 
 
 class ChatService(_Service):

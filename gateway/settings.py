@@ -36,6 +36,12 @@ class Settings:
     functional_check: bool = True  # load + one token before an engine is trusted
     isolate_check: bool = True  # run that check in a child process first (survives driver crashes)
     check_timeout: float = 300.0  # seconds; Vulkan on a software device compiles pipelines slowly
+    # Shadow parity: re-score a sample of finished requests on a reference engine (off when None).
+    parity_reference: str | None = None  # engine choice, e.g. "cpu"
+    parity_sample: float = 0.05  # share of finished requests re-scored
+    parity_window: int = 20  # samples per (model, engine) judged together for drift
+    parity_queue: int = 16  # samples waiting to be scored; more are dropped (and counted)
+    parity_enforce: bool = False  # take a drifting engine out of selection (fall back)
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides: Any) -> Settings:
@@ -58,5 +64,10 @@ class Settings:
             functional_check=e.get("GATEWAY_FUNCTIONAL_CHECK", "1") not in ("0", "false", "no"),
             isolate_check=e.get("GATEWAY_ISOLATE_CHECK", "1") not in ("0", "false", "no"),
             check_timeout=float(e.get("GATEWAY_CHECK_TIMEOUT", cls.check_timeout)),
+            parity_reference=e.get("GATEWAY_PARITY_REFERENCE") or None,
+            parity_sample=float(e.get("GATEWAY_PARITY_SAMPLE", cls.parity_sample)),
+            parity_window=int(e.get("GATEWAY_PARITY_WINDOW", cls.parity_window)),
+            parity_queue=int(e.get("GATEWAY_PARITY_QUEUE", cls.parity_queue)),
+            parity_enforce=e.get("GATEWAY_PARITY_ENFORCE", "0") in ("1", "true", "yes"),
         )
         return replace(s, **{k: v for k, v in overrides.items() if v is not None})
