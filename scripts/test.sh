@@ -2,10 +2,16 @@
 # Set up with the test dependencies (idempotent, cached), lint, and run the whole test suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh --dev
+# The Vulkan build: CI serves through it on Mesa's lavapipe (a software Vulkan device), and the
+# same build runs the CPU engine for every other test.
+bash scripts/setup.sh --dev --backend vulkan
+sudo=""; [ "$(id -u)" = 0 ] || sudo="sudo"
+if ! ls /usr/share/vulkan/icd.d/lvp_icd*.json >/dev/null 2>&1 || ! command -v cc >/dev/null; then
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends mesa-vulkan-drivers libvulkan1 gcc
+fi
 # The deploy/ tests run the real promtool and Prometheus server (Debian's package).
 if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null; then
-  sudo=""; [ "$(id -u)" = 0 ] || sudo="sudo"
   $sudo apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends prometheus
 fi
