@@ -40,6 +40,11 @@ log = logging.getLogger(__name__)
 EmitFn = Callable[[TokenEvent | BaseException], None]
 
 
+# Tokens of prefix that make copying another sequence's KV stream worth it: the copy moves the
+# whole stream (a few MB for a small model), prefill of 16 tokens costs more on any backend.
+MIN_COPY_GAIN = 16
+
+
 @dataclass(eq=False)
 class GenJob:
     """A generation waiting for, or holding, a slot."""
@@ -107,6 +112,7 @@ class BatchScheduler:
         self._mem = lc.llama_get_memory(ctx)
         self._batch = lc.llama_batch_init(n_batch, 0, 1)
         self._slots = [_Slot(seq_id=i) for i in range(n_parallel)]
+        self.prefix_copies = 0  # prompts that took their prefix from another sequence's KV
         self._waiting: deque[Job] = deque()
         self._cv = threading.Condition()
         self._stopping = False
@@ -189,7 +195,22 @@ class BatchScheduler:
         keep = 0
         if isinstance(job, GenJob):
             # Reuse the cached prefix; at least one prompt token must be decoded for logits.
-            keep = min(_common_prefix(slot.cached, job.prompt_ids), len(job.prompt_ids) - 1)
+            limit = len(job.prompt_ids) - 1
+            keep = min(_common_prefix(slot.cached, job.prompt_ids), limit)
+            # Another sequence (running or finished) may hold a longer prefix: a shared system
+            # prompt, the previous turn of this chat. Copy its KV instead of recomputing it.
+            donor = max((s for s in self._slots if s is not slot), default=None,
+                        key=lambda s: _common_prefix(s.cached, job.prompt_ids))
+            if donor is not None:
+                shared = min(_common_prefix(donor.cached, job.prompt_ids), limit)
+                if shared >= keep + MIN_COPY_GAIN:
+                    # Sequences live in separate KV streams; llama.cpp copies whole streams
+                    # (at the next decode), then we cut the copy back to the shared prefix.
+                    lc.llama_memory_seq_rm(self._mem, slot.seq_id, -1, -1)
+                    lc.llama_memory_seq_cp(self._mem, donor.seq_id, slot.seq_id, -1, -1)
+                    slot.cached = donor.cached[:shared]
+                    keep = shared
+                    self.prefix_copies += 1
         if keep == 0 or not lc.llama_memory_seq_rm(self._mem, slot.seq_id, keep, -1):
             lc.llama_memory_seq_rm(self._mem, slot.seq_id, -1, -1)
             keep = 0

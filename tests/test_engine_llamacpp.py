@@ -97,3 +97,29 @@ async def test_gemma_template_and_generation(tmp_path: Path) -> None:
         assert text.strip()
     finally:
         await e.close()
+
+
+async def test_a_running_streams_prefix_is_copied_to_a_new_request() -> None:
+    """A shared system prompt is prefilled once: the second request copies the first one's KV
+    (llama_memory_seq_cp across sequences) and still generates exactly what it would alone."""
+    system = ChatMessage("system", "You are a careful assistant who answers in one short sentence. " * 6)
+    long_req = GenerationRequest("a", SamplingParams(temperature=0, max_tokens=400, ignore_eos=True),
+                                 messages=(system, ChatMessage("user", "Tell a long story.")))
+    short = GenerationRequest("b", SamplingParams(temperature=0, max_tokens=12),
+                              messages=(system, ChatMessage("user", "What is two plus two?")))
+    e = await _engine("smollm2-135m-instruct", parallel=2)
+    alone = await _engine("smollm2-135m-instruct", parallel=1)
+    try:
+        agen = e.generate(long_req)
+        await agen.__anext__()  # the long stream is running and holds the system prompt's KV
+        events = [ev async for ev in e.generate(short)]
+        await agen.aclose()
+        usage = events[-1].usage
+        assert usage is not None and e._sched is not None
+        assert e._sched.prefix_copies == 1
+        assert usage.cached_tokens >= 60, usage  # the system prompt came from the other sequence
+        reference = "".join([ev.text async for ev in alone.generate(short)])
+        assert "".join(ev.text for ev in events) == reference
+    finally:
+        await e.close()
+        await alone.close()
