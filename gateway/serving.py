@@ -151,6 +151,19 @@ async def _merge(streams: list[AsyncIterator[TokenEvent]]) -> AsyncIterator[tupl
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+class TextChunk:
+    """A stream chunk rendered once with a placeholder; each token's text is then spliced in."""
+
+    SLOT = "@@gateway-text@@"
+
+    def __init__(self, render: Callable[[str], str]) -> None:
+        self.head, found, self.tail = render(self.SLOT).partition(f'"{self.SLOT}"')
+        assert found, "the placeholder must appear once, as a JSON string"
+
+    def __call__(self, text: str) -> str:
+        return self.head + json.dumps(text, ensure_ascii=False) + self.tail
+
+
 def _header_value(text: str, limit: int = 1024) -> str:
     """HTTP header values are Latin-1 and one line; reasons are free text."""
     flat = " ".join(text.split())
@@ -310,10 +323,23 @@ class ChatService(_Service):
             c = ChatCompletionChunk(id=p.response_id, created=p.created, model=model, choices=choices, usage=usage)
             return c.model_dump_json(exclude=None if include_usage else {"usage"})
 
+        # Most chunks are "one more piece of text": render those from a template made once per
+        # choice by the same pydantic models, instead of building three models per token.
+        templates: dict[int, TextChunk] = {}
+
+        def text_chunk(i: int, text: str) -> str:
+            t = templates.get(i)
+            if t is None:
+                t = templates[i] = TextChunk(lambda s: chunk([ChunkChoice(index=i, delta=Delta(content=s))]))
+            return t(text)
+
         async for i, ev in p.events():
             lp = ChoiceLogprobs(content=_chat_logprobs(ev.logprobs)) if want_lp and ev.logprobs else None
             first = i not in started
-            if first or ev.text or lp is not None:
+            if not first and lp is None:
+                if ev.text:
+                    yield text_chunk(i, ev.text)
+            elif first or ev.text or lp is not None:
                 started.add(i)
                 delta = Delta(role="assistant", content=ev.text) if first else Delta(content=ev.text)
                 yield chunk([ChunkChoice(index=i, delta=delta, logprobs=lp)])

@@ -14,8 +14,8 @@ from engines.base import EngineConfig
 from gateway.app import create_app
 from gateway.registry import load_registry
 from gateway.settings import Settings
-from tests.conftest import ServerThread
 from tests import hosts
+from tests.conftest import ServerThread
 from tests.fakes import FakeEngine
 
 YAML = """

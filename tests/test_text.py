@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from engines.text import Detokenizer, StopMatcher
 
 
@@ -40,3 +42,16 @@ def test_detokenizer_holds_partial_utf8() -> None:
     assert d.push(euro[1:]) == "€"
     assert d.push(b"\xe2") == ""
     assert d.flush() == "\ufffd"
+
+
+def test_text_chunk_template_equals_full_serialisation() -> None:
+    from gateway.protocol import ChatCompletionChunk, ChunkChoice, Delta
+    from gateway.serving import TextChunk
+
+    def render(text: str) -> str:
+        c = ChatCompletionChunk(id="chatcmpl-1", created=1, model="m", choices=[ChunkChoice(index=2, delta=Delta(content=text))])
+        return c.model_dump_json(exclude={"usage"})
+
+    fast = TextChunk(render)
+    for text in ["plain", ' "quoted" ', "line\nbreak\ttab", "back\\slash", "ünïcødé 中文 🙂", "\x00\x1f", "@@gateway-text@@"]:
+        assert json.loads(fast(text)) == json.loads(render(text))
