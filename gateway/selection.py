@@ -125,7 +125,7 @@ def _llama_cpu(host: HostCapabilities, pref: Preference) -> Found:
     if not host.llamacpp.installed:
         return [], [Skip("llamacpp/cpu", f"llama-cpp-python is not installed ({host.llamacpp.error}); "
                          "install it with scripts/install-llama-cpp.sh cpu", "unusable")]
-    return [(host.cpu.model or "CPU", "", None)], []
+    return [("cpu", "", None)], []
 
 
 def _llama_vulkan(host: HostCapabilities, pref: Preference) -> Found:
@@ -183,7 +183,7 @@ def _ort(backend: str) -> Finder:
         if not host.ort.genai:
             return [], [Skip(what, f"onnxruntime-genai is not installed ({_install_hint('ortgenai', backend)})")]
         if backend == "cpu":
-            return [(host.cpu.model or "CPU", "", None)], []
+            return [("cpu", "", None)], []
         if backend == "cuda":
             if not host.ort.has_package("onnxruntime-genai-cuda"):
                 return [], [Skip(what, f"onnxruntime-genai-cuda is not installed ({_install_hint('ortgenai', 'cuda')})")]

@@ -15,7 +15,7 @@ ALL = ModelSpec.model_validate({"id": "m", "formats": {
 
 
 def labels(h: HostCapabilities, spec: ModelSpec = GGUF, **pref: str) -> list[str]:
-    return [f"{c.label}:{c.device_key or 'cpu'}" for c in plan(spec, h, Preference(**pref)).candidates]
+    return [f"{c.label}:{c.device_key or c.device}" for c in plan(spec, h, Preference(**pref)).candidates]
 
 
 @pytest.mark.parametrize(("name", "h", "spec", "pref", "expected"), [
