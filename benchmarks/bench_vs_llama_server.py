@@ -51,8 +51,11 @@ def _bench(url: str, c: int, args: argparse.Namespace, out: Path) -> dict[str, o
     n = max(args.min_prompts, c * args.per_stream)
     subprocess.run([sys.executable, "-m", "gateway.cli", "bench", "--url", url, "--model", MODEL, "--concurrency", str(c),
                     "--num-prompts", str(n), "--input-len", str(args.input_len), "--output-len", str(args.output_len),
-                    "--quiet", "--json", str(out)], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
-    return json.loads(out.read_text())  # type: ignore[no-any-return]
+                    "--seed", str(args.seed * 1000 + c), "--quiet", "--json", str(out)], check=False, cwd=ROOT, stdout=subprocess.DEVNULL)
+    result: dict[str, object] = json.loads(out.read_text())
+    if result["failed"]:
+        print(f"{url}: {result['failed']} requests failed: {result['errors']}", file=sys.stderr)
+    return result
 
 
 def main() -> int:
@@ -64,6 +67,7 @@ def main() -> int:
     ap.add_argument("--min-prompts", type=int, default=8)
     ap.add_argument("--backend", default="cpu", help="llama-server build: cpu, vulkan, cuda")
     ap.add_argument("--server-bin", default=None, help="an existing llama-server build's bin dir")
+    ap.add_argument("--seed", type=int, default=0, help="prompts differ per concurrency level: no prompt-cache hits")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     conc = [int(c) for c in args.concurrency.split(",")]

@@ -123,7 +123,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     prompts = [p for p in prompts if p.strip()][: args.num_prompts]
     limits = httpx.Limits(max_connections=max(args.concurrency or 1, 64))
     async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as client:
-        for p in prompts[: args.warmup]:
+        # Warm-up prompts are not measured prompts: a server's prompt cache must not flatter the run.
+        warm = synthetic_prompts(args.warmup, args.input_len, args.seed + 1_000_003) if not args.prompts_file else prompts
+        for p in warm[: args.warmup]:
             await one_request(client, args.url, args.model, p, args.output_len, not args.no_ignore_eos)
         results: list[Result] = []
         progress = _Progress(len(prompts), enabled=not args.quiet)

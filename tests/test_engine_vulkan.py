@@ -8,8 +8,10 @@ per second and compiles pipelines on first use, so the prompts are short.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -18,6 +20,7 @@ import pytest
 from engines.base import EngineConfig, GenerationRequest, SamplingParams
 from engines.llamacpp import LlamaCppEngine
 from gateway.app import create_app
+from gateway.cli import main as cli
 from gateway.hardware import probe_host
 from gateway.registry import load_registry
 from gateway.settings import Settings
@@ -94,3 +97,17 @@ async def test_vulkan_logits_agree_with_cpu(vulkan_gateway: tuple[str, object], 
     # And a perturbation of that size would be caught: the check can fail.
     noisy = _log_softmax(cand + np.random.default_rng(0).normal(0, 1.0, cand.shape))
     assert (np.exp(ref) * (ref - noisy)).sum(axis=-1).mean() > KL_TOLERANCE
+
+
+def test_gateway_parity_vulkan_vs_cpu(tmp_path: Path) -> None:
+    """`gateway parity --engine vulkan --reference cpu`, as a user runs it, within tolerance."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("The capital of France is\nLa photosynthèse est\n")
+    out = tmp_path / "parity.json"
+    rc = cli(["parity", "--model", MODEL, "--engine", "vulkan", "--reference", "cpu", "--prompts", str(prompts),
+              "--tokens", "8", "--json", str(out)])
+    report = json.loads(out.read_text())
+    overall = report["overall"]
+    print(f"gateway parity vulkan vs cpu: {json.dumps(overall)}")
+    assert rc == 0, overall
+    assert report["candidate"] == "llamacpp/vulkan" and report["passed"]
