@@ -7,9 +7,9 @@ from dataclasses import dataclass
 from gateway.registry import ModelSpec
 
 # Which file format each runtime consumes.
-RUNTIME_FORMAT = {"llamacpp": "gguf"}
+RUNTIME_FORMAT = {"llamacpp": "gguf", "ortgenai": "onnx"}
 # Engines (backends) implemented so far, per runtime.
-IMPLEMENTED = {"llamacpp": ("cpu",)}
+IMPLEMENTED = {"llamacpp": ("cpu",), "ortgenai": ("cpu",)}
 
 
 class SelectionError(ValueError):
