@@ -119,6 +119,7 @@ class EngineConfig:
     backend: str = "cpu"  # cpu, vulkan, cuda, metal, directml, coreml
     device: str = "cpu"  # human-readable device name
     chat_template: str | None = None  # Jinja; overrides the template shipped with the model
+    compute_units: str = "ALL"  # CoreML only: ALL, CPU_AND_NE, CPU_AND_GPU, CPU_ONLY
 
 
 @dataclass(frozen=True)

@@ -93,7 +93,7 @@ def _convert(args: argparse.Namespace) -> int:
     logging.basicConfig(level="WARNING", format="%(levelname)s %(name)s: %(message)s")
     try:
         out = convert(registry, spec, args.to, args.precision, args.provider,
-                      progress=lambda msg: print(msg, flush=True), force=args.force)
+                      progress=lambda msg: print(msg, flush=True), force=args.force, show_output=True)
     except (ConversionError, ModelUnavailable) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

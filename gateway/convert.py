@@ -56,8 +56,13 @@ def convert(
     provider: str = "cpu",
     progress: Progress = log.info,
     force: bool = False,
+    show_output: bool = False,
 ) -> Path:
-    """Produce (or find) the `to` artifact of `spec`; returns its folder.  Blocking, minutes."""
+    """Produce (or find) the `to` artifact of `spec`; returns its folder.  Blocking, minutes.
+
+    Each heavy step runs in a child process (torch and the converters never load into the
+    caller); `show_output` lets their own progress bars through to the terminal.
+    """
     if to not in TARGETS:
         raise ConversionError(f"unknown target {to!r}; one of {', '.join(TARGETS)}")
     if precision not in PRECISIONS:
@@ -77,22 +82,25 @@ def convert(
         progress(f"{spec.id}: {out.name} already converted: {out}")
         return out
     t0 = time.perf_counter()
-    hf = hf_checkpoint(registry, spec, progress)
+    hf = hf_checkpoint(registry, spec, progress, show_output)
     with _staging(out) as tmp:
         if to == "onnx":
             progress(f"[2/2] Hugging Face -> ORT GenAI ({precision}, provider {provider}) ...")
-            hf_to_onnx(hf, tmp, precision, provider)
+            hf_to_onnx(hf, tmp, precision, provider, show_output)
         else:
             progress(f"[2/2] Hugging Face -> CoreML ML program ({precision}, stateful KV cache) ...")
-            from gateway.coreml_export import hf_to_coreml
-
-            hf_to_coreml(hf, tmp, precision, context_length=spec.context_length)
+            _run_step(
+                [sys.executable, "-m", "gateway.coreml_export", str(hf), str(tmp), precision, str(spec.context_length)],
+                "CoreML conversion", show_output,
+            )
     _write_manifest(out, spec, to, precision, provider if to == "onnx" else None, hf)
     progress(f"{spec.id}: wrote {out} in {time.perf_counter() - t0:.0f}s")
     return out
 
 
-def hf_checkpoint(registry: Registry, spec: ModelSpec, progress: Progress = log.info) -> Path:
+def hf_checkpoint(
+    registry: Registry, spec: ModelSpec, progress: Progress = log.info, show_output: bool = False
+) -> Path:
     """The model as a Hugging Face fp32 checkpoint, dequantised from its GGUF once and cached."""
     out = registry.converted_dir(spec, "hf", "fp32")
     if (out / MANIFEST).is_file():
@@ -103,7 +111,8 @@ def hf_checkpoint(registry: Registry, spec: ModelSpec, progress: Progress = log.
     gguf = registry.resolve(spec, "gguf")
     progress(f"[1/2] GGUF -> Hugging Face fp32 (dequantising {gguf.name}) ...")
     with _staging(out) as tmp:
-        gguf_to_hf(gguf, tmp)
+        _run_step([sys.executable, "-m", "gateway.convert", "gguf-to-hf", str(gguf), str(tmp)],
+                  "GGUF -> Hugging Face", show_output)
     _write_manifest(out, spec, "hf", "fp32", None, gguf)
     return out
 
@@ -123,22 +132,33 @@ def gguf_to_hf(gguf: Path, out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
-def hf_to_onnx(hf: Path, out: Path, precision: str, provider: str) -> None:
+def hf_to_onnx(hf: Path, out: Path, precision: str, provider: str, show_output: bool = False) -> None:
     """Run ORT GenAI's model builder on a local Hugging Face checkpoint."""
     work = out.parent / f".{out.name}-builder-cache"
     cmd = [
         sys.executable, "-m", "onnxruntime_genai.models.builder",
         "-m", str(hf), "-i", str(hf), "-o", str(out), "-p", precision, "-e", provider, "-c", str(work),
     ]
-    log.debug("running %s", " ".join(cmd))
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     try:
-        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=False)
+        _run_step(cmd, "onnxruntime_genai.models.builder", show_output)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    if proc.returncode != 0 or not (out / "genai_config.json").is_file():
-        tail = "\n".join(proc.stdout.replace("\r", "\n").splitlines()[-15:])
-        raise ConversionError(f"onnxruntime_genai.models.builder failed (exit {proc.returncode}):\n{tail}")
+    if not (out / "genai_config.json").is_file():
+        raise ConversionError(f"onnxruntime_genai.models.builder wrote no genai_config.json into {out}")
+
+
+def _run_step(cmd: list[str], what: str, show_output: bool) -> None:
+    log.debug("running %s", " ".join(cmd))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}  # everything is local; never reach for the hub
+    if show_output:
+        rc = subprocess.run(cmd, env=env, check=False).returncode
+        tail = ""
+    else:
+        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=False)
+        rc = proc.returncode
+        tail = "\n" + "\n".join(proc.stdout.replace("\r", "\n").splitlines()[-15:])
+    if rc != 0:
+        raise ConversionError(f"{what} failed (exit {rc}){tail}")
 
 
 @contextmanager
@@ -164,3 +184,9 @@ def _write_manifest(out: Path, spec: ModelSpec, fmt: str, precision: str, provid
         "source": str(source), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+
+
+if __name__ == "__main__":  # the child-process entry of one step: gguf-to-hf GGUF OUT
+    if len(sys.argv) != 4 or sys.argv[1] != "gguf-to-hf":
+        sys.exit("usage: python -m gateway.convert gguf-to-hf GGUF OUT")
+    gguf_to_hf(Path(sys.argv[2]), Path(sys.argv[3]))

@@ -112,5 +112,16 @@ def hf_reference(default_registry: Registry) -> tuple[Any, Any]:
 
     path = hf_checkpoint(default_registry, default_registry.models[MODEL])
     torch.manual_seed(0)
+    # One torch thread: torch's spinning OpenMP workers and ORT's pool starve each other on 2 cores.
+    torch.set_num_threads(1)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     return model, AutoTokenizer.from_pretrained(path)
+
+
+@pytest.fixture(scope="session")
+def coreml_fp16(default_registry: Registry) -> Path:
+    """SmolLM2 converted from its GGUF to a stateful CoreML ML program (cached in the model cache)."""
+    needs_convert("coreml")
+    from gateway.convert import convert
+
+    return convert(default_registry, default_registry.models[MODEL], "coreml", "fp16")
