@@ -188,7 +188,8 @@ class CoreMLEngine:
         out = self._model.predict(
             {"input_ids": np.asarray([ids], dtype=np.int32), "causal_mask": causal_mask(len(ids), end)}, state=state
         )
-        return np.asarray(out["logits"], dtype=np.float32)[0]
+        logits: npt.NDArray[np.float32] = np.asarray(out["logits"], dtype=np.float32)[0]
+        return logits
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
         pool = self._pool

@@ -125,7 +125,7 @@ def gguf_to_hf(gguf: Path, out: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
     # transformers 5 refuses to save a model "quantized with gguf"; the weights are plain fp32
     # after loading, so the quantizer marker is stale and can go.
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.save_pretrained(out)

@@ -31,6 +31,14 @@ SUPPORTED = ("llama", "mistral", "qwen2")
 class KVCacheDecoder(torch.nn.Module):
     """A Llama-family decoder with an explicit causal mask and its KV cache in buffers."""
 
+    keyCache: torch.Tensor  # noqa: N815 - the CoreML state names
+    valueCache: torch.Tensor  # noqa: N815
+    inv_freq: torch.Tensor
+    embed: Any
+    layers: Any
+    norm: Any
+    lm_head: Any
+
     def __init__(self, model: Any, context_length: int, cache_dtype: torch.dtype = torch.float16) -> None:
         super().__init__()
         cfg = model.config
@@ -96,16 +104,17 @@ class KVCacheDecoder(torch.nn.Module):
 def load_hf(hf_dir: Path) -> Any:
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()  # type: ignore[no-untyped-call]
 
 
 def hf_to_coreml(hf_dir: Path, out: Path, precision: str, context_length: int) -> Path:
     """Trace, convert (macOS 15 target, fp16 compute), optionally int4-quantise; returns the .mlpackage."""
     import coremltools as ct
 
-    decoder = KVCacheDecoder(load_hf(hf_dir), context_length).eval()
+    decoder = KVCacheDecoder(load_hf(hf_dir), context_length)
+    decoder.eval()
     example = (torch.zeros((1, 2), dtype=torch.int32), torch.from_numpy(causal_mask(2, 5).astype(np.float32)))
-    traced = torch.jit.trace(decoder, example, check_trace=False)
+    traced = torch.jit.trace(decoder, example, check_trace=False)  # type: ignore[no-untyped-call]
     decoder.reset()
     query = ct.RangeDim(lower_bound=1, upper_bound=context_length, default=1)
     end = ct.RangeDim(lower_bound=1, upper_bound=context_length, default=1)
