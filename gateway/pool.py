@@ -118,6 +118,7 @@ class ModelManager:
             backend=cand.backend,
             device=cand.device,
             chat_template=spec.chat_template,
+            compute_units=spec.compute_units,
         )
 
     async def _make_room(self) -> None:

@@ -19,7 +19,7 @@ import importlib.util
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -95,6 +95,9 @@ class ModelSpec(_Strict):
     runtimes: list[str] = Field(default_factory=lambda: ["llamacpp"], description="runtime preference order")
     parallel: int | None = Field(default=None, ge=1, le=64, description="sequences decoded together")
     chat_template: str | None = Field(default=None, description="Jinja chat template overriding the model's")
+    compute_units: Literal["ALL", "CPU_AND_NE", "CPU_AND_GPU", "CPU_ONLY"] = Field(
+        default="ALL", description="CoreML only: where the model may run"
+    )
     defaults: Defaults = Defaults()
 
 
