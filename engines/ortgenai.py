@@ -43,10 +43,11 @@ from engines.text import StopMatcher, token_logprob
 
 log = logging.getLogger(__name__)
 
-# backend -> (ORT GenAI provider name, the pip package that has it, availability probe name)
-PROVIDERS: dict[str, tuple[str, str, str]] = {
-    "cuda": ("cuda", "onnxruntime-genai-cuda", "is_cuda_available"),
-    "directml": ("dml", "onnxruntime-genai-directml", "is_dml_available"),
+# backend -> (ORT GenAI provider name, the pip package that has it, availability probe name,
+# the provider option that picks the device: CUDA's device id, DirectML's adapter index)
+PROVIDERS: dict[str, tuple[str, str, str, str]] = {
+    "cuda": ("cuda", "onnxruntime-genai-cuda", "is_cuda_available", "device_id"),
+    "directml": ("dml", "onnxruntime-genai-directml", "is_dml_available", "device_index"),
 }
 
 
@@ -79,11 +80,11 @@ def configure_providers(config: Any, og: Any, options: EngineConfig) -> None:
         raise ModelLoadError(
             f"onnxruntime-genai has no {backend!r} backend here; use one of: cpu, {', '.join(PROVIDERS)}"
         )
-    name, package, probe = PROVIDERS[backend]
+    name, package, probe, device_option = PROVIDERS[backend]
     if not getattr(og, probe)():
         raise ModelLoadError(_missing_provider(backend, package))
     config.append_provider(name)
-    config.set_provider_option(name, "device_id", str(device_id(options)))
+    config.set_provider_option(name, device_option, str(device_id(options)))
 
 
 def _missing_provider(backend: str, package: str) -> str:

@@ -194,7 +194,8 @@ class _FakeOg:
         ("cpu", "cpu", 0, [("clear",)]),
         ("cuda", "cuda:1", 0, [("clear",), ("append", "cuda"), ("option", "cuda", "device_id", "1")]),
         ("cuda", "NVIDIA H100", 2, [("clear",), ("append", "cuda"), ("option", "cuda", "device_id", "2")]),
-        ("directml", "directml", 0, [("clear",), ("append", "dml"), ("option", "dml", "device_id", "0")]),
+        ("directml", "directml", 0, [("clear",), ("append", "dml"), ("option", "dml", "device_index", "0")]),
+        ("directml", "directml:1", 0, [("clear",), ("append", "dml"), ("option", "dml", "device_index", "1")]),
     ],
 )
 def test_provider_options(backend: str, device: str, main_gpu: int, calls: list[tuple[Any, ...]]) -> None:
