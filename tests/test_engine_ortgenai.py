@@ -230,6 +230,8 @@ def test_gateway_serves_chat_through_ortgenai(onnx_fp32: Path, tmp_path: Path, d
         stream = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=24, temperature=0, stream=True)
         text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
         assert text == resp.choices[0].message.content
+        legacy = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
+        assert legacy.choices[0].text.strip() and legacy.usage is not None and legacy.usage.completion_tokens <= 8
         assert 'engine="ortgenai/cpu"' in httpx.get(f"{server.url}/metrics").text
     finally:
         server.stop()
