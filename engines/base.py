@@ -122,6 +122,7 @@ class EngineConfig:
     device: str = "cpu"  # human-readable device name
     device_key: str = ""  # the runtime's own device id (ggml "Vulkan0"/"CUDA0", ORT device id); "" = CPU
     chat_template: str | None = None  # Jinja; overrides the template shipped with the model
+    compute_units: str = "ALL"  # CoreML only: ALL, CPU_AND_NE, CPU_AND_GPU, CPU_ONLY
 
 
 @dataclass(frozen=True)

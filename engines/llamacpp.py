@@ -27,6 +27,7 @@ from engines.base import (
     ModelLoadError,
     TokenEvent,
 )
+from engines.bridge import EventChannel, settle_from_thread
 from engines.registry import register_runtime
 
 log = logging.getLogger(__name__)
@@ -284,13 +285,8 @@ class LlamaCppEngine:
                 "llama.cpp could not compile the grammar for response_format",
                 param="response_format",
             )
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[TokenEvent | BaseException] = asyncio.Queue()
-
-        def emit(item: TokenEvent | BaseException) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, item)
-
-        job = GenJob(prompt_ids=prompt, sampling=sp, max_new_tokens=max_new, sampler=sampler, emit=emit)
+        channel = EventChannel()
+        job = GenJob(prompt_ids=prompt, sampling=sp, max_new_tokens=max_new, sampler=sampler, emit=channel.emit)
         try:
             self._sched.submit(job)
         except BaseException:
@@ -299,13 +295,8 @@ class LlamaCppEngine:
             lc.llama_sampler_free(sampler)
             raise
         try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
+            async for item in channel.events():
                 yield item
-                if item.finish_reason is not None:
-                    return
         finally:
             self._sched.cancel(job)
 
@@ -333,21 +324,8 @@ class LlamaCppEngine:
             raise InvalidGenerationRequest("no tokens to score")
         if len(token_ids) > self._n_ctx_seq:
             raise ContextLengthExceeded(len(token_ids), self._n_ctx_seq)
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[npt.NDArray[np.float32]] = loop.create_future()
-
-        def done(item: npt.NDArray[np.float32] | BaseException) -> None:
-            def settle() -> None:
-                if fut.done():
-                    return
-                if isinstance(item, BaseException):
-                    fut.set_exception(item)
-                else:
-                    fut.set_result(item)
-
-            loop.call_soon_threadsafe(settle)
-
-        job = ScoreJob(token_ids=list(token_ids), done=done)
+        fut: asyncio.Future[npt.NDArray[np.float32]] = asyncio.get_running_loop().create_future()
+        job = ScoreJob(token_ids=list(token_ids), done=settle_from_thread(fut))
         self._sched.submit(job)
         try:
             return await fut

@@ -30,10 +30,9 @@ from engines.base import (
     SamplingParams,
     TokenEvent,
     TokenLogprob,
-    TopLogprob,
     Usage,
 )
-from engines.text import Detokenizer, StopMatcher
+from engines.text import Detokenizer, StopMatcher, token_logprob
 
 log = logging.getLogger(__name__)
 
@@ -316,7 +315,7 @@ class BatchScheduler:
         raw = self._logits_row(idx).copy() if sp.logprobs else None
         token = lc.llama_sampler_sample(job.sampler, self._ctx, idx)
         if raw is not None:
-            logprobs = (self._logprob(raw, token, sp.top_logprobs),)
+            logprobs = (token_logprob(raw, token, sp.top_logprobs, self._piece),)
         slot.n_generated += 1
         finish: str | None = None
         text = ""
@@ -347,28 +346,6 @@ class BatchScheduler:
             )
         )
 
-    def _logprob(self, logits: npt.NDArray[np.float32], token: int, top_n: int) -> TokenLogprob:
-        x = logits.astype(np.float64)
-        m = float(x.max())
-        lse = m + float(np.log(np.exp(x - m).sum()))
-        top: tuple[TopLogprob, ...] = ()
-        if top_n > 0:
-            ids = np.argpartition(-x, top_n)[:top_n]
-            ids = ids[np.argsort(-x[ids])]
-            top = tuple(
-                TopLogprob(
-                    token=_text(self._piece(int(t))),
-                    token_id=int(t),
-                    logprob=float(x[t] - lse),
-                    bytes=self._piece(int(t)),
-                )
-                for t in ids
-            )
-        piece = self._piece(token)
-        return TokenLogprob(
-            token=_text(piece), token_id=token, logprob=float(x[token] - lse), bytes=piece, top=top
-        )
-
     def _shutdown(self) -> None:
         closed = EngineClosed("the model was unloaded")
         for slot in self._active():
@@ -395,10 +372,6 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
-
-
-def _text(piece: bytes) -> str:
-    return piece.decode("utf-8", errors="replace")
 
 
 def build_sampler(

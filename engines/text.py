@@ -6,6 +6,12 @@ Shared by every engine so that stop strings behave the same whatever the runtime
 from __future__ import annotations
 
 import codecs
+from collections.abc import Callable
+
+import numpy as np
+import numpy.typing as npt
+
+from engines.base import TokenLogprob, TopLogprob
 
 
 class StopMatcher:
@@ -60,3 +66,29 @@ class Detokenizer:
 
     def flush(self) -> str:
         return self._decoder.decode(b"", final=True)
+
+
+def token_logprob(
+    logits: npt.NDArray[np.float32], token: int, top_n: int, piece: Callable[[int], bytes]
+) -> TokenLogprob:
+    """The log-probability of `token` (and the `top_n` most likely) under a raw logits row."""
+    x = logits.astype(np.float64)
+    m = float(x.max())
+    lse = m + float(np.log(np.exp(x - m).sum()))
+    top: tuple[TopLogprob, ...] = ()
+    if top_n > 0:
+        ids = np.argpartition(-x, top_n)[:top_n]
+        ids = ids[np.argsort(-x[ids])]
+        top = tuple(
+            TopLogprob(
+                token=piece(int(t)).decode("utf-8", errors="replace"),
+                token_id=int(t),
+                logprob=float(x[t] - lse),
+                bytes=piece(int(t)),
+            )
+            for t in ids
+        )
+    b = piece(token)
+    return TokenLogprob(
+        token=b.decode("utf-8", errors="replace"), token_id=token, logprob=float(x[token] - lse), bytes=b, top=top
+    )

@@ -1,4 +1,4 @@
-"""`gateway` command line: serve, models, bench, parity."""
+"""`gateway` command line: serve, models, devices, convert, bench, parity."""
 
 from __future__ import annotations
 
@@ -81,14 +81,39 @@ def _models(args: argparse.Namespace) -> int:
         return 0
     rows = [("ID", "FORMATS", "CONTEXT", "PRESENT", "DEFAULT")]
     for spec in registry.models.values():
-        present = [f for f in spec.formats if registry.local_path(spec, f) is not None]
+        formats = registry.formats(spec)
+        present = [f for f in formats if registry.local_path(spec, f) is not None]
         rows.append((
-            spec.id, ",".join(spec.formats), str(spec.context_length),
+            spec.id, ",".join(formats), str(spec.context_length),
             ",".join(present) or "no (downloads on first use)", "*" if spec.id == registry.default else "",
         ))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    return 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from gateway.convert import ConversionError, convert
+    from gateway.registry import ModelUnavailable
+
+    try:
+        registry = load_registry(args.config or Settings.from_env().config)
+    except RegistryError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    spec = registry.get(args.model or registry.default)
+    if spec is None:
+        print(f"error: unknown model {args.model!r}; known: {', '.join(registry.models)}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level="WARNING", format="%(levelname)s %(name)s: %(message)s")
+    try:
+        out = convert(registry, spec, args.to, args.precision, args.provider,
+                      progress=lambda msg: print(msg, flush=True), force=args.force, show_output=True)
+    except (ConversionError, ModelUnavailable) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(out)
     return 0
 
 
@@ -120,6 +145,16 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--config", default=None)
     m.add_argument("--download", metavar="ID", help="fetch (or assemble) the model's files now")
     m.set_defaults(func=_models)
+    c = sub.add_parser("convert", help="convert a model's GGUF to an ORT GenAI or CoreML artifact in the cache")
+    c.add_argument("--model", help="model id (models.yaml's default otherwise)")
+    c.add_argument("--to", choices=("onnx", "coreml"), required=True, help="target format")
+    c.add_argument("--precision", choices=("fp32", "fp16", "int4"), default="fp32",
+                   help="weights (default fp32; CoreML uses fp16 for fp32)")
+    c.add_argument("--provider", choices=("cpu", "cuda", "dml"), default="cpu",
+                   help="ORT GenAI execution provider the ONNX graph is built for (default cpu)")
+    c.add_argument("--force", action="store_true", help="convert again even if the artifact exists")
+    c.add_argument("--config", default=None, help="models.yaml path")
+    c.set_defaults(func=_convert)
     from gateway.bench import add_parser as add_bench
     from gateway.devices import add_parser as add_devices
     from gateway.parity_cli import add_parser as add_parity

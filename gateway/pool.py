@@ -247,6 +247,7 @@ def engine_config(spec: ModelSpec, cand: Candidate, path: str, settings: Setting
         device=cand.device,
         device_key=cand.device_key,
         chat_template=spec.chat_template,
+        compute_units=spec.compute_units,
     )
 
 

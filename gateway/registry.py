@@ -5,7 +5,11 @@ A source is one of:
   into the cache when the model ships in parts;
 - `hf`: a Hugging Face repo + filename, fetched with huggingface-hub into the standard HF cache
   (honours HF_ENDPOINT, HF_HUB_OFFLINE, HF_HOME);
-- `path`: a local file (relative paths are relative to models.yaml).
+- `path`: a local file (relative paths are relative to models.yaml);
+- `converted`: an artifact `gateway convert` wrote into the cache, at
+  `<cache>/converted/<id>/<format>-<precision>[-<provider>]` (see `converted_dir`).
+
+A format that models.yaml does not list is still found when `gateway convert` produced it.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import importlib.util
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -40,16 +44,36 @@ class HfSource(_Strict):
     revision: str = "main"
 
 
+class ConvertedSource(_Strict):
+    """An artifact made by `gateway convert`; unset fields match any (best precision first)."""
+
+    precision: str | None = Field(default=None, description="fp32, fp16 or int4")
+    provider: str | None = Field(default=None, description="onnx only: cpu, cuda or dml")
+
+
 class Source(_Strict):
     pypi: PypiSource | None = None
     hf: HfSource | None = None
     path: str | None = None
+    converted: ConvertedSource | None = None
 
     @model_validator(mode="after")
     def _exactly_one(self) -> Source:
-        if sum(x is not None for x in (self.pypi, self.hf, self.path)) != 1:
-            raise ValueError("a source needs exactly one of: pypi, hf, path")
+        if sum(x is not None for x in (self.pypi, self.hf, self.path, self.converted)) != 1:
+            raise ValueError("a source needs exactly one of: pypi, hf, path, converted")
         return self
+
+
+# Formats `gateway convert` produces, and the order a converted artifact is preferred in when
+# models.yaml does not pin one: quality first, then the portable CPU build.
+CONVERTED_FORMATS = ("onnx", "coreml")
+PRECISION_ORDER = ("fp32", "fp16", "int4")
+PROVIDER_ORDER = ("cpu", "cuda", "dml")
+
+
+def artifact_name(fmt: str, precision: str, provider: str | None = None) -> str:
+    """The folder name of a converted artifact: `<format>-<precision>[-<provider>]`."""
+    return f"{fmt}-{precision}" + (f"-{provider}" if provider else "")
 
 
 class Defaults(_Strict):
@@ -91,6 +115,9 @@ class ModelSpec(_Strict):
     )
     parallel: int | None = Field(default=None, ge=1, le=64, description="sequences decoded together")
     chat_template: str | None = Field(default=None, description="Jinja chat template overriding the model's")
+    compute_units: Literal["ALL", "CPU_AND_NE", "CPU_AND_GPU", "CPU_ONLY"] = Field(
+        default="ALL", description="CoreML only: where the model may run"
+    )
     defaults: Defaults = Defaults()
     parity: ParityTolerance | None = Field(default=None, description="parity tolerances for this model")
 
@@ -133,15 +160,11 @@ class Registry:
 
     # --- files -------------------------------------------------------------------------
 
-    def formats(self, spec: ModelSpec) -> set[str]:
-        """The formats this model can be served in."""
-        return set(spec.formats)
-
     def local_path(self, spec: ModelSpec, fmt: str) -> Path | None:
         """Where the model's file is if it is present now (no download, no assembly)."""
         src = spec.formats.get(fmt)
-        if src is None:
-            return None
+        if src is None or src.converted is not None:
+            return self.find_converted(spec, fmt, src.converted if src else None)
         if src.path is not None:
             p = self._abs(src.path)
             return p if p.exists() else None
@@ -165,8 +188,16 @@ class Registry:
     def resolve(self, spec: ModelSpec, fmt: str) -> Path:
         """The model's file, fetching or assembling it if needed.  Blocking."""
         src = spec.formats.get(fmt)
-        if src is None:
-            raise ModelUnavailable(f"model {spec.id!r} has no {fmt} format")
+        if src is None or src.converted is not None:
+            found = self.find_converted(spec, fmt, src.converted if src else None)
+            if found is not None:
+                return found
+            if src is None and fmt not in CONVERTED_FORMATS:
+                raise ModelUnavailable(f"model {spec.id!r} has no {fmt} format")
+            raise ModelUnavailable(
+                f"model {spec.id!r} has no converted {fmt} artifact in {self.converted_root(spec)}; "
+                f"run: gateway convert --model {spec.id} --to {fmt}"
+            )
         if src.path is not None:
             p = self._abs(src.path)
             if not p.exists():
@@ -176,6 +207,42 @@ class Registry:
             return self._resolve_pypi(spec, src.pypi)
         assert src.hf is not None
         return self._resolve_hf(spec, src.hf)
+
+    def formats(self, spec: ModelSpec) -> list[str]:
+        """Every format the model has: those models.yaml lists, plus converted ones present."""
+        out = list(spec.formats)
+        for fmt in CONVERTED_FORMATS:
+            if fmt not in out and self.find_converted(spec, fmt) is not None:
+                out.append(fmt)
+        return out
+
+    # --- converted artifacts -----------------------------------------------------------
+
+    def converted_root(self, spec: ModelSpec) -> Path:
+        return self.cache_dir / "converted" / spec.id
+
+    def converted_dir(self, spec: ModelSpec, fmt: str, precision: str, provider: str | None = None) -> Path:
+        """Where `gateway convert` writes (and the registry looks for) one artifact."""
+        return self.converted_root(spec) / artifact_name(fmt, precision, provider)
+
+    def find_converted(self, spec: ModelSpec, fmt: str, want: ConvertedSource | None = None) -> Path | None:
+        """The best finished converted artifact of `fmt` matching `want`, if any is present."""
+        root = self.converted_root(spec)
+        if not root.is_dir():
+            return None
+        found: list[tuple[int, int, Path]] = []
+        for d in root.iterdir():
+            # A finished conversion leaves a manifest; a half-written folder never has one.
+            parts = d.name.split("-")
+            if parts[0] != fmt or len(parts) not in (2, 3) or not (d / "gateway-artifact.json").is_file():
+                continue
+            precision, provider = parts[1], parts[2] if len(parts) == 3 else None
+            if want is not None and want.precision not in (None, precision):
+                continue
+            if want is not None and want.provider not in (None, provider):
+                continue
+            found.append((_rank(PRECISION_ORDER, precision), _rank(PROVIDER_ORDER, provider), d))
+        return min(found)[2] if found else None
 
     def _abs(self, path: str) -> Path:
         p = Path(os.path.expanduser(path))
@@ -229,6 +296,10 @@ class Registry:
             raise ModelUnavailable(
                 f"model {spec.id!r}: download of {src.repo}/{src.file} failed: {exc}"
             ) from exc
+
+
+def _rank(order: tuple[str, ...], value: str | None) -> int:
+    return order.index(value) if value in order else len(order)
 
 
 def _pypi_files(src: PypiSource) -> list[Path] | None:

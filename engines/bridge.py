@@ -1,0 +1,153 @@
+"""Bridging blocking runtimes to asyncio: thread-to-loop channels and a bounded worker pool.
+
+Native runtimes block, so they run on worker threads; results travel back to the event loop
+through `EventChannel` (a stream of token events) or `settle_from_thread` (one result).
+Shared by every adapter so cancellation, overload and shutdown behave the same everywhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+from engines.base import EngineClosed, EngineError, EngineFailure, EngineOverloaded, TokenEvent
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class EventChannel:
+    """Token events produced on a worker thread, consumed by one async iterator on the loop."""
+
+    def __init__(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue[TokenEvent | BaseException] = asyncio.Queue()
+
+    def emit(self, item: TokenEvent | BaseException) -> None:
+        """Thread-safe: hand an event (or the exception that ends the stream) to the loop."""
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+
+    async def events(self) -> AsyncIterator[TokenEvent]:
+        """Yield events until the one with a finish_reason; an emitted exception is raised."""
+        while True:
+            item = await self._queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if item.finish_reason is not None:
+                return
+
+
+def settle_from_thread(fut: asyncio.Future[T]) -> Callable[[T | BaseException], None]:
+    """A callback, safe to call from any thread, that resolves `fut` with a value or exception."""
+    loop = fut.get_loop()
+
+    def done(item: T | BaseException) -> None:
+        def settle() -> None:
+            if fut.done():
+                return
+            if isinstance(item, BaseException):
+                fut.set_exception(item)
+            else:
+                fut.set_result(item)
+
+        loop.call_soon_threadsafe(settle)
+
+    return done
+
+
+@dataclass(eq=False)
+class Job(Generic[T]):
+    """Work for a `WorkerPool`.  `run` polls `cancelled` at its step boundaries."""
+
+    run: Callable[[Job[T]], None]
+    fail: Callable[[BaseException], None]  # told why the job will never run (or was cut short)
+    submitted: float = field(default_factory=time.perf_counter)
+    started: float | None = None
+    cancelled: bool = False
+    closing: bool = False  # set with `cancelled` when the pool shuts down under the job
+
+    @property
+    def queue_seconds(self) -> float:
+        return (self.started or time.perf_counter()) - self.submitted
+
+
+class WorkerPool:
+    """`workers` threads running jobs; at most `max_queue` wait, beyond that EngineOverloaded."""
+
+    def __init__(self, workers: int, max_queue: int, name: str) -> None:
+        self._max_queue = max_queue
+        self._waiting: deque[Job[object]] = deque()
+        self._running: set[Job[object]] = set()
+        self._cv = threading.Condition()
+        self._stopping = False
+        self._threads = [
+            threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
+            for i in range(max(1, workers))
+        ]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, job: Job[T]) -> None:
+        with self._cv:
+            if self._stopping:
+                raise EngineClosed("the engine is shutting down")
+            if len(self._waiting) >= self._max_queue:
+                raise EngineOverloaded(
+                    f"all {len(self._threads)} workers are busy and {len(self._waiting)} "
+                    "requests are already waiting; retry later"
+                )
+            self._waiting.append(job)  # type: ignore[arg-type]
+            self._cv.notify()
+
+    def cancel(self, job: Job[T]) -> None:
+        with self._cv:
+            job.cancelled = True
+            try:
+                self._waiting.remove(job)  # type: ignore[arg-type]
+            except ValueError:
+                pass
+
+    def counts(self) -> tuple[int, int]:
+        """(running, waiting)."""
+        with self._cv:
+            return len(self._running), len(self._waiting)
+
+    def close(self) -> None:
+        """Refuse new jobs, fail the waiting ones, stop the running ones and join the threads."""
+        with self._cv:
+            self._stopping = True
+            waiting, self._waiting = list(self._waiting), deque()
+            for job in self._running:
+                job.cancelled = job.closing = True
+            self._cv.notify_all()
+        for job in waiting:
+            job.fail(EngineClosed("the model was unloaded"))
+        for t in self._threads:
+            t.join()
+
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stopping and not self._waiting:
+                    self._cv.wait()
+                if self._stopping:
+                    return
+                job = self._waiting.popleft()
+                job.started = time.perf_counter()
+                self._running.add(job)
+            try:
+                job.run(job)
+            except Exception as exc:  # noqa: BLE001 - a failed job must not kill its worker
+                log.exception("engine job failed")
+                job.fail(exc if isinstance(exc, EngineError) else EngineFailure(f"the runtime failed: {exc}"))
+            finally:
+                with self._cv:
+                    self._running.discard(job)

@@ -1,0 +1,292 @@
+"""The CoreML engine (`coremltools`, macOS 15+): a stateful KV-cache ML program on ANE/GPU/CPU.
+
+Serves the folder `gateway convert --to coreml` writes: `model.mlpackage` (inputs `input_ids`
+and `causal_mask`, states `keyCache`/`valueCache`, output `logits`), the Hugging Face tokenizer
+and chat template, and `coreml_config.json`.  Each request gets its own state: the prompt is
+prefilled in one prediction, then one token per prediction.  Sampling is done here in numpy.
+Prediction needs macOS, so on any other host `load()` raises ModelLoadError with the reason;
+this path is unverified until run on a Mac.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import platform
+import sys
+from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from engines.base import (
+    ContextLengthExceeded,
+    EngineClosed,
+    EngineConfig,
+    EngineHealth,
+    EngineInfo,
+    GenerationRequest,
+    InvalidGenerationRequest,
+    ModelLoadError,
+    SamplingParams,
+    TokenEvent,
+    TokenLogprob,
+    Usage,
+)
+from engines.bridge import EventChannel, Job, WorkerPool, settle_from_thread
+from engines.chat import ChatTemplate
+from engines.registry import register_runtime
+from engines.text import StopMatcher, token_logprob
+
+log = logging.getLogger(__name__)
+
+COMPUTE_UNITS = ("ALL", "CPU_AND_NE", "CPU_AND_GPU", "CPU_ONLY")
+# (path, compute_units) -> an object with MLModel's predict(inputs, state=...) and make_state().
+ModelLoader = Callable[[str, str], Any]
+
+
+def coreml_available() -> tuple[bool, str]:
+    """Whether CoreML models can run here, and if not, why (for the host probe)."""
+    if sys.platform != "darwin":
+        return False, f"CoreML prediction needs macOS; this host is {platform.system()} (coremltools cannot run models here)"
+    release = platform.mac_ver()[0]
+    if release and int(release.split(".")[0]) < 15:
+        return False, f"stateful CoreML models need macOS 15 or later; this is macOS {release}"
+    try:
+        import coremltools  # noqa: F401
+    except ImportError:
+        return False, "coremltools is not installed: pip install -e '.[coreml]'"
+    return True, ""
+
+
+def _load_mlmodel(path: str, compute_units: str) -> Any:
+    import coremltools as ct
+
+    return ct.models.MLModel(path, compute_units=getattr(ct.ComputeUnit, compute_units))
+
+
+def causal_mask(q_len: int, end: int) -> npt.NDArray[np.float16]:
+    """Additive mask for `q_len` new tokens after `end - q_len` cached ones (0 = attend)."""
+    start = end - q_len
+    allowed = np.arange(end)[None, :] <= (start + np.arange(q_len))[:, None]
+    return np.where(allowed, 0.0, -np.inf).astype(np.float16)[None, None]
+
+
+def sample(logits: npt.NDArray[np.float32], sp: SamplingParams, rng: np.random.Generator) -> int:
+    """Pick the next token: greedy at temperature 0, else top-k / top-p / min-p sampling."""
+    x = logits.astype(np.float64)
+    for token, bias in sp.logit_bias:
+        x[token] += bias
+    if sp.temperature <= 0.0:
+        return int(np.argmax(x))
+    x = x / sp.temperature
+    order = np.argsort(-x)
+    if sp.top_k > 0:
+        order = order[: sp.top_k]
+    p = np.exp(x[order] - x[order[0]])
+    p /= p.sum()
+    keep = len(p)
+    if sp.top_p < 1.0:
+        keep = int(np.searchsorted(np.cumsum(p), sp.top_p) + 1)
+    if sp.min_p > 0.0:
+        keep = min(keep, int((p >= sp.min_p * p[0]).sum()))
+    p = p[:keep] / p[:keep].sum()
+    return int(order[rng.choice(keep, p=p)])
+
+
+class CoreMLEngine:
+    """A converted stateful CoreML model; `loader` is replaced in tests by a fake predictor."""
+
+    def __init__(self, options: EngineConfig, loader: ModelLoader | None = None) -> None:
+        self.options = options
+        self.info = EngineInfo(
+            runtime="coreml", backend="coreml", device=options.device,
+            context_length=options.context_length, parallel=options.parallel,
+            extra={"compute_units": options.compute_units},
+        )
+        self._loader = loader
+        self._model: Any = None
+        self._tokenizer: Any = None
+        self._template: ChatTemplate | None = None
+        self._pool: WorkerPool | None = None
+        self._eos: frozenset[int] = frozenset()
+        self._n_ctx = options.context_length
+
+    # --- lifecycle -----------------------------------------------------------------------
+
+    async def load(self) -> None:
+        await asyncio.to_thread(self._load_blocking)
+
+    def _load_blocking(self) -> None:
+        o = self.options
+        loader = self._loader
+        if loader is None:
+            ok, reason = coreml_available()
+            if not ok:
+                raise ModelLoadError(reason)
+            loader = _load_mlmodel
+        if o.compute_units not in COMPUTE_UNITS:
+            raise ModelLoadError(f"unknown compute units {o.compute_units!r}; one of {', '.join(COMPUTE_UNITS)}")
+        d = Path(o.model_path)
+        if not (d / "coreml_config.json").is_file() or not (d / "tokenizer.json").is_file():
+            raise ModelLoadError(f"{d} is not a converted CoreML model folder; create one with `gateway convert --to coreml`")
+        try:
+            from tokenizers import Tokenizer
+        except ImportError as exc:
+            raise ModelLoadError("the CoreML engine needs tokenizers: pip install -e '.[coreml]'") from exc
+        meta = json.loads((d / "coreml_config.json").read_text())
+        self._tokenizer = Tokenizer.from_file(str(d / "tokenizer.json"))
+        self._template = ChatTemplate.from_model_dir(d, o.chat_template)
+        self._eos = frozenset(_eos_ids(d))
+        self._n_ctx = min(o.context_length, int(meta.get("context_length", o.context_length)))
+        try:
+            self._model = loader(str(d / "model.mlpackage"), o.compute_units)
+        except Exception as exc:
+            raise ModelLoadError(f"CoreML could not load {d}: {exc}") from exc
+        self._pool = WorkerPool(o.parallel, o.max_queue, name="coreml")
+        self.info = replace(self.info, context_length=self._n_ctx)
+        log.info("CoreML loaded %s: compute_units=%s ctx=%d", d, o.compute_units, self._n_ctx)
+
+    async def close(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            await asyncio.to_thread(pool.close)
+        self._model = None
+
+    def health(self) -> EngineHealth:
+        if self._pool is None:
+            return EngineHealth(ready=False, detail="not loaded")
+        running, waiting = self._pool.counts()
+        return EngineHealth(ready=True, running=running, waiting=waiting)
+
+    # --- text ------------------------------------------------------------------------------
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def piece(self, token: int) -> bytes:
+        return str(self._tokenizer.decode([token], skip_special_tokens=False)).encode("utf-8")
+
+    def render_prompt(self, request: GenerationRequest) -> list[int]:
+        if request.messages is None:
+            return self.tokenize(request.prompt or "")
+        if self._template is None:
+            raise InvalidGenerationRequest("this model has no chat template; use /v1/completions", param="messages")
+        try:
+            return self.tokenize(self._template.render(request.messages, request.add_generation_prompt))
+        except Exception as exc:
+            raise InvalidGenerationRequest(f"the model's chat template rejected the messages: {exc}", param="messages") from exc
+
+    # --- generation ------------------------------------------------------------------------
+
+    def _predict(self, ids: list[int], end: int, state: Any) -> npt.NDArray[np.float32]:
+        """Feed `ids` (positions end-len(ids) .. end-1); logits for each, shape (len(ids), vocab)."""
+        out = self._model.predict(
+            {"input_ids": np.asarray([ids], dtype=np.int32), "causal_mask": causal_mask(len(ids), end)}, state=state
+        )
+        logits: npt.NDArray[np.float32] = np.asarray(out["logits"], dtype=np.float32)[0]
+        return logits
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        pool = self._pool
+        if pool is None:
+            raise ModelLoadError("model is not loaded")
+        sp = request.sampling
+        if sp.structured is not None:
+            raise InvalidGenerationRequest("response_format is not supported by the coreml runtime", param="response_format")
+        prompt = self.render_prompt(request)
+        if not prompt:
+            raise InvalidGenerationRequest("the prompt is empty", param="prompt")
+        if len(prompt) >= self._n_ctx:
+            raise ContextLengthExceeded(len(prompt), self._n_ctx)
+        room = self._n_ctx - len(prompt)
+        max_new = min(sp.max_tokens, room) if sp.max_tokens is not None else room
+        channel = EventChannel()
+        job: Job[None] = Job(run=lambda j: self._generate_blocking(j, prompt, sp, max_new, channel), fail=channel.emit)
+        pool.submit(job)
+        try:
+            async for item in channel.events():
+                yield item
+        finally:
+            pool.cancel(job)
+
+    def _generate_blocking(
+        self, job: Job[None], prompt: list[int], sp: SamplingParams, max_new: int, channel: EventChannel
+    ) -> None:
+        state = self._model.make_state()
+        rng = np.random.default_rng(sp.seed)
+        row = self._predict(prompt, len(prompt), state)[-1]
+        stopper = StopMatcher(sp.stop)
+        generated: list[int] = []
+        sent = ""
+        while True:
+            if job.cancelled:
+                if job.closing:
+                    channel.emit(EngineClosed("the model was unloaded"))
+                return
+            if sp.ignore_eos:
+                row[list(self._eos)] = -np.inf
+            token = sample(row, sp, rng)
+            logprobs: tuple[TokenLogprob, ...] = ()
+            if sp.logprobs:
+                logprobs = (token_logprob(row, token, sp.top_logprobs, self.piece),)
+            generated.append(token)
+            finish: str | None = None
+            text = ""
+            if token in self._eos and not sp.ignore_eos:
+                finish = "stop"
+            else:
+                # Decode everything so far: byte-level tokens may end inside a character.
+                full = self._tokenizer.decode(generated, skip_special_tokens=False)
+                if not full.endswith("\ufffd"):
+                    text, sent = stopper.push(full[len(sent):]), full
+                if stopper.stopped:
+                    finish = "stop"
+                elif len(generated) >= max_new:
+                    finish = "length"
+            if finish is None:
+                channel.emit(TokenEvent(text=text, token_ids=(token,), logprobs=logprobs))
+                row = self._predict([token], len(prompt) + len(generated), state)[-1]
+                continue
+            usage = Usage(prompt_tokens=len(prompt), completion_tokens=len(generated), queue_seconds=job.queue_seconds)
+            channel.emit(TokenEvent(text=text + stopper.flush(), token_ids=(token,), logprobs=logprobs,
+                                    finish_reason=finish, usage=usage))
+            return
+
+    async def logits(self, token_ids: list[int]) -> npt.NDArray[np.float32]:
+        pool = self._pool
+        if pool is None:
+            raise ModelLoadError("model is not loaded")
+        if not token_ids:
+            raise InvalidGenerationRequest("no tokens to score")
+        if len(token_ids) > self._n_ctx:
+            raise ContextLengthExceeded(len(token_ids), self._n_ctx)
+        fut: asyncio.Future[npt.NDArray[np.float32]] = asyncio.get_running_loop().create_future()
+        done = settle_from_thread(fut)
+        job: Job[None] = Job(
+            run=lambda j: done(self._predict(list(token_ids), len(token_ids), self._model.make_state())), fail=done
+        )
+        pool.submit(job)
+        try:
+            return await fut
+        finally:
+            pool.cancel(job)
+
+
+def _eos_ids(d: Path) -> list[int]:
+    ids: list[int] = []
+    for name in ("generation_config.json", "config.json"):
+        p = d / name
+        if p.is_file():
+            value = json.loads(p.read_text()).get("eos_token_id")
+            ids += value if isinstance(value, list) else [value] if isinstance(value, int) else []
+    return ids
+
+
+@register_runtime("coreml")
+def create_coreml(options: EngineConfig) -> CoreMLEngine:
+    return CoreMLEngine(options)

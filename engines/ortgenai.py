@@ -1,0 +1,348 @@
+"""The ONNX Runtime GenAI engine (`onnxruntime-genai`): CPU, CUDA and DirectML providers.
+
+Serves an ORT GenAI model folder (`genai_config.json` + ONNX + tokenizer, as written by
+`gateway convert --to onnx`).  Each request runs its own `og.Generator` on a worker thread of a
+bounded pool; the model (one ONNX Runtime session) is shared, since sessions are thread-safe.
+Sampling is ORT GenAI's own search (greedy, or top-k/top-p/temperature with a seed); logprobs
+come from the raw logits of each step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import random
+import re
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from engines.base import (
+    ContextLengthExceeded,
+    EngineClosed,
+    EngineConfig,
+    EngineHealth,
+    EngineInfo,
+    GenerationRequest,
+    InvalidGenerationRequest,
+    ModelLoadError,
+    SamplingParams,
+    TokenEvent,
+    TokenLogprob,
+    Usage,
+)
+from engines.bridge import EventChannel, Job, WorkerPool, settle_from_thread
+from engines.chat import ChatTemplate
+from engines.registry import register_runtime
+from engines.text import StopMatcher, token_logprob
+
+log = logging.getLogger(__name__)
+
+# backend -> (ORT GenAI provider name, the pip package that has it, availability probe name,
+# the provider option that picks the device: CUDA's device id, DirectML's adapter index)
+PROVIDERS: dict[str, tuple[str, str, str, str]] = {
+    "cuda": ("cuda", "onnxruntime-genai-cuda", "is_cuda_available", "device_id"),
+    "directml": ("dml", "onnxruntime-genai-directml", "is_dml_available", "device_index"),
+}
+
+
+def ortgenai_version() -> str:
+    try:
+        import onnxruntime_genai as og
+
+        return str(og.__version__)
+    except Exception:  # noqa: BLE001 - absence is reported, not raised
+        return ""
+
+
+def device_id(options: EngineConfig) -> int:
+    """The GPU index: the selector's `device_key` ("1"), else a trailing number in `device`
+    ("cuda:1"), else `main_gpu`."""
+    if options.device_key.isdigit():
+        return int(options.device_key)
+    m = re.search(r":(\d+)$", options.device)
+    return int(m.group(1)) if m else options.main_gpu
+
+
+def configure_providers(config: Any, og: Any, options: EngineConfig) -> None:
+    """Point an `og.Config` at the execution provider for `options.backend`.
+
+    Raises ModelLoadError naming the package to install when the installed onnxruntime-genai
+    was not built with that provider.
+    """
+    backend = options.backend
+    config.clear_providers()  # the model's genai_config may name a provider; CPU is the default
+    if backend == "cpu":
+        return
+    if backend not in PROVIDERS:
+        raise ModelLoadError(
+            f"onnxruntime-genai has no {backend!r} backend here; use one of: cpu, {', '.join(PROVIDERS)}"
+        )
+    name, package, probe, device_option = PROVIDERS[backend]
+    if not getattr(og, probe)():
+        raise ModelLoadError(_missing_provider(backend, package))
+    config.append_provider(name)
+    config.set_provider_option(name, device_option, str(device_id(options)))
+
+
+def _missing_provider(backend: str, package: str) -> str:
+    return (
+        f"the installed onnxruntime-genai has no {backend} execution provider; "
+        f"pip install {package} (in place of onnxruntime-genai, which has the same import name)"
+    )
+
+
+class OrtGenAIEngine:
+    """An ORT GenAI model folder served on one execution provider."""
+
+    def __init__(self, options: EngineConfig) -> None:
+        self.options = options
+        self.info = EngineInfo(
+            runtime="ortgenai",
+            backend=options.backend,
+            device=options.device,
+            version=ortgenai_version(),
+            context_length=options.context_length,
+            parallel=options.parallel,
+        )
+        self._og: Any = None
+        self._model: Any = None
+        self._tokenizer: Any = None
+        self._pool: WorkerPool | None = None
+        self._template: ChatTemplate | None = None
+        self._eos: frozenset[int] = frozenset()
+        self._n_ctx = options.context_length
+        self._n_vocab = 0
+        self._pieces: dict[int, bytes] = {}
+
+    # --- lifecycle -----------------------------------------------------------------------
+
+    async def load(self) -> None:
+        await asyncio.to_thread(self._load_blocking)
+
+    def _load_blocking(self) -> None:
+        try:
+            import onnxruntime_genai as og
+        except ImportError as exc:
+            raise ModelLoadError(
+                f"onnxruntime-genai is not installed ({exc}); pip install onnxruntime-genai "
+                "(or onnxruntime-genai-cuda / onnxruntime-genai-directml for a GPU)"
+            ) from exc
+        o = self.options
+        cfg_path = os.path.join(o.model_path, "genai_config.json")
+        if not os.path.isfile(cfg_path):
+            raise ModelLoadError(
+                f"{o.model_path} is not an ORT GenAI model folder (no genai_config.json); "
+                "create one with `gateway convert --to onnx`"
+            )
+        with open(cfg_path) as f:
+            genai_cfg = json.load(f)
+        config = og.Config(o.model_path)
+        configure_providers(config, og, o)
+        if o.n_threads > 0:
+            config.overlay(json.dumps(
+                {"model": {"decoder": {"session_options": {"intra_op_num_threads": o.n_threads}}}}
+            ))
+        try:
+            self._model = og.Model(config)
+        except Exception as exc:
+            hint = f" ({_missing_provider(o.backend, PROVIDERS[o.backend][1])}?)" if o.backend in PROVIDERS else ""
+            raise ModelLoadError(f"onnxruntime-genai could not load {o.model_path} on {o.device}: {exc}{hint}") from exc
+        self._og = og
+        self._tokenizer = og.Tokenizer(self._model)
+        model_cfg = genai_cfg.get("model", {})
+        self._n_vocab = int(model_cfg.get("vocab_size", 0))
+        trained = int(model_cfg.get("context_length", 0))
+        self._n_ctx = min(o.context_length, trained) if trained > 0 else o.context_length
+        self._eos = frozenset(int(t) for t in self._tokenizer.eos_token_ids)
+        self._template = ChatTemplate.from_model_dir(o.model_path, o.chat_template)
+        self._pool = WorkerPool(o.parallel, o.max_queue, name="ortgenai")
+        self.info = replace(self.info, context_length=self._n_ctx)
+        log.info(
+            "ORT GenAI loaded %s: backend=%s device=%s ctx=%d parallel=%d vocab=%d",
+            o.model_path, o.backend, o.device, self._n_ctx, o.parallel, self._n_vocab,
+        )
+
+    async def close(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            await asyncio.to_thread(pool.close)
+        self._tokenizer = None
+        self._model = None
+
+    def health(self) -> EngineHealth:
+        if self._pool is None:
+            return EngineHealth(ready=False, detail="not loaded")
+        running, waiting = self._pool.counts()
+        return EngineHealth(ready=True, running=running, waiting=waiting)
+
+    # --- text ------------------------------------------------------------------------------
+
+    def tokenize(self, text: str) -> list[int]:
+        if self._tokenizer is None:
+            raise ModelLoadError("model is not loaded")
+        return [int(t) for t in self._tokenizer.encode(text)]
+
+    def piece(self, token: int) -> bytes:
+        cached = self._pieces.get(token)
+        if cached is None:
+            cached = self._pieces[token] = self._tokenizer.decode([token]).encode("utf-8")
+        return cached
+
+    def render_prompt(self, request: GenerationRequest) -> list[int]:
+        if request.messages is None:
+            return self.tokenize(request.prompt or "")
+        if self._template is None:
+            raise InvalidGenerationRequest("this model has no chat template; use /v1/completions", param="messages")
+        try:
+            text = self._template.render(request.messages, request.add_generation_prompt)
+        except Exception as exc:  # template raise_exception() or Jinja errors
+            raise InvalidGenerationRequest(
+                f"the model's chat template rejected the messages: {exc}", param="messages"
+            ) from exc
+        ids = self.tokenize(text)
+        bos = self._tokenizer.bos_token_id
+        # A template that writes the BOS text itself must not get a second BOS token.
+        if len(ids) > 1 and ids[0] == bos and ids[1] == bos:
+            ids = ids[1:]
+        return ids
+
+    # --- generation ------------------------------------------------------------------------
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        pool = self._pool
+        if pool is None:
+            raise ModelLoadError("model is not loaded")
+        sp = request.sampling
+        _check_supported(sp)
+        prompt = self.render_prompt(request)
+        if not prompt:
+            raise InvalidGenerationRequest("the prompt is empty", param="prompt")
+        if len(prompt) >= self._n_ctx:
+            raise ContextLengthExceeded(len(prompt), self._n_ctx)
+        room = self._n_ctx - len(prompt)
+        max_new = min(sp.max_tokens, room) if sp.max_tokens is not None else room
+        channel = EventChannel()
+        job: Job[None] = Job(
+            run=lambda j: self._generate_blocking(j, prompt, sp, max_new, channel), fail=channel.emit
+        )
+        pool.submit(job)
+        try:
+            async for item in channel.events():
+                yield item
+        finally:
+            pool.cancel(job)
+
+    def search_options(self, sp: SamplingParams, prompt_len: int, max_new: int) -> dict[str, Any]:
+        """ORT GenAI search options for one request (greedy when temperature is 0)."""
+        total = prompt_len + max_new
+        opts: dict[str, Any] = {"max_length": total, "batch_size": 1}
+        if sp.ignore_eos:
+            opts["min_length"] = total  # ORT GenAI masks EOS until min_length
+        if sp.repeat_penalty != 1.0:
+            opts["repetition_penalty"] = sp.repeat_penalty
+        if sp.temperature <= 0.0:
+            opts["do_sample"] = False
+            return opts
+        opts.update(
+            do_sample=True,
+            temperature=sp.temperature,
+            top_p=sp.top_p,
+            # 0 means "no top-k" to OpenAI clients; ORT GenAI's config default is 50.
+            top_k=sp.top_k if sp.top_k > 0 else self._n_vocab,
+            random_seed=sp.seed if sp.seed is not None else random.randrange(1 << 31),
+        )
+        return opts
+
+    def _generate_blocking(
+        self, job: Job[None], prompt: list[int], sp: SamplingParams, max_new: int, channel: EventChannel
+    ) -> None:
+        og = self._og
+        params = og.GeneratorParams(self._model)
+        params.set_search_options(**self.search_options(sp, len(prompt), max_new))
+        gen = og.Generator(self._model, params)
+        gen.append_tokens(np.asarray(prompt, dtype=np.int32))
+        stream = self._tokenizer.create_stream()
+        stopper = StopMatcher(sp.stop)
+        n = 0
+        while True:
+            if job.cancelled:
+                if job.closing:
+                    channel.emit(EngineClosed("the model was unloaded"))
+                return
+            logprobs: tuple[TokenLogprob, ...] = ()
+            raw = gen.get_logits().reshape(-1).copy() if sp.logprobs else None
+            gen.generate_next_token()
+            token = int(gen.get_next_tokens()[0])
+            n += 1
+            if raw is not None:
+                logprobs = (token_logprob(raw, token, sp.top_logprobs, self.piece),)
+            finish: str | None = None
+            text = ""
+            if token in self._eos and not sp.ignore_eos:
+                finish = "stop"
+            else:
+                text = stopper.push(stream.decode(token))
+                if stopper.stopped:
+                    finish = "stop"
+                elif n >= max_new:
+                    finish = "length"
+            if finish is None:
+                channel.emit(TokenEvent(text=text, token_ids=(token,), logprobs=logprobs))
+                continue
+            usage = Usage(prompt_tokens=len(prompt), completion_tokens=n, queue_seconds=job.queue_seconds)
+            channel.emit(TokenEvent(
+                text=text + stopper.flush(), token_ids=(token,), logprobs=logprobs,
+                finish_reason=finish, usage=usage,
+            ))
+            return
+
+    async def logits(self, token_ids: list[int]) -> npt.NDArray[np.float32]:
+        pool = self._pool
+        if pool is None:
+            raise ModelLoadError("model is not loaded")
+        if not token_ids:
+            raise InvalidGenerationRequest("no tokens to score")
+        if len(token_ids) > self._n_ctx:
+            raise ContextLengthExceeded(len(token_ids), self._n_ctx)
+        fut: asyncio.Future[npt.NDArray[np.float32]] = asyncio.get_running_loop().create_future()
+        done = settle_from_thread(fut)
+
+        def run(job: Job[None]) -> None:
+            params = self._og.GeneratorParams(self._model)
+            params.set_search_options(max_length=len(token_ids) + 1, batch_size=1)
+            gen = self._og.Generator(self._model, params)
+            # The prefill's logits output holds every position, not just the last.
+            gen.append_tokens(np.asarray(token_ids, dtype=np.int32))
+            done(np.ascontiguousarray(gen.get_output("logits")[0], dtype=np.float32))
+
+        job: Job[None] = Job(run=run, fail=done)
+        pool.submit(job)
+        try:
+            return await fut
+        finally:
+            pool.cancel(job)
+
+
+def _check_supported(sp: SamplingParams) -> None:
+    """Reject, rather than ignore, what ORT GenAI's search cannot do."""
+    unsupported = {
+        "response_format": sp.structured is not None,
+        "logit_bias": bool(sp.logit_bias),
+        "presence_penalty": sp.presence_penalty != 0.0,
+        "frequency_penalty": sp.frequency_penalty != 0.0,
+        "min_p": sp.min_p > 0.0,
+    }
+    for param, used in unsupported.items():
+        if used:
+            raise InvalidGenerationRequest(f"{param} is not supported by the ortgenai runtime", param=param)
+
+
+@register_runtime("ortgenai")
+def create_ortgenai(options: EngineConfig) -> OrtGenAIEngine:
+    return OrtGenAIEngine(options)

@@ -1,0 +1,237 @@
+"""The ORT GenAI engine on SmolLM2 converted from the shipped GGUF: parity with transformers fp32,
+sampling controls, concurrency limits, provider errors, and chat through the gateway's HTTP API."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import yaml
+
+from engines.base import (
+    ChatMessage,
+    ContextLengthExceeded,
+    EngineConfig,
+    EngineOverloaded,
+    GenerationRequest,
+    InvalidGenerationRequest,
+    ModelLoadError,
+    SamplingParams,
+)
+from gateway.app import create_app
+from gateway.registry import load_registry
+from gateway.settings import Settings
+from tests.conftest import MODEL, ROOT, ServerThread
+
+og = pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed")
+
+from engines.ortgenai import OrtGenAIEngine, configure_providers  # noqa: E402
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write one sentence about the sea.",
+    "List three colours.",
+]
+
+
+@pytest.fixture(scope="module")
+async def engine(onnx_fp32: Path) -> AsyncIterator[OrtGenAIEngine]:
+    e = OrtGenAIEngine(EngineConfig(model_path=str(onnx_fp32), context_length=512, parallel=2, max_queue=2))
+    await e.load()
+    yield e
+    await e.close()
+
+
+def _chat(text: str, **sp: Any) -> GenerationRequest:
+    sp.setdefault("temperature", 0.0)
+    return GenerationRequest("t", SamplingParams(**sp), messages=(ChatMessage("user", text),))
+
+
+async def _run(e: OrtGenAIEngine, req: GenerationRequest) -> tuple[list[int], str, str | None]:
+    toks: list[int] = []
+    text = ""
+    finish = None
+    async for ev in e.generate(req):
+        toks += ev.token_ids
+        text += ev.text
+        finish = ev.finish_reason
+    return toks, text, finish
+
+
+async def test_prompt_matches_transformers_template(engine: OrtGenAIEngine, hf_reference: tuple[Any, Any]) -> None:
+    _, tok = hf_reference
+    msgs = [{"role": "user", "content": PROMPTS[0]}]
+    want = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert engine.render_prompt(_chat(PROMPTS[0])) == list(want)
+
+
+async def test_greedy_output_equals_transformers_fp32(engine: OrtGenAIEngine, hf_reference: tuple[Any, Any]) -> None:
+    import torch
+
+    model, tok = hf_reference
+    for text in PROMPTS:
+        ids = engine.render_prompt(_chat(text))
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False,
+                                 pad_token_id=tok.eos_token_id)
+        want = [int(t) for t in out[0, len(ids):]]
+        got, _, _ = await _run(engine, _chat(text, max_tokens=24))
+        assert got == want, text
+
+
+async def test_logits_agree_with_transformers_fp32(engine: OrtGenAIEngine, hf_reference: tuple[Any, Any]) -> None:
+    import torch
+
+    model, _ = hf_reference
+    ids = engine.render_prompt(_chat(PROMPTS[1]))
+    got = await engine.logits(ids)
+    with torch.no_grad():
+        want = model(torch.tensor([ids])).logits[0].numpy()
+    assert got.shape == want.shape == (len(ids), 49152)
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-4)
+
+
+async def test_logprobs_are_consistent_with_logits(engine: OrtGenAIEngine) -> None:
+    req = _chat(PROMPTS[2], max_tokens=3, logprobs=True, top_logprobs=3)
+    events = [ev async for ev in engine.generate(req)]
+    toks = [t for ev in events for t in ev.token_ids]
+    lps = [lp for ev in events for lp in ev.logprobs]
+    assert len(lps) == len(toks) == 3
+    ids = engine.render_prompt(req)
+    rows = (await engine.logits(ids + toks[:-1]))[len(ids) - 1:].astype(np.float64)
+    for row, lp in zip(rows, lps, strict=True):
+        want = row[lp.token_id] - (row.max() + np.log(np.exp(row - row.max()).sum()))
+        assert abs(lp.logprob - want) < 1e-3
+        assert lp.top[0].token_id == lp.token_id == int(row.argmax())  # greedy picks the top
+
+
+async def test_stop_max_tokens_and_seed(engine: OrtGenAIEngine) -> None:
+    _, full, _ = await _run(engine, _chat(PROMPTS[0], max_tokens=24))
+    assert "Paris" in full
+    _, text, finish = await _run(engine, _chat(PROMPTS[0], max_tokens=24, stop=("Paris",)))
+    assert (text, finish) == (full[: full.index("Paris")], "stop")
+    toks, _, finish = await _run(engine, _chat(PROMPTS[1], max_tokens=5))
+    assert (len(toks), finish) == (5, "length")
+    sampled = [await _run(engine, _chat(PROMPTS[1], temperature=1.0, top_p=0.95, seed=7, max_tokens=12)) for _ in range(2)]
+    assert sampled[0] == sampled[1]
+    toks, _, finish = await _run(engine, _chat(PROMPTS[0], max_tokens=40, ignore_eos=True))
+    assert (len(toks), finish) == (40, "length")
+
+
+async def test_unsupported_and_too_long_requests_fail_before_generation(engine: OrtGenAIEngine) -> None:
+    with pytest.raises(InvalidGenerationRequest, match="logit_bias"):
+        await _run(engine, _chat("hi", logit_bias=((1, 5.0),)))
+    with pytest.raises(ContextLengthExceeded):
+        await _run(engine, GenerationRequest("t", SamplingParams(max_tokens=2), prompt="word " * 600))
+
+
+async def test_cancel_frees_the_worker_and_queue_is_bounded(engine: OrtGenAIEngine) -> None:
+    long = _chat(PROMPTS[1], max_tokens=200, ignore_eos=True)
+    streams = [engine.generate(long) for _ in range(4)]
+    firsts = [asyncio.ensure_future(s.__anext__()) for s in streams[:2]]
+    await asyncio.wait(firsts)  # both workers are busy now
+    firsts += [asyncio.ensure_future(s.__anext__()) for s in streams[2:]]
+    while engine.health().waiting < 2:  # the next two queue up
+        await asyncio.sleep(0.01)
+    with pytest.raises(EngineOverloaded):
+        await _run(engine, long)
+    for s, f in zip(streams, firsts, strict=True):
+        f.cancel()
+        await asyncio.gather(f, return_exceptions=True)
+        await s.aclose()
+    for _ in range(100):
+        if engine.health().running == engine.health().waiting == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert (engine.health().running, engine.health().waiting) == (0, 0)
+    toks, _, _ = await _run(engine, _chat(PROMPTS[0], max_tokens=3))
+    assert len(toks) == 3
+
+
+@pytest.mark.parametrize(("backend", "package"), [("cuda", "onnxruntime-genai-cuda"), ("directml", "onnxruntime-genai-directml")])
+async def test_missing_provider_names_the_package(onnx_fp32: Path, backend: str, package: str) -> None:
+    if backend == "cuda" and og.is_cuda_available():
+        pytest.skip("this onnxruntime-genai has the CUDA provider")
+    e = OrtGenAIEngine(EngineConfig(model_path=str(onnx_fp32), backend=backend, device=backend))
+    with pytest.raises(ModelLoadError, match=f"pip install {package}"):
+        await e.load()
+
+
+class _RecordingConfig:
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+
+    def clear_providers(self) -> None:
+        self.calls.append(("clear",))
+
+    def append_provider(self, name: str) -> None:
+        self.calls.append(("append", name))
+
+    def set_provider_option(self, name: str, key: str, value: str) -> None:
+        self.calls.append(("option", name, key, value))
+
+
+class _FakeOg:
+    @staticmethod
+    def is_cuda_available() -> bool:
+        return True
+
+    @staticmethod
+    def is_dml_available() -> bool:
+        return True
+
+
+@pytest.mark.parametrize(
+    ("backend", "device", "main_gpu", "calls"),
+    [
+        ("cpu", "cpu", 0, [("clear",)]),
+        ("cuda", "cuda:1", 0, [("clear",), ("append", "cuda"), ("option", "cuda", "device_id", "1")]),
+        ("cuda", "NVIDIA H100", 2, [("clear",), ("append", "cuda"), ("option", "cuda", "device_id", "2")]),
+        ("directml", "directml", 0, [("clear",), ("append", "dml"), ("option", "dml", "device_index", "0")]),
+        ("directml", "directml:1", 0, [("clear",), ("append", "dml"), ("option", "dml", "device_index", "1")]),
+    ],
+)
+def test_provider_options(backend: str, device: str, main_gpu: int, calls: list[tuple[Any, ...]]) -> None:
+    cfg = _RecordingConfig()
+    configure_providers(cfg, _FakeOg, EngineConfig(model_path="m", backend=backend, device=device, main_gpu=main_gpu))
+    assert cfg.calls == calls
+
+
+def test_unknown_backend_is_a_load_error() -> None:
+    with pytest.raises(ModelLoadError, match="vulkan"):
+        configure_providers(_RecordingConfig(), _FakeOg, EngineConfig(model_path="m", backend="vulkan"))
+
+
+def test_gateway_serves_chat_through_ortgenai(onnx_fp32: Path, tmp_path: Path, default_registry: Any) -> None:
+    data = yaml.safe_load((ROOT / "models.yaml").read_text())
+    spec = next(m for m in data["models"] if m["id"] == MODEL)
+    spec["runtimes"] = ["ortgenai"]
+    spec["formats"]["onnx"] = {"converted": {"precision": "fp32", "provider": "cpu"}}
+    data["models"] = [spec]
+    cfg = tmp_path / "models.yaml"
+    cfg.write_text(yaml.safe_dump(data))
+    registry = load_registry(cfg, cache_dir=default_registry.cache_dir)
+    assert registry.resolve(registry.models[MODEL], "onnx") == onnx_fp32
+    settings = Settings.from_env(env={}, config=str(cfg), parallel=2)
+    server = ServerThread(create_app(settings, registry)).start()
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        msgs: Any = [{"role": "user", "content": PROMPTS[0]}]
+        resp = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=24, temperature=0)
+        assert "Paris" in (resp.choices[0].message.content or "")
+        assert resp.usage is not None and resp.usage.completion_tokens > 0
+        stream = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=24, temperature=0, stream=True)
+        text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        assert text == resp.choices[0].message.content
+        legacy = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
+        assert legacy.choices[0].text.strip() and legacy.usage is not None and legacy.usage.completion_tokens <= 8
+        assert 'engine="ortgenai/cpu"' in httpx.get(f"{server.url}/metrics").text
+    finally:
+        server.stop()
