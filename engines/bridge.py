@@ -11,6 +11,7 @@ import asyncio
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -23,16 +24,62 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+class _Mailbox:
+    """Items posted from worker threads to one event loop, delivered in batches.
+
+    `call_soon_threadsafe` writes to the loop's self-pipe on every call; a batching scheduler
+    emits one event per running sequence per step, so waking the loop once per batch instead of
+    once per token saves a syscall and a loop iteration per token (visible at 16 streams on a GPU).
+    """
+
+    _by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Mailbox] = weakref.WeakKeyDictionary()
+    _registry_lock = threading.Lock()
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._items: deque[tuple[asyncio.Queue[TokenEvent | BaseException], TokenEvent | BaseException]] = deque()
+        self._lock = threading.Lock()
+        self._scheduled = False
+
+    @classmethod
+    def of(cls, loop: asyncio.AbstractEventLoop) -> _Mailbox:
+        with cls._registry_lock:
+            box = cls._by_loop.get(loop)
+            if box is None:
+                box = cls._by_loop[loop] = cls(loop)
+            return box
+
+    def post(self, queue: asyncio.Queue[TokenEvent | BaseException], item: TokenEvent | BaseException) -> None:
+        with self._lock:
+            self._items.append((queue, item))
+            if self._scheduled:
+                return
+            self._scheduled = True
+        try:
+            self._loop.call_soon_threadsafe(self._flush)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            with self._lock:
+                self._scheduled = False
+                self._items.clear()
+
+    def _flush(self) -> None:
+        with self._lock:
+            items, self._items = self._items, deque()
+            self._scheduled = False
+        for queue, item in items:
+            queue.put_nowait(item)
+
+
 class EventChannel:
     """Token events produced on a worker thread, consumed by one async iterator on the loop."""
 
     def __init__(self) -> None:
-        self._loop = asyncio.get_running_loop()
+        self._mailbox = _Mailbox.of(asyncio.get_running_loop())
         self._queue: asyncio.Queue[TokenEvent | BaseException] = asyncio.Queue()
 
     def emit(self, item: TokenEvent | BaseException) -> None:
         """Thread-safe: hand an event (or the exception that ends the stream) to the loop."""
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        self._mailbox.post(self._queue, item)
 
     async def events(self) -> AsyncIterator[TokenEvent]:
         """Yield events until the one with a finish_reason; an emitted exception is raised."""

