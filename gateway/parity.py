@@ -54,13 +54,20 @@ FloatArray = npt.NDArray[np.float64]
 # Modelled on ONNX Runtime's parity tests: CPU 1e-5, CUDA 1e-4, FP16 1e-2 absolute logit
 # difference.  Quantised weights are judged by KL / top-1 / perplexity ratio: different kernels
 # dequantise in different orders, so single logits move while the distribution barely does.
+# llama.cpp's GPU kernels (Vulkan, CUDA) accumulate in fp16 and take other matmul paths: on the
+# 135M Q4_1 model, measured against the CPU engine, lavapipe gives mean KL 0.003-0.010 and top-1
+# 0.75-0.92 over 12-16 positions, the H100 mean KL 0.026 (worst prompt 0.063), max 1.45, top-1
+# 0.95, perplexity ratio 1.02 (worst prompt 1.11). A broken kernel or a wrong quantisation is
+# far outside this: Q4_1 requantised to Q4_0 gives mean KL 0.40 and perplexity ratio 1.55.
+# Top-1 is a weak signal on this tiny model: near-ties flip (lavapipe: 5 of 8 on one French
+# prompt at mean KL 0.016), so KL, perplexity and the divergence rule carry the verdict.
+GPU_VS_CPU_QUANT = ParityTolerance(max_mean_kl=0.1, max_kl=2.0, min_top1=0.5, max_ppl_ratio=1.15)
+
 TOLERANCES: tuple[tuple[tuple[str, str, str], ParityTolerance], ...] = (
     (("cpu", "cpu", "quant"), ParityTolerance(max_mean_kl=1e-6, max_kl=1e-5, min_top1=1.0, max_ppl_ratio=1.0001)),
     (("cpu", "cpu", "*"), ParityTolerance(max_abs_logit=1e-5, min_top1=1.0)),
-    # GPU kernels accumulate in fp16 (Vulkan, CUDA): on a quantised model the CPU-vs-GPU KL is
-    # a few 1e-3 nats and an occasional near-tie flips the top-1 (lavapipe: mean 3e-3, top-1 0.92).
-    (("cpu", "vulkan", "quant"), ParityTolerance(max_mean_kl=1e-2, max_kl=0.1, min_top1=0.85, max_ppl_ratio=1.03)),
-    (("cpu", "cuda", "quant"), ParityTolerance(max_mean_kl=1e-2, max_kl=0.1, min_top1=0.85, max_ppl_ratio=1.03)),
+    (("cpu", "vulkan", "quant"), GPU_VS_CPU_QUANT),
+    (("cpu", "cuda", "quant"), GPU_VS_CPU_QUANT),
     (("*", "*", "quant"), ParityTolerance(max_mean_kl=5e-3, max_kl=0.1, min_top1=0.95, max_ppl_ratio=1.02)),
     (("*", "*", "f16"), ParityTolerance(max_abs_logit=1e-2, min_top1=0.99)),
     (("*", "*", "*"), ParityTolerance(max_abs_logit=1e-4, min_top1=0.99)),

@@ -23,7 +23,7 @@ py="$venv/bin/python"
 pip_install() { "$py" -m pip install -q --no-index --find-links .whl "$@" >&2; }
 
 "$py" -m pip uninstall -y -q onnxruntime onnxruntime-genai >&2 2>/dev/null || true
-pip_install onnxruntime-gpu onnxruntime-genai-cuda || fail "could not install onnxruntime-gpu + onnxruntime-genai-cuda from .whl/"
+pip_install --no-deps onnxruntime-gpu onnxruntime-genai-cuda || fail "could not install onnxruntime-gpu + onnxruntime-genai-cuda from .whl/"
 
 # module:package pairs the conversion and the engine import; install from .whl/ what is missing.
 for pair in numpy:numpy jinja2:jinja2 yaml:pyyaml pydantic:pydantic torch:torch transformers:transformers \

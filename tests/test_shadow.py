@@ -20,6 +20,7 @@ from gateway.pool import ModelManager
 from gateway.registry import load_registry
 from gateway.settings import Settings
 from gateway.shadow import ShadowParity, ShadowSample
+from tests import hosts
 from tests.conftest import MODEL, ROOT, ServerThread
 from tests.fakes import FakeEngine
 
@@ -79,7 +80,8 @@ def _manager(factory: type[FakeEngine], **kw: object) -> tuple[ModelManager, Sha
     registry = load_registry(ROOT / "models.yaml")
     settings = Settings.from_env(env={}, config=str(ROOT / "models.yaml"), parity_reference="cpu", **kw)
     metrics = Metrics()
-    manager = ModelManager(registry, settings, lambda _r, cfg: factory(cfg), metrics)
+    # A host with llama.cpp only: the one candidate, whatever converted formats the cache holds.
+    manager = ModelManager(registry, settings, lambda _r, cfg: factory(cfg), metrics, host=hosts.CPU_ONLY)
     return manager, ShadowParity(manager, settings, metrics), metrics
 
 
