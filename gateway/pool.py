@@ -37,6 +37,7 @@ class Loaded:
     last_used: float
     fallback_reason: str = ""  # why earlier candidates were not used; "" when the first one was
     plan: Plan | None = None
+    check_key: str = ""  # its functional-check cache entry
 
 
 class ModelManager:
@@ -136,7 +137,8 @@ class ModelManager:
                 )
                 reasons = [f"{s.what}: {s.why}" for s in the_plan.unusable(before=cand)]
                 reasons += [f"{what}: {why}" for what, why in failures]
-                entry = Loaded(spec, engine, cand, dt, time.monotonic(), "; ".join(reasons), the_plan)
+                entry = Loaded(spec, engine, cand, dt, time.monotonic(), "; ".join(reasons), the_plan,
+                               fingerprint(cand.runtime, config, *fingerprint_parts(self.host, cand)))
                 level = logging.WARNING if entry.fallback_reason else logging.INFO
                 log.log(level, "serving %s on %s (%s), loaded in %.2fs%s", spec.id, cand.label, cand.device, dt,
                         f"; fell back because {entry.fallback_reason}" if entry.fallback_reason else "")
@@ -203,6 +205,11 @@ class ModelManager:
             return
         del self._loaded[model_id]
         self.metrics.fallbacks.labels(model_id, engine, "parity_drift").inc()
+        if entry.check_key:
+            # Recorded like a failed functional check: `gateway devices` shows it, and the next
+            # start skips this engine too until `--recheck`.
+            self.checks.put(entry.check_key, CheckResult(False, f"parity drift: {reason}"),
+                            f"{model_id} on {cand.label} {cand.device}")
         task = asyncio.create_task(self._close_when_idle(entry.engine))
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)

@@ -48,7 +48,7 @@ def _server(registry_file: Path, check: bool = True, **engine_kw: object) -> tup
         return e
 
     settings = Settings.from_env(env={}, config=str(registry_file), max_resident=2, functional_check=check)
-    app = create_app(settings, load_registry(registry_file), engine_factory=factory, host=hosts.CPU_ONLY)  # type: ignore[arg-type]
+    app = create_app(settings, load_registry(registry_file, cache_dir=registry_file.parent / "cache"), engine_factory=factory, host=hosts.CPU_ONLY)  # type: ignore[arg-type]
     return ServerThread(app), made
 
 
@@ -118,7 +118,7 @@ def test_queue_full_is_429(registry_file: Path) -> None:
 
 def test_api_key(registry_file: Path) -> None:
     settings = Settings.from_env(env={}, config=str(registry_file), api_key="s3cret")
-    app = create_app(settings, load_registry(registry_file), engine_factory=functools.partial(lambda r, c: FakeEngine(c)),
+    app = create_app(settings, load_registry(registry_file, cache_dir=registry_file.parent / "cache"), engine_factory=functools.partial(lambda r, c: FakeEngine(c)),
                      host=hosts.CPU_ONLY)
     server = ServerThread(app).start()
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
+import tempfile
 import time
 from pathlib import Path
 
@@ -77,7 +78,8 @@ class _Perturbed(FakeEngine):
 
 
 def _manager(factory: type[FakeEngine], **kw: object) -> tuple[ModelManager, ShadowParity, Metrics]:
-    registry = load_registry(ROOT / "models.yaml")
+    # A private cache: drift is recorded like a failed functional check, and must not leak.
+    registry = load_registry(ROOT / "models.yaml", cache_dir=tempfile.mkdtemp(prefix="shadow-"))
     settings = Settings.from_env(env={}, config=str(ROOT / "models.yaml"), parity_reference="cpu", **kw)
     metrics = Metrics()
     # A host with llama.cpp only: the one candidate, whatever converted formats the cache holds.
@@ -119,6 +121,8 @@ async def test_drift_over_the_window_is_reported_and_enforced() -> None:
     assert metrics.parity_drifted.labels(MODEL, "llamacpp/cpu", "cpu")._value.get() == 1
     assert metrics.fallbacks.labels(MODEL, "llamacpp/cpu", "parity_drift")._value.get() == 1
     assert not manager.is_loaded(spec.id)
+    (check,) = manager.checks.entries().values()  # what `gateway devices` shows, and the next start skips
+    assert not check["ok"] and check["reason"].startswith("parity drift: ")
     with pytest.raises(ModelLoadError, match="excluded: llamacpp/cpu: parity drift"):
         await manager.get(spec)
     await manager.close()
