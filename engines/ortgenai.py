@@ -155,6 +155,7 @@ class OrtGenAIEngine:
             raise ModelLoadError(f"onnxruntime-genai could not load {o.model_path} on {o.device}: {exc}{hint}") from exc
         self._og = og
         self._tokenizer = og.Tokenizer(self._model)
+        self._check_tokenizer()
         model_cfg = genai_cfg.get("model", {})
         self._n_vocab = int(model_cfg.get("vocab_size", 0))
         trained = int(model_cfg.get("context_length", 0))
@@ -182,6 +183,17 @@ class OrtGenAIEngine:
         return EngineHealth(ready=True, running=running, waiting=waiting)
 
     # --- text ------------------------------------------------------------------------------
+
+    def _check_tokenizer(self) -> None:
+        """A tokenizer that cannot round-trip text would serve garbage that every other check
+        passes (one token comes out, logits agree between providers): refuse it at load."""
+        probe = "Hello, world!\nThe capital of France is Paris."
+        back = self._tokenizer.decode(self._tokenizer.encode(probe))
+        if back.strip() != probe:
+            raise ModelLoadError(
+                f"the tokenizer in {self.options.model_path} does not round-trip text ({probe!r} came back as "
+                f"{back!r}); convert the model again with `gateway convert --force`"
+            )
 
     def tokenize(self, text: str) -> list[int]:
         if self._tokenizer is None:

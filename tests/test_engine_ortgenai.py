@@ -235,3 +235,20 @@ def test_gateway_serves_chat_through_ortgenai(onnx_fp32: Path, tmp_path: Path, d
         assert 'engine="ortgenai/cpu"' in httpx.get(f"{server.url}/metrics").text
     finally:
         server.stop()
+
+
+def test_a_tokenizer_that_cannot_round_trip_is_refused() -> None:
+    """On the H100 the chat text came back as raw BPE symbols ('ectableassistantĊ'): a tokenizer
+    that does not give text back is refused at load instead of serving garbage."""
+
+    class Garbling:
+        def encode(self, text: str) -> list[int]:
+            return [ord(c) for c in text]
+
+        def decode(self, ids: list[int]) -> str:
+            return "".join("Ċ" if i == 10 else chr(i) for i in ids)
+
+    e = OrtGenAIEngine(EngineConfig(model_path="artifact", context_length=512))
+    e._tokenizer = Garbling()
+    with pytest.raises(ModelLoadError, match="does not round-trip text"):
+        e._check_tokenizer()
