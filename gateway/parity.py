@@ -63,9 +63,17 @@ FloatArray = npt.NDArray[np.float64]
 # prompt at mean KL 0.016), so KL, perplexity and the divergence rule carry the verdict.
 GPU_VS_CPU_QUANT = ParityTolerance(max_mean_kl=0.1, max_kl=2.0, min_top1=0.5, max_ppl_ratio=1.15)
 
+# llama.cpp on a Q4_1 GGUF against ONNX Runtime GenAI on the same weights dequantised to fp32:
+# llama.cpp quantises activations to 8 bits in its dot products, ORT computes in fp32. Measured
+# on the CPU (6 prompts x 16 tokens): mean KL 0.005, max 0.084, top-1 0.948, perplexity 2.190 vs
+# 2.195.
+CROSS_RUNTIME_QUANT = ParityTolerance(max_mean_kl=0.02, max_kl=0.5, min_top1=0.8, max_ppl_ratio=1.05)
+
 TOLERANCES: tuple[tuple[tuple[str, str, str], ParityTolerance], ...] = (
     (("cpu", "cpu", "quant"), ParityTolerance(max_mean_kl=1e-6, max_kl=1e-5, min_top1=1.0, max_ppl_ratio=1.0001)),
     (("cpu", "cpu", "*"), ParityTolerance(max_abs_logit=1e-5, min_top1=1.0)),
+    (("llamacpp/cpu", "ortgenai/cpu", "quant"), CROSS_RUNTIME_QUANT),
+    (("ortgenai/cpu", "llamacpp/cpu", "quant"), CROSS_RUNTIME_QUANT),
     (("cpu", "vulkan", "quant"), GPU_VS_CPU_QUANT),
     (("cpu", "cuda", "quant"), GPU_VS_CPU_QUANT),
     (("*", "*", "quant"), ParityTolerance(max_mean_kl=5e-3, max_kl=0.1, min_top1=0.95, max_ppl_ratio=1.02)),
@@ -415,17 +423,25 @@ async def run_parity(
     tokens: int = DEFAULT_TOKENS,
     top_k: int = DEFAULT_TOP_K,
     candidate_path: str | None = None,
+    reference_runtime: str | None = None,
 ) -> ParityReport:
-    """Open both engines for `spec`, compare them, close them.  Raises ParityError."""
+    """Open both engines for `spec`, compare them, close them.  Raises ParityError.
+
+    `runtime` pins the candidate's runtime, `reference_runtime` the reference's (default: the same),
+    so llama.cpp can be checked against ONNX Runtime GenAI on the same weights.
+    """
     host = await asyncio.to_thread(probe_host)
-    ref = await open_engine(spec, registry, settings, reference, runtime, host=host)
+    ref = await open_engine(spec, registry, settings, reference, reference_runtime or runtime, host=host)
     try:
         cand = await open_engine(spec, registry, settings, engine, runtime, candidate_path, host=host)
         try:
             precision = precision_class(
                 ref.info.extra.get("precision", "unknown"), cand.info.extra.get("precision", "unknown")
             )
-            tol = tolerance_for(ref.info.backend, cand.info.backend, precision, spec.parity)
+            keys = (ref.info.backend, cand.info.backend)
+            if ref.info.runtime != cand.info.runtime:  # across runtimes the kernels differ everywhere
+                keys = (f"{ref.info.runtime}/{ref.info.backend}", f"{cand.info.runtime}/{cand.info.backend}")
+            tol = tolerance_for(*keys, precision, spec.parity)
             return await compare(ref, cand, prompts, model=spec.id, tokens=tokens, top_k=top_k, tolerance=tol)
         finally:
             await cand.close()

@@ -33,7 +33,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--model", default=None, help="model id (models.yaml's default otherwise)")
     p.add_argument("--engine", choices=ENGINE_CHOICES, default="cpu", help="candidate engine")
     p.add_argument("--reference", choices=ENGINE_CHOICES, default="cpu", help="reference engine")
-    p.add_argument("--runtime", default=None, help="runtime for both (default: the model's first)")
+    p.add_argument("--runtime", default=None, help="the candidate's runtime (default: the model's first)")
+    p.add_argument("--reference-runtime", default=None,
+                   help="the reference's runtime (default: --runtime), e.g. llamacpp vs ortgenai")
     p.add_argument("--candidate-file", default=None, metavar="PATH",
                    help="candidate model file instead of the model's own (e.g. another quantisation)")
     p.add_argument("--prompts", default=None, metavar="FILE",
@@ -79,7 +81,7 @@ def main(args: argparse.Namespace) -> int:
         report = asyncio.run(
             run_parity(
                 spec, registry, settings, engine=args.engine, reference=args.reference,
-                runtime=args.runtime, prompts=prompts, tokens=args.tokens, top_k=args.top_k,
+                runtime=args.runtime, reference_runtime=args.reference_runtime, prompts=prompts, tokens=args.tokens, top_k=args.top_k,
                 candidate_path=args.candidate_file,
             )
         )

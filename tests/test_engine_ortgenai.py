@@ -4,6 +4,7 @@ sampling controls, concurrency limits, provider errors, and chat through the gat
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -252,3 +253,20 @@ def test_a_tokenizer_that_cannot_round_trip_is_refused() -> None:
     e._tokenizer = Garbling()
     with pytest.raises(ModelLoadError, match="does not round-trip text"):
         e._check_tokenizer()
+
+
+def test_parity_llamacpp_vs_ortgenai_on_the_same_weights(onnx_fp32: Path, tmp_path: Path) -> None:
+    """`gateway parity` across runtimes: llama.cpp on the Q4_1 GGUF as reference, ORT GenAI on
+    the same weights dequantised to fp32 as candidate, within the cross-runtime tolerance."""
+    from gateway.cli import main as cli
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("The capital of France is\n1, 1, 2, 3, 5, 8, 13,\n")
+    out = tmp_path / "parity.json"
+    rc = cli(["parity", "--model", MODEL, "--engine", "cpu", "--reference", "cpu", "--runtime", "ortgenai",
+              "--reference-runtime", "llamacpp", "--prompts", str(prompts), "--tokens", "12", "--json", str(out)])
+    report = json.loads(out.read_text())
+    print(f"gateway parity llama.cpp vs ORT GenAI: {json.dumps(report['overall'])}")
+    assert (report["reference"], report["candidate"]) == ("llamacpp/cpu", "ortgenai/cpu")
+    assert rc == 0 and report["passed"], report["reasons"]
+    assert 0 < report["overall"]["mean_kl"] < 0.02  # not the same kernels, but the same model
