@@ -130,6 +130,39 @@ def gguf_to_hf(gguf: Path, out: Path) -> None:
         del model.config.quantization_config
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    repair_byte_level_decoder(out / "tokenizer.json")
+
+
+ROUND_TRIP_PROBE = "Hello, world!\nThe capital of France is Paris."
+
+
+def repair_byte_level_decoder(path: Path) -> bool:
+    """Give a byte-level BPE tokenizer the byte-level decoder it needs; True when it was changed.
+
+    Some transformers releases (5.17 on the H100 host) write a GGUF's GPT-2-style tokenizer with
+    a SentencePiece decoder chain (ByteFallback, Fuse, Replace "▁") in front of ByteLevel. The
+    `tokenizers` library copes, ONNX Runtime GenAI's tokenizer does not: spaces decode as
+    `<|endoftext|>` and chat answers come out as garbage. Verified by a round trip afterwards.
+    """
+    if not path.is_file():
+        return False
+    data = json.loads(path.read_text())
+    pre = data.get("pre_tokenizer") or {}
+    pres = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+    if not any(p.get("type") == "ByteLevel" for p in pres if isinstance(p, dict)):
+        return False
+    decoder = data.get("decoder") or {}
+    if decoder.get("type") == "ByteLevel":
+        return False
+    data["decoder"] = {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True}
+    path.write_text(json.dumps(data, ensure_ascii=False))
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(path))
+    back = tok.decode(tok.encode(ROUND_TRIP_PROBE, add_special_tokens=False).ids)
+    if back != ROUND_TRIP_PROBE:
+        raise ConversionError(f"the converted tokenizer does not round-trip text even with a byte-level decoder: {back!r}")
+    return True
 
 
 def hf_to_onnx(hf: Path, out: Path, precision: str, provider: str, show_output: bool = False) -> None:

@@ -113,3 +113,30 @@ def test_coreml_program_has_kv_cache_states(coreml_fp16: Path, default_registry:
     states = {s.name: list(s.type.stateType.arrayType.shape) for s in desc.state}
     assert states == {"keyCache": [30, 1, 3, 2048, 64], "valueCache": [30, 1, 3, 2048, 64]}
     assert {"tokenizer.json", "chat_template.jinja", "coreml_config.json"} <= {p.name for p in coreml_fp16.iterdir()}
+
+
+def test_a_sentencepiece_decoder_on_a_byte_level_tokenizer_is_repaired(tmp_path: Path) -> None:
+    """What transformers 5.17 wrote on the H100 host: a byte-level BPE tokenizer with a
+    SentencePiece decoder chain. ORT GenAI then decoded spaces as <|endoftext|>."""
+    import json
+
+    from tokenizers import Tokenizer
+
+    from gateway.convert import ROUND_TRIP_PROBE, repair_byte_level_decoder
+    from gateway.registry import load_registry
+
+    reg = load_registry(ROOT / "models.yaml")
+    good = reg.converted_root(reg.models[MODEL]) / "hf-fp32" / "tokenizer.json"
+    if not good.is_file():
+        pytest.skip("needs the converted checkpoint (made by the conversion tests that run first)")
+    data = json.loads(good.read_text())
+    data["decoder"] = {"type": "Sequence", "decoders": [
+        {"type": "ByteFallback"}, {"type": "Fuse"},
+        {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
+        {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True}]}
+    broken = tmp_path / "tokenizer.json"
+    broken.write_text(json.dumps(data))
+    assert repair_byte_level_decoder(broken) is True
+    tok = Tokenizer.from_file(str(broken))
+    assert tok.decode(tok.encode(ROUND_TRIP_PROBE, add_special_tokens=False).ids) == ROUND_TRIP_PROBE
+    assert repair_byte_level_decoder(broken) is False  # already right: left alone
