@@ -270,3 +270,19 @@ def test_parity_llamacpp_vs_ortgenai_on_the_same_weights(onnx_fp32: Path, tmp_pa
     assert (report["reference"], report["candidate"]) == ("llamacpp/cpu", "ortgenai/cpu")
     assert rc == 0 and report["passed"], report["reasons"]
     assert 0 < report["overall"]["mean_kl"] < 0.02  # not the same kernels, but the same model
+
+
+def test_serve_runtime_ortgenai_engine_cpu_on_the_default_models_yaml(onnx_fp32: Path, default_registry: Any) -> None:
+    """`gateway serve --runtime ortgenai --engine cpu` with the shipped models.yaml: the converted
+    artifact in the cache is found without listing it, and the default model answers through ORT."""
+    registry = load_registry(ROOT / "models.yaml", cache_dir=default_registry.cache_dir)
+    settings = Settings.from_env(env={}, config=str(ROOT / "models.yaml"), runtime="ortgenai", engine="cpu", parallel=1)
+    server = ServerThread(create_app(settings, registry)).start()
+    try:
+        r = httpx.post(f"{server.url}/v1/chat/completions", timeout=120, json={
+            "model": MODEL, "messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 16, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.headers["x-engine"] == "ortgenai/cpu"
+        assert "Paris" in r.json()["choices"][0]["message"]["content"]
+    finally:
+        server.stop()
