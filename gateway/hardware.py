@@ -321,12 +321,11 @@ def probe_directml(ort: OrtBuild) -> PlatformRuntime:
 
 
 def probe_coreml() -> PlatformRuntime:
-    if platform.system() != "Darwin":
-        return PlatformRuntime(False, "CoreML prediction needs macOS (coremltools on Linux can only convert)")
-    try:
-        importlib.metadata.version("coremltools")
-    except importlib.metadata.PackageNotFoundError:
-        return PlatformRuntime(False, "coremltools is not installed (pip install coremltools)")
+    from engines.coreml import coreml_available  # the engine's own test: macOS 15+, coremltools
+
+    ok, why = coreml_available()
+    if not ok:
+        return PlatformRuntime(False, why)
     silicon = platform.machine() == "arm64"
     return PlatformRuntime(True, "", "Apple silicon with Neural Engine" if silicon else "Intel Mac (no Neural Engine)")
 
