@@ -208,3 +208,15 @@ class EngineClosed(EngineError):
 
 class EngineFailure(EngineError):
     """The runtime failed while generating."""
+
+
+def new_token_budget(prompt: list[int], n_ctx: int, max_tokens: int | None) -> int:
+    """How many tokens a request may generate in a context of `n_ctx`, after checking that its
+    prompt is not empty and leaves room for at least one token."""
+    if not prompt:
+        raise InvalidGenerationRequest("the prompt is empty", param="prompt")
+    if len(prompt) >= n_ctx:
+        raise ContextLengthExceeded(len(prompt), n_ctx)
+    room = n_ctx - len(prompt)
+    return min(max_tokens, room) if max_tokens is not None else room
+

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from engines.base import EngineClosed, EngineError, EngineFailure, EngineOverloaded, TokenEvent
+from engines.base import EngineClosed, EngineError, EngineFailure, EngineHealth, EngineOverloaded, TokenEvent
 
 log = logging.getLogger(__name__)
 
@@ -198,3 +198,36 @@ class WorkerPool:
             finally:
                 with self._cv:
                     self._running.discard(job)
+
+
+async def stream_job(pool: WorkerPool, run: Callable[[Job[None], EventChannel], None]) -> AsyncIterator[TokenEvent]:
+    """Run `run(job, channel)` on `pool` and yield what it emits; closing the iterator cancels it."""
+    channel = EventChannel()
+    job: Job[None] = Job(run=lambda j: run(j, channel), fail=channel.emit)
+    pool.submit(job)
+    try:
+        async for item in channel.events():
+            yield item
+    finally:
+        pool.cancel(job)
+
+
+async def call_job(pool: WorkerPool, compute: Callable[[], T]) -> T:
+    """Run `compute()` on `pool` and return its result (or raise its exception)."""
+    fut: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+    done = settle_from_thread(fut)
+    job: Job[None] = Job(run=lambda _j: done(compute()), fail=done)
+    pool.submit(job)
+    try:
+        return await fut
+    finally:
+        pool.cancel(job)
+
+
+def pool_health(pool: WorkerPool | None) -> EngineHealth:
+    """An engine's health from its worker pool (None: not loaded)."""
+    if pool is None:
+        return EngineHealth(ready=False, detail="not loaded")
+    running, waiting = pool.counts()
+    return EngineHealth(ready=True, running=running, waiting=waiting)
+

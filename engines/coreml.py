@@ -36,8 +36,9 @@ from engines.base import (
     TokenEvent,
     TokenLogprob,
     Usage,
+    new_token_budget,
 )
-from engines.bridge import EventChannel, Job, WorkerPool, settle_from_thread
+from engines.bridge import EventChannel, Job, WorkerPool, call_job, pool_health, stream_job
 from engines.chat import ChatTemplate
 from engines.registry import register_runtime
 from engines.text import StopMatcher, token_logprob
@@ -158,10 +159,7 @@ class CoreMLEngine:
         self._model = None
 
     def health(self) -> EngineHealth:
-        if self._pool is None:
-            return EngineHealth(ready=False, detail="not loaded")
-        running, waiting = self._pool.counts()
-        return EngineHealth(ready=True, running=running, waiting=waiting)
+        return pool_health(self._pool)
 
     # --- text ------------------------------------------------------------------------------
 
@@ -199,20 +197,9 @@ class CoreMLEngine:
         if sp.structured is not None:
             raise InvalidGenerationRequest("response_format is not supported by the coreml runtime", param="response_format")
         prompt = self.render_prompt(request)
-        if not prompt:
-            raise InvalidGenerationRequest("the prompt is empty", param="prompt")
-        if len(prompt) >= self._n_ctx:
-            raise ContextLengthExceeded(len(prompt), self._n_ctx)
-        room = self._n_ctx - len(prompt)
-        max_new = min(sp.max_tokens, room) if sp.max_tokens is not None else room
-        channel = EventChannel()
-        job: Job[None] = Job(run=lambda j: self._generate_blocking(j, prompt, sp, max_new, channel), fail=channel.emit)
-        pool.submit(job)
-        try:
-            async for item in channel.events():
-                yield item
-        finally:
-            pool.cancel(job)
+        max_new = new_token_budget(prompt, self._n_ctx, sp.max_tokens)
+        async for item in stream_job(pool, lambda job, channel: self._generate_blocking(job, prompt, sp, max_new, channel)):
+            yield item
 
     def _generate_blocking(
         self, job: Job[None], prompt: list[int], sp: SamplingParams, max_new: int, channel: EventChannel
@@ -265,16 +252,7 @@ class CoreMLEngine:
             raise InvalidGenerationRequest("no tokens to score")
         if len(token_ids) > self._n_ctx:
             raise ContextLengthExceeded(len(token_ids), self._n_ctx)
-        fut: asyncio.Future[npt.NDArray[np.float32]] = asyncio.get_running_loop().create_future()
-        done = settle_from_thread(fut)
-        job: Job[None] = Job(
-            run=lambda j: done(self._predict(list(token_ids), len(token_ids), self._model.make_state())), fail=done
-        )
-        pool.submit(job)
-        try:
-            return await fut
-        finally:
-            pool.cancel(job)
+        return await call_job(pool, lambda: self._predict(list(token_ids), len(token_ids), self._model.make_state()))
 
 
 def _eos_ids(d: Path) -> list[int]:

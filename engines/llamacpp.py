@@ -26,6 +26,7 @@ from engines.base import (
     InvalidGenerationRequest,
     ModelLoadError,
     TokenEvent,
+    new_token_budget,
 )
 from engines.bridge import EventChannel, settle_from_thread
 from engines.registry import register_runtime
@@ -271,13 +272,8 @@ class LlamaCppEngine:
         if self._sched is None:
             raise ModelLoadError("model is not loaded")
         prompt = self.render_prompt(request)
-        if not prompt:
-            raise InvalidGenerationRequest("the prompt is empty", param="prompt")
-        if len(prompt) >= self._n_ctx_seq:
-            raise ContextLengthExceeded(len(prompt), self._n_ctx_seq)
         sp = request.sampling
-        room = self._n_ctx_seq - len(prompt)
-        max_new = min(sp.max_tokens, room) if sp.max_tokens is not None else room
+        max_new = new_token_budget(prompt, self._n_ctx_seq, sp.max_tokens)
         grammar = self._grammar(sp.structured, sp.json_schema)
         sampler = build_sampler(self._vocab, self._n_vocab, sp, grammar, self._eog, max_new)
         if sampler is None:

@@ -35,8 +35,9 @@ from engines.base import (
     TokenEvent,
     TokenLogprob,
     Usage,
+    new_token_budget,
 )
-from engines.bridge import EventChannel, Job, WorkerPool, settle_from_thread
+from engines.bridge import EventChannel, Job, WorkerPool, call_job, pool_health, stream_job
 from engines.chat import ChatTemplate
 from engines.registry import register_runtime
 from engines.text import StopMatcher, token_logprob
@@ -177,10 +178,7 @@ class OrtGenAIEngine:
         self._model = None
 
     def health(self) -> EngineHealth:
-        if self._pool is None:
-            return EngineHealth(ready=False, detail="not loaded")
-        running, waiting = self._pool.counts()
-        return EngineHealth(ready=True, running=running, waiting=waiting)
+        return pool_health(self._pool)
 
     # --- text ------------------------------------------------------------------------------
 
@@ -233,22 +231,9 @@ class OrtGenAIEngine:
         sp = request.sampling
         _check_supported(sp)
         prompt = self.render_prompt(request)
-        if not prompt:
-            raise InvalidGenerationRequest("the prompt is empty", param="prompt")
-        if len(prompt) >= self._n_ctx:
-            raise ContextLengthExceeded(len(prompt), self._n_ctx)
-        room = self._n_ctx - len(prompt)
-        max_new = min(sp.max_tokens, room) if sp.max_tokens is not None else room
-        channel = EventChannel()
-        job: Job[None] = Job(
-            run=lambda j: self._generate_blocking(j, prompt, sp, max_new, channel), fail=channel.emit
-        )
-        pool.submit(job)
-        try:
-            async for item in channel.events():
-                yield item
-        finally:
-            pool.cancel(job)
+        max_new = new_token_budget(prompt, self._n_ctx, sp.max_tokens)
+        async for item in stream_job(pool, lambda job, channel: self._generate_blocking(job, prompt, sp, max_new, channel)):
+            yield item
 
     def search_options(self, sp: SamplingParams, prompt_len: int, max_new: int) -> dict[str, Any]:
         """ORT GenAI search options for one request (greedy when temperature is 0)."""
@@ -322,23 +307,16 @@ class OrtGenAIEngine:
             raise InvalidGenerationRequest("no tokens to score")
         if len(token_ids) > self._n_ctx:
             raise ContextLengthExceeded(len(token_ids), self._n_ctx)
-        fut: asyncio.Future[npt.NDArray[np.float32]] = asyncio.get_running_loop().create_future()
-        done = settle_from_thread(fut)
 
-        def run(job: Job[None]) -> None:
+        def compute() -> npt.NDArray[np.float32]:
             params = self._og.GeneratorParams(self._model)
             params.set_search_options(max_length=len(token_ids) + 1, batch_size=1)
             gen = self._og.Generator(self._model, params)
             # The prefill's logits output holds every position, not just the last.
             gen.append_tokens(np.asarray(token_ids, dtype=np.int32))
-            done(np.ascontiguousarray(gen.get_output("logits")[0], dtype=np.float32))
+            return np.ascontiguousarray(gen.get_output("logits")[0], dtype=np.float32)
 
-        job: Job[None] = Job(run=run, fail=done)
-        pool.submit(job)
-        try:
-            return await fut
-        finally:
-            pool.cancel(job)
+        return await call_job(pool, compute)
 
 
 def _check_supported(sp: SamplingParams) -> None:
