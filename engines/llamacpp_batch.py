@@ -405,7 +405,7 @@ def build_sampler(
         lc.llama_sampler_chain_add(
             chain,
             lc.llama_sampler_init_penalties(
-                penalty_window, sp.repeat_penalty, sp.frequency_penalty, sp.presence_penalty
+                n_vocab, penalty_window, sp.repeat_penalty, sp.frequency_penalty, sp.presence_penalty
             ),
         )
     if sp.temperature <= 0.0:

@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
-from starlette.middleware.base import RequestResponseEndpoint
+from fastapi import FastAPI
 
-from engines.base import EngineConfig
+from engines.base import EngineConfig, EngineHealth
 from engines.registry import create_engine
-from gateway.errors import APIError, install_error_handlers
+from gateway.admission import Admission
+from gateway.errors import install_error_handlers
 from gateway.functional_check import CheckResult, run_isolated
+from gateway.guards import Drain, Guards, Policy, is_loopback_bind
 from gateway.hardware import HostCapabilities, probe_host, vulkan_visible_env
 from gateway.metrics import Metrics
 from gateway.pool import Checker, EngineFactory, ModelManager
@@ -52,12 +53,21 @@ def create_app(
             return run_isolated(runtime, config, settings.check_timeout, env)
 
     manager = ModelManager(registry, settings, engine_factory or create_engine, metrics, host, checker)
-    metrics.watch(
-        lambda: [
-            (e.spec.id, f"{e.candidate.runtime}/{e.candidate.backend}", e.candidate.device, e.engine.health())
-            for e in manager.loaded()
-        ]
-    )
+    admission = Admission(settings.max_queue, settings.max_queue_wait)
+    drain = Drain()
+
+    def resident() -> list[tuple[str, str, str, EngineHealth]]:
+        gates = admission.gates()
+        out = []
+        for e in manager.loaded():
+            h = e.engine.health()
+            gate = gates.get(e.spec.id)
+            if gate is not None:  # requests queued in the gateway wait too
+                h = dataclasses.replace(h, waiting=h.waiting + gate.waiting)
+            out.append((e.spec.id, f"{e.candidate.runtime}/{e.candidate.backend}", e.candidate.device, h))
+        return out
+
+    metrics.watch(resident)
 
     shadow = ShadowParity(manager, settings, metrics) if settings.parity_reference and settings.parity_sample > 0 else None
 
@@ -84,6 +94,7 @@ def create_app(
         finally:
             if preload is not None and not preload.done():
                 preload.cancel()
+            admission.close("the server is shutting down")
             if shadow is not None:
                 await shadow.close()
             await manager.close()
@@ -94,8 +105,10 @@ def create_app(
     app.state.metrics = metrics
     app.state.shadow = shadow
     on_complete = shadow.offer if shadow is not None else None
-    app.state.chat = ChatService(manager, metrics, on_complete)
-    app.state.completions = CompletionService(manager, metrics, on_complete)
+    app.state.admission = admission
+    app.state.drain = drain
+    app.state.chat = ChatService(manager, metrics, admission, drain, on_complete)
+    app.state.completions = CompletionService(manager, metrics, admission, drain, on_complete)
     app.state.started = int(time.time())
     app.state.preload = settings.preload
     app.state.preloading = settings.preload
@@ -103,17 +116,32 @@ def create_app(
     install_error_handlers(app)
     app.include_router(router)
 
-    if settings.api_key:
-        key = settings.api_key
-
-        @app.middleware("http")
-        async def require_key(request: Request, call_next: RequestResponseEndpoint) -> Response:
-            if request.url.path.startswith("/v1/") and request.headers.get("authorization") != f"Bearer {key}":
-                err = APIError(401, "invalid or missing API key", type="authentication_error", code="invalid_api_key")
-                return JSONResponse(err.body(), status_code=401)
-            return await call_next(request)
-
+    app.add_middleware(Guards, policy=policy(settings), drain=drain, metrics=metrics)
     return app
+
+
+def policy(settings: Settings) -> Policy:
+    """The HTTP policy from settings, with a warning wherever it is open."""
+    keys = settings.api_keys()
+    loopback = is_loopback_bind(settings.host)
+    if not keys and not loopback:
+        log.warning("listening on %s without an API key: anyone who can reach this address can use it "
+                    "(set --api-key or --api-key-file)", settings.host)
+    if "*" in settings.allowed_origins:
+        log.warning("--allowed-origins '*': any web page a user opens can call this gateway")
+    if keys:
+        log.info("API key required on /v1 (%d key(s)); /health is open%s", len(keys),
+                 "; /metrics needs the metrics key" if settings.metrics_api_key else " and so is /metrics")
+    return Policy(
+        api_keys=keys,
+        metrics_keys=(settings.metrics_api_key,) if settings.metrics_api_key else (),
+        allowed_origins=tuple(o.rstrip("/") for o in settings.allowed_origins),
+        allowed_hosts=tuple(h.lower() for h in settings.allowed_hosts),
+        # A server bound to loopback is reachable only from this machine, so a Host header that
+        # names something else means a browser was pointed here through DNS rebinding.
+        check_host=loopback or bool(settings.allowed_hosts),
+        max_body=settings.max_body,
+    )
 
 
 async def _preload(app: FastAPI, manager: ModelManager) -> None:

@@ -11,25 +11,33 @@ from gateway.functional_check import CheckCache
 from gateway.hardware import probe_host
 from gateway.registry import RegistryError, load_registry
 from gateway.selection import Preference, SelectionError, plan
-from gateway.settings import ENGINE_CHOICES, Settings
+from gateway.settings import ENGINE_CHOICES, Settings, parse_size, split_list
 
 log = logging.getLogger("gateway")
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from gateway.app import create_app
+    from gateway.server import run
 
     settings = Settings.from_env(
         host=args.host, port=args.port, config=args.config, model=args.model, engine=args.engine,
         runtime=args.runtime, device=args.device,
         max_resident=args.max_models, parallel=args.parallel, threads=args.threads,
-        api_key=args.api_key, parity_reference=args.parity_reference, parity_sample=args.parity_sample,
+        api_key=args.api_key, api_key_file=args.api_key_file, metrics_api_key=args.metrics_api_key,
+        allowed_origins=split_list(args.allowed_origins) if args.allowed_origins is not None else None,
+        allowed_hosts=split_list(args.allowed_hosts) if args.allowed_hosts is not None else None,
+        max_queue=args.max_queue, max_queue_wait=args.max_queue_wait, drain_timeout=args.drain_timeout,
+        max_body=parse_size(args.max_body) if args.max_body else None, parity_reference=args.parity_reference, parity_sample=args.parity_sample,
         parity_window=args.parity_window, parity_queue=args.parity_queue,
         parity_enforce=True if args.parity_enforce else None,
     )
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        settings.api_keys()
+    except OSError as exc:
+        print(f"error: cannot read the API key file: {exc}", file=sys.stderr)
+        return 2
     try:
         registry = load_registry(settings.config)
         default = registry.get(settings.model or registry.default)
@@ -50,13 +58,9 @@ def _serve(args: argparse.Namespace) -> int:
         "serving %s at http://%s:%d/v1; first choice %s on %s (%d candidate(s))",
         default.id, settings.host, settings.port, first.label, first.device, len(the_plan.candidates),
     )
-    try:
-        uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower())
-    except SystemExit:
-        if app.state.startup_error:
-            print(f"error: {app.state.startup_error}", file=sys.stderr)
-            return 2
-        raise
+    if not run(app, settings.host, settings.port, settings.log_level.lower(), settings.drain_timeout):
+        print(f"error: {app.state.startup_error or 'the server did not start (see the log above)'}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -133,7 +137,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-models", type=int, default=None, help="models kept loaded (LRU, default 2)")
     s.add_argument("--parallel", type=int, default=None, help="sequences decoded together per model")
     s.add_argument("--threads", type=int, default=None, help="CPU threads per model (default: all cores)")
-    s.add_argument("--api-key", default=None, help="require this bearer token on /v1")
+    s.add_argument("--api-key", default=None,
+                   help="require this bearer token on /v1 (comma-separate several); /health stays open")
+    s.add_argument("--api-key-file", default=None, help="file with one accepted API key per line")
+    s.add_argument("--metrics-api-key", default=None, help="require this bearer token on /metrics too")
+    s.add_argument("--allowed-origins", default=None,
+                   help="browser origins allowed besides http(s)://localhost|127.0.0.1|[::1]:* (comma-separated; * = any)")
+    s.add_argument("--allowed-hosts", default=None,
+                   help="Host names accepted besides loopback names (the DNS-rebinding guard; * = any)")
+    s.add_argument("--max-queue", type=int, default=None, help="requests that may wait per model (default 64)")
+    s.add_argument("--max-queue-wait", type=float, default=None,
+                   help="seconds a request may wait for a slot; longer estimated waits get 429 at once (default 30)")
+    s.add_argument("--drain-timeout", type=float, default=None,
+                   help="seconds running requests get to finish after SIGTERM/SIGINT (default 30)")
+    s.add_argument("--max-body", default=None, help="request body limit, e.g. 4M (default 4M)")
     s.add_argument("--parity-reference", choices=ENGINE_CHOICES, default=None,
                    help="shadow parity: re-score sampled requests on this reference engine")
     s.add_argument("--parity-sample", type=float, default=None, help="share of requests re-scored (default 0.05)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from contextvars import ContextVar
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -19,9 +20,13 @@ from engines.base import (
     ModelLoadError,
     ModelNotAvailable,
 )
+from gateway.admission import GateClosed, Rejected
 from gateway.protocol import ErrorBody, ErrorResponse
 
 log = logging.getLogger(__name__)
+
+# The id of the request being served (set by gateway.guards), for log lines anywhere below it.
+REQUEST_ID: ContextVar[str] = ContextVar("request_id", default="-")
 
 
 class APIError(Exception):
@@ -34,6 +39,7 @@ class APIError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -41,6 +47,7 @@ class APIError(Exception):
         self.type = type
         self.param = param
         self.code = code
+        self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
         err = ErrorBody(message=self.message, type=self.type, param=self.param, code=self.code)
@@ -49,6 +56,24 @@ class APIError(Exception):
 
 class ClientDisconnected(Exception):
     """The client went away before the response started; nobody is left to answer."""
+
+
+class ServerShutdown(Exception):
+    """The drain time ran out while this request was still running."""
+
+
+def shutdown_error() -> APIError:
+    return APIError(503, "the server is shutting down and its drain time ran out before this request finished",
+                    type="server_error", code="server_shutdown", headers={"Retry-After": "1"})
+
+
+def outcome_of(err: APIError) -> str:
+    """The `outcome` label of gateway_requests_total for an error response."""
+    if err.status == 429 or err.code == "server_draining":
+        return "rejected"  # refused by admission control: the client should retry later
+    if err.code == "internal_error":
+        return "error"  # a bug: an exception nobody expected
+    return err.code or err.type
 
 
 def invalid(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -61,7 +86,7 @@ def from_engine_error(exc: EngineError) -> APIError:
     if isinstance(exc, InvalidGenerationRequest):
         return APIError(400, str(exc), param=exc.param, code="invalid_value")
     if isinstance(exc, EngineOverloaded):
-        return APIError(429, str(exc), type="rate_limit_error", code="queue_full")
+        return APIError(429, str(exc), type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
     if isinstance(exc, EngineClosed):
         return APIError(503, str(exc), type="server_error", code="engine_unloaded")
     if isinstance(exc, ModelNotAvailable):
@@ -79,8 +104,19 @@ def to_api_error(exc: BaseException) -> APIError:
         return from_engine_error(exc)
     if isinstance(exc, ClientDisconnected):
         return APIError(499, "client closed the connection", code="client_closed_request")
-    log.exception("unexpected error", exc_info=exc)
-    return APIError(500, "internal server error", type="server_error", code="internal_error")
+    if isinstance(exc, Rejected):
+        return APIError(429, str(exc), type="rate_limit_error", code=exc.code,
+                        headers={"Retry-After": str(exc.retry_after)})
+    if isinstance(exc, (ServerShutdown, GateClosed)):
+        return shutdown_error()
+    rid = REQUEST_ID.get()
+    if not getattr(exc, "_gateway_logged", False):
+        log.error("unexpected error in request %s", rid, exc_info=exc)
+        try:
+            exc._gateway_logged = True  # type: ignore[attr-defined]
+        except AttributeError:
+            pass
+    return APIError(500, f"internal server error (request id {rid})", type="server_error", code="internal_error")
 
 
 def _param(loc: tuple[Any, ...]) -> str | None:
@@ -116,13 +152,13 @@ def _validation_error(exc: RequestValidationError) -> APIError:
 
 def install_error_handlers(app: FastAPI) -> None:
     def respond(request: Request, err: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
-        outcome = err.code or err.type
+        outcome = outcome_of(err)
         observer = getattr(request.state, "observer", None)
         if observer is not None:
             observer.finish(outcome, err.status)  # once per request: a no-op if already recorded
         elif request.url.path.startswith("/v1/"):
             request.app.state.metrics.count_error(("", "", ""), outcome, err.status)
-        return JSONResponse(err.body(), status_code=err.status, headers=headers)
+        return JSONResponse(err.body(), status_code=err.status, headers={**err.headers, **(headers or {})})
 
     async def api_error(request: Request, exc: Exception) -> JSONResponse:
         return respond(request, to_api_error(exc))
@@ -134,10 +170,10 @@ def install_error_handlers(app: FastAPI) -> None:
     async def http_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return respond(request, APIError(exc.status_code, str(exc.detail), code=code), exc.headers)
+        return respond(request, APIError(exc.status_code, str(exc.detail), code=code), dict(exc.headers or {}))
 
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(EngineError, api_error)
     app.add_exception_handler(RequestValidationError, validation)
     app.add_exception_handler(StarletteHTTPException, http_error)
-    app.add_exception_handler(Exception, api_error)
+    # Anything else is caught by gateway.guards, outside the app, with the request id.

@@ -103,6 +103,7 @@ class RequestObserver:
     last_by_choice: dict[int, float] = field(default_factory=dict)
     prompt_tokens: int = 0
     done: bool = False
+    admission_wait: float = 0.0  # seconds waited in the gateway's queue before the engine saw it
     _itl: Any = None  # the labelled ITL child, looked up once: this runs for every token
 
     def on_event(self, choice: int, ev: TokenEvent, now: float | None = None) -> None:
@@ -123,7 +124,7 @@ class RequestObserver:
         if ev.usage is not None:
             if not self.prompt_tokens:
                 self.prompt_tokens = ev.usage.prompt_tokens
-                self.metrics.queue.labels(*self.labels).observe(ev.usage.queue_seconds)
+                self.metrics.queue.labels(*self.labels).observe(ev.usage.queue_seconds + self.admission_wait)
 
     def finish(self, outcome: str, status: int = 200) -> None:
         if self.done:

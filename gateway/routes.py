@@ -19,13 +19,17 @@ router = APIRouter()
 async def _respond(
     request: Request, service: ChatService | CompletionService, p: Prepared, model: str, stream: bool, include_usage: bool
 ) -> Response:
-    if not stream:
-        body = await until_disconnect(request, service.complete(p, model))
-        return Response(body.model_dump_json(), media_type="application/json", headers=p.headers)
-    frames = service.stream(p, model, include_usage)
-    # Wait for the first token before sending headers: errors found before it (context too long,
-    # queue full) still get a proper status, and clients measure an honest time to first token.
-    first = await until_disconnect(request, anext(frames))
+    try:
+        if not stream:
+            body = await until_disconnect(request, service.complete(p, model))
+            return Response(body.model_dump_json(), media_type="application/json", headers=p.headers)
+        frames = service.stream(p, model, include_usage)
+        # Wait for the first token before sending headers: errors found before it (context too long,
+        # queue full) still get a proper status, and clients measure an honest time to first token.
+        first = await until_disconnect(request, anext(frames))
+    except BaseException:
+        p.release()
+        raise
     return sse_response(first, frames, p.headers)
 
 
@@ -77,15 +81,17 @@ async def health(request: Request) -> JSONResponse:
     manager = request.app.state.manager
     default = manager.registry.default
     models: dict[str, Any] = {}
+    gates = request.app.state.admission.gates()
     for entry in manager.loaded():
         h = entry.engine.health()
         c = entry.candidate
+        gate = gates.get(entry.spec.id)
         models[entry.spec.id] = {
             "ready": h.ready,
             "engine": c.label,
             "device": c.device,
             "running": h.running,
-            "waiting": h.waiting,
+            "waiting": h.waiting + (gate.waiting if gate else 0),
             "fallback_reason": entry.fallback_reason or None,
         }
     for mid in manager.loading:
@@ -102,4 +108,9 @@ async def health(request: Request) -> JSONResponse:
     body = {"status": status, "default_model": default, "models": models, "uptime_s": round(time.time() - request.app.state.started, 1)}
     if request.app.state.shadow is not None:
         body["parity"] = request.app.state.shadow.status()
+    drain = request.app.state.drain
+    if drain.draining:
+        # Load balancers stop sending traffic here; running requests are being finished.
+        body.update(status="draining", inflight=drain.inflight)
+        return JSONResponse(body, status_code=503, headers={"Retry-After": str(drain.retry_after)})
     return JSONResponse(body, status_code=200 if ready else 503)

@@ -6,10 +6,11 @@ Routes call `ChatService` / `CompletionService`; engines only ever see `Generati
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 
 from engines.base import (
@@ -20,7 +21,9 @@ from engines.base import (
     TokenLogprob,
     Usage,
 )
-from gateway.errors import APIError, invalid, to_api_error
+from gateway.admission import Admission, Ticket
+from gateway.errors import APIError, ServerShutdown, invalid, outcome_of, to_api_error
+from gateway.guards import Drain
 from gateway.metrics import Metrics, RequestObserver
 from gateway.pool import Loaded, ModelManager
 from gateway.protocol import (
@@ -183,12 +186,14 @@ CompletionHook = Callable[[Loaded, tuple[int, ...], tuple[int, ...]], object]
 
 @dataclass
 class Prepared:
-    """A validated request, bound to a loaded engine, ready to run."""
+    """A validated request, bound to a loaded engine and holding its slots, ready to run."""
 
     loaded: Loaded
     requests: list[GenerationRequest]
     response_id: str
     observer: RequestObserver
+    ticket: Ticket | None = None
+    drain: Drain | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     on_complete: CompletionHook | None = None
 
@@ -200,13 +205,21 @@ class Prepared:
             out["X-Fallback-Reason"] = _header_value(self.loaded.fallback_reason)
         return out
 
-    async def events(self) -> AsyncIterator[tuple[int, TokenEvent]]:
+    def release(self) -> None:
+        """Give the request's slots back (idempotent)."""
+        if self.ticket is not None:
+            self.ticket.release()
+
+    async def events(self) -> AsyncGenerator[tuple[int, TokenEvent], None]:
         """The engine's events, timed by the request's observer, which records the outcome."""
         finish: str | None = None
         prompt_ids: tuple[int, ...] = ()
         output_ids: list[int] = []
+        drain = self.drain
         try:
             async for i, ev in _merge([self.loaded.engine.generate(r) for r in self.requests]):
+                if drain is not None and drain.expired:
+                    raise ServerShutdown()
                 self.observer.on_event(i, ev)
                 if finish is None and ev.finish_reason is not None:
                     finish = ev.finish_reason
@@ -219,9 +232,13 @@ class Prepared:
             self.observer.finish("cancelled", 499)
             raise
         except Exception as exc:
+            if drain is not None and drain.expired and not isinstance(exc, ServerShutdown):
+                raise ServerShutdown() from exc  # the engine was stopped by the shutdown
             err = to_api_error(exc)
-            self.observer.finish(err.code or err.type, err.status)
+            self.observer.finish(outcome_of(err), err.status)
             raise
+        finally:
+            self.release()
         self.observer.finish(finish or "stop")
         if self.on_complete is not None and prompt_ids and output_ids:
             self.on_complete(self.loaded, prompt_ids, tuple(output_ids))
@@ -240,20 +257,24 @@ class _Collected:
 async def _collect(p: Prepared) -> _Collected:
     n = len(p.requests)
     out = _Collected([""] * n, [[] for _ in range(n)], [None] * n, [])
-    async for i, ev in p.events():
-        out.texts[i] += ev.text
-        out.tokens[i] += ev.logprobs
-        if ev.finish_reason is not None:
-            out.finish[i] = ev.finish_reason
-            if ev.usage is not None:
-                out.usages.append(ev.usage)
+    async with contextlib.aclosing(p.events()) as events:
+        async for i, ev in events:
+            out.texts[i] += ev.text
+            out.tokens[i] += ev.logprobs
+            if ev.finish_reason is not None:
+                out.finish[i] = ev.finish_reason
+                if ev.usage is not None:
+                    out.usages.append(ev.usage)
     return out
 
 
 class _Service:
-    def __init__(self, manager: ModelManager, metrics: Metrics, on_complete: CompletionHook | None = None) -> None:
+    def __init__(self, manager: ModelManager, metrics: Metrics, admission: Admission, drain: Drain,
+                 on_complete: CompletionHook | None = None) -> None:
         self.manager = manager
         self.metrics = metrics
+        self.admission = admission
+        self.drain = drain
         self.on_complete = on_complete
 
     @staticmethod
@@ -269,11 +290,18 @@ class _Service:
 
     async def prepare(self, spec: ModelSpec, base: GenerationRequest, n: int, prefix: str, received: float) -> Prepared:
         loaded = await self.manager.get(spec)
-        rid = f"{prefix}-{uuid.uuid4().hex[:24]}"
-        base = replace(base, request_id=rid)
         c = loaded.candidate
         observer = self.metrics.observe(spec.id, f"{c.runtime}/{c.backend}", c.device, received)
-        return Prepared(loaded, _fan_out(base, n), rid, observer, on_complete=self.on_complete)
+        try:
+            ticket = await self.admission.admit(spec.id, loaded.engine.info.parallel, n)
+        except Exception as exc:
+            err = to_api_error(exc)
+            observer.finish(outcome_of(err), err.status)
+            raise
+        observer.admission_wait = ticket.waited_s
+        rid = f"{prefix}-{uuid.uuid4().hex[:24]}"
+        base = replace(base, request_id=rid)
+        return Prepared(loaded, _fan_out(base, n), rid, observer, ticket, self.drain, on_complete=self.on_complete)
 
 
 class ChatService(_Service):
@@ -288,6 +316,14 @@ class ChatService(_Service):
         self.check_stream_options(req)
         if req.max_tokens is not None and req.max_completion_tokens is not None and req.max_tokens != req.max_completion_tokens:
             raise invalid("max_tokens and max_completion_tokens disagree; send one", param="max_tokens")
+        limits = self.manager.settings
+        if len(req.messages) > limits.max_messages:
+            raise invalid(f"{len(req.messages)} messages exceed the limit of {limits.max_messages}",
+                          param="messages", code="too_many_messages")
+        chars = sum(len(m.text()) for m in req.messages)
+        if chars > limits.max_prompt_chars:
+            raise invalid(f"the messages hold {chars} characters, more than the limit of {limits.max_prompt_chars}",
+                          param="messages", code="prompt_too_long")
         messages = []
         for i, m in enumerate(req.messages):
             if m.role == "assistant" and m.content is None:
@@ -340,20 +376,21 @@ class ChatService(_Service):
                 t = templates[i] = TextChunk(lambda s: chunk([ChunkChoice(index=i, delta=Delta(content=s))]))
             return t(text)
 
-        async for i, ev in p.events():
-            lp = ChoiceLogprobs(content=_chat_logprobs(ev.logprobs)) if want_lp and ev.logprobs else None
-            first = i not in started
-            if not first and lp is None:
-                if ev.text:
-                    yield text_chunk(i, ev.text)
-            elif first or ev.text or lp is not None:
-                started.add(i)
-                delta = Delta(role="assistant", content=ev.text) if first else Delta(content=ev.text)
-                yield chunk([ChunkChoice(index=i, delta=delta, logprobs=lp)])
-            if ev.finish_reason is not None:
-                if ev.usage is not None:
-                    usages.append(ev.usage)
-                yield chunk([ChunkChoice(index=i, delta=Delta(), finish_reason=ev.finish_reason)])
+        async with contextlib.aclosing(p.events()) as events:
+            async for i, ev in events:
+                lp = ChoiceLogprobs(content=_chat_logprobs(ev.logprobs)) if want_lp and ev.logprobs else None
+                first = i not in started
+                if not first and lp is None:
+                    if ev.text:
+                        yield text_chunk(i, ev.text)
+                elif first or ev.text or lp is not None:
+                    started.add(i)
+                    delta = Delta(role="assistant", content=ev.text) if first else Delta(content=ev.text)
+                    yield chunk([ChunkChoice(index=i, delta=delta, logprobs=lp)])
+                if ev.finish_reason is not None:
+                    if ev.usage is not None:
+                        usages.append(ev.usage)
+                    yield chunk([ChunkChoice(index=i, delta=Delta(), finish_reason=ev.finish_reason)])
         if include_usage:
             yield chunk([], _usage(usages))
 
@@ -371,6 +408,10 @@ class CompletionService(_Service):
         prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
         if len(prompts) != 1:
             raise invalid("only one prompt per request is supported; send a string", param="prompt")
+        limit = self.manager.settings.max_prompt_chars
+        if len(prompts[0]) > limit:
+            raise invalid(f"the prompt holds {len(prompts[0])} characters, more than the limit of {limit}",
+                          param="prompt", code="prompt_too_long")
         sp = _sampling(req, spec, req.max_tokens)
         if req.logprobs is not None:
             sp = replace(sp, logprobs=True, top_logprobs=req.logprobs)
@@ -400,13 +441,14 @@ class CompletionService(_Service):
             c = Completion(id=p.response_id, created=p.created, model=model, choices=choices, usage=usage)
             return c.model_dump_json(exclude=None if include_usage else {"usage"})
 
-        async for i, ev in p.events():
-            lp = _completion_logprobs(list(ev.logprobs), offsets[i]) if want_lp and ev.logprobs else None
-            if lp is not None:
-                offsets[i] = lp.text_offset[-1] + len(lp.tokens[-1])
-            if ev.usage is not None:
-                usages.append(ev.usage)
-            yield chunk([CompletionChoice(index=i, text=ev.text, logprobs=lp, finish_reason=ev.finish_reason)])
+        async with contextlib.aclosing(p.events()) as events:
+            async for i, ev in events:
+                lp = _completion_logprobs(list(ev.logprobs), offsets[i]) if want_lp and ev.logprobs else None
+                if lp is not None:
+                    offsets[i] = lp.text_offset[-1] + len(lp.tokens[-1])
+                if ev.usage is not None:
+                    usages.append(ev.usage)
+                yield chunk([CompletionChoice(index=i, text=ev.text, logprobs=lp, finish_reason=ev.finish_reason)])
         if include_usage:
             yield chunk([], _usage(usages))
 

