@@ -48,6 +48,7 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.headers = headers or {}
+        self.counted = False  # already recorded in gateway_requests_total (with the model's labels)
 
     def body(self) -> dict[str, Any]:
         err = ErrorBody(message=self.message, type=self.type, param=self.param, code=self.code)
@@ -156,7 +157,7 @@ def install_error_handlers(app: FastAPI) -> None:
         observer = getattr(request.state, "observer", None)
         if observer is not None:
             observer.finish(outcome, err.status)  # once per request: a no-op if already recorded
-        elif request.url.path.startswith("/v1/"):
+        elif request.url.path.startswith("/v1/") and not err.counted:
             request.app.state.metrics.count_error(("", "", ""), outcome, err.status)
         return JSONResponse(err.body(), status_code=err.status, headers={**err.headers, **(headers or {})})
 

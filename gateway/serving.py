@@ -297,7 +297,8 @@ class _Service:
         except Exception as exc:
             err = to_api_error(exc)
             observer.finish(outcome_of(err), err.status)
-            raise
+            err.counted = True
+            raise err from exc
         observer.admission_wait = ticket.waited_s
         rid = f"{prefix}-{uuid.uuid4().hex[:24]}"
         base = replace(base, request_id=rid)
