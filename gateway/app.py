@@ -21,7 +21,7 @@ from gateway.hardware import HostCapabilities, probe_host, vulkan_visible_env
 from gateway.metrics import Metrics
 from gateway.pool import Checker, EngineFactory, ModelManager
 from gateway.registry import Registry, load_registry
-from gateway.routes import router
+from gateway.routes import openapi_schema, router
 from gateway.serving import ChatService, CompletionService
 from gateway.settings import Settings
 from gateway.shadow import ShadowParity
@@ -115,6 +115,7 @@ def create_app(
     app.state.startup_error = None
     install_error_handlers(app)
     app.include_router(router)
+    app.openapi = lambda: openapi_schema(app)  # type: ignore[method-assign]
 
     app.add_middleware(Guards, policy=policy(settings), drain=drain, metrics=metrics)
     return app

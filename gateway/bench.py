@@ -31,6 +31,8 @@ class Result:
     prompt_tokens: int = 0
     output_tokens: int = 0
     error: str = ""
+    status: int = 0  # HTTP status (0: no answer)
+    retry_after: float | None = None  # seconds, on a 429/503
 
     @property
     def tpot(self) -> float | None:
@@ -49,8 +51,14 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: s
     res = Result(ok=False)
     try:
         async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+            res.status = r.status_code
             if r.status_code != 200:
                 res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                if "retry-after" in r.headers:
+                    try:
+                        res.retry_after = float(r.headers["retry-after"])
+                    except ValueError:
+                        pass
                 return res
             async for line in r.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
@@ -102,8 +110,15 @@ def summarise(results: list[Result], duration: float, slo_ttft: float | None, sl
         "output_token_throughput": sum(r.output_tokens for r in ok) / duration if duration else 0.0,
         "total_prompt_tokens": sum(r.prompt_tokens for r in ok),
         "total_output_tokens": sum(r.output_tokens for r in ok),
-        "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "errors": sorted({r.error for r in results if not r.ok and r.status != 429})[:5],
+        # Refused by admission control, with the Retry-After the server gave.
+        "rejected": sum(r.status == 429 for r in results),
+        "rejected_without_retry_after": sum(r.status == 429 and r.retry_after is None for r in results),
+        "server_errors": sum(r.status >= 500 for r in results),
     }
+    waits = [r.retry_after for r in results if r.status == 429 and r.retry_after is not None]
+    if waits:
+        out["retry_after_s"] = {"min": min(waits), "p50": _pct(waits, 0.5), "max": max(waits)}
     series = {
         "ttft": [r.ttft for r in ok], "e2e": [r.e2e for r in ok],
         "tpot": [t for r in ok if (t := r.tpot) is not None], "itl": [g for r in ok for g in r.itl],
@@ -128,6 +143,16 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         for p in warm[: args.warmup]:
             await one_request(client, args.url, args.model, p, args.output_len, not args.no_ignore_eos)
         results: list[Result] = []
+        queue_before = await _queue_wait(args.url) if args.server_metrics else None
+        if args.duration:
+            t0 = time.perf_counter()
+            await _for_duration(client, args, prompts, results)
+            duration = time.perf_counter() - t0
+            summary = summarise(results, duration, args.slo_ttft, args.slo_tpot)
+            if queue_before is not None:
+                summary["server_queue_wait"] = _queue_wait_delta(queue_before, await _queue_wait(args.url))
+            summary["config"] = {k: v for k, v in vars(args).items() if k not in ("func",)}
+            return summary
         progress = _Progress(len(prompts), enabled=not args.quiet)
         sem = asyncio.Semaphore(args.concurrency) if args.concurrency else None
         rng = random.Random(args.seed)
@@ -151,10 +176,54 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         duration = time.perf_counter() - t0
         progress.close()
     summary = summarise(results, duration, args.slo_ttft, args.slo_tpot)
+    if queue_before is not None:
+        summary["server_queue_wait"] = _queue_wait_delta(queue_before, await _queue_wait(args.url))
     summary["config"] = {k: v for k, v in vars(args).items() if k not in ("func",)}
     if args.plot:
         plot(results, args.plot)
     return summary
+
+
+async def _for_duration(client: httpx.AsyncClient, args: argparse.Namespace, prompts: list[str],
+                        results: list[Result]) -> None:
+    """`concurrency` clients in a closed loop for `duration` seconds. A refused client waits what the
+    server's Retry-After asks (capped at 5 s), as the OpenAI SDK's retry does, before its next request."""
+    deadline = time.monotonic() + args.duration
+
+    async def client_loop(i: int) -> None:
+        k = i
+        while time.monotonic() < deadline:
+            r = await one_request(client, args.url, args.model, prompts[k % len(prompts)], args.output_len,
+                                  not args.no_ignore_eos)
+            results.append(r)
+            k += args.concurrency
+            if r.status in (429, 503):
+                await asyncio.sleep(min(r.retry_after or 1.0, 5.0, max(0.0, deadline - time.monotonic())))
+
+    await asyncio.gather(*(client_loop(i) for i in range(args.concurrency or 1)))
+
+
+async def _queue_wait(url: str) -> dict[str, float]:
+    """The server's gateway_queue_wait_seconds buckets (cumulative counts by `le`), summed over labels."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with httpx.AsyncClient(timeout=30) as c:
+        text = (await c.get(f"{url}/metrics")).text
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for sm in fam.samples:
+            if sm.name == "gateway_queue_wait_seconds_bucket":
+                out[sm.labels["le"]] = out.get(sm.labels["le"], 0.0) + sm.value
+    return out
+
+
+def _queue_wait_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+    """Requests that waited for a slot during the run, and the smallest bucket holding all of them."""
+    delta = {le: after.get(le, 0.0) - before.get(le, 0.0) for le in after}
+    total = delta.get("+Inf", 0.0)
+    bounds = sorted((float(le), n) for le, n in delta.items() if le != "+Inf")
+    max_le = next((le for le, n in bounds if n >= total), float("inf"))
+    return {"requests": total, "all_waited_at_most_s": max_le, "buckets": delta}
 
 
 class _Progress:
@@ -213,6 +282,14 @@ def print_report(s: dict[str, Any]) -> None:
     for name in ("ttft", "tpot", "itl", "e2e"):
         m = s[name]
         print(f"{name:<6} " + " ".join(f"{m[k] * 1000:>9.1f}" for k in ("mean", "p50", "p90", "p99")))
+    if s.get("rejected"):
+        ra = s.get("retry_after_s", {})
+        print(f"rejected (429) {s['rejected']}  Retry-After min/p50/max {ra.get('min')}/{ra.get('p50')}/{ra.get('max')} s"
+              f"  without Retry-After {s['rejected_without_retry_after']}")
+    print(f"server errors (5xx) {s['server_errors']}")
+    if "server_queue_wait" in s:
+        q = s["server_queue_wait"]
+        print(f"server queue wait: {q['requests']:.0f} requests, all within {q['all_waited_at_most_s']} s")
     for e in s["errors"]:
         print(f"error: {e}")
 
@@ -228,6 +305,10 @@ def add_parser(sub: Any) -> None:
     mode = b.add_mutually_exclusive_group()
     mode.add_argument("--concurrency", type=int, default=None, help="fixed number of requests in flight")
     mode.add_argument("--rate", type=float, default=None, help="Poisson arrivals, requests per second")
+    b.add_argument("--duration", type=float, default=None,
+                   help="seconds: run `--concurrency` closed-loop clients this long (prompts are reused)")
+    b.add_argument("--server-metrics", action="store_true",
+                   help="read the gateway's /metrics before and after: the queue wait of accepted requests")
     b.add_argument("--warmup", type=int, default=2)
     b.add_argument("--no-ignore-eos", action="store_true", help="for servers that reject ignore_eos")
     b.add_argument("--slo-ttft", type=float, default=None, help="seconds, for goodput")
@@ -253,7 +334,7 @@ def main(args: argparse.Namespace) -> int:
     print_report(summary)
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2, default=str))
-    return 0 if summary["failed"] == 0 else 1
+    return 0 if summary["failed"] - summary["rejected"] == 0 else 1
 
 
 __all__ = ["Result", "add_parser", "summarise"]

@@ -236,3 +236,14 @@ class ErrorBody(_Response):
 
 class ErrorResponse(_Response):
     error: ErrorBody
+
+
+class HealthResponse(BaseModel):
+    """`GET /health`: 200 when the default model can serve, 503 while loading, failed or draining."""
+
+    status: Literal["ok", "loading", "error", "draining"]
+    default_model: str
+    models: dict[str, dict[str, Any]]  # per model: ready, engine, device, running, waiting, reasons
+    uptime_s: float
+    parity: dict[str, Any] | None = None
+    inflight: int | None = None  # while draining: API requests still running

@@ -9,11 +9,98 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gateway.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from gateway.protocol import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    Completion,
+    CompletionRequest,
+    ErrorResponse,
+    HealthResponse,
+    ModelCard,
+    ModelList,
+)
 from gateway.serving import ChatService, CompletionService, Prepared
 from gateway.sse import sse_response, until_disconnect
 
 router = APIRouter()
+
+# What each error status means here; every one carries the OpenAI error envelope.
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse, "description": what}
+    for status, what in (
+        (400, "Invalid request: bad JSON, an unknown or invalid parameter, a prompt over the context or limits"),
+        (401, "Missing or wrong API key (`WWW-Authenticate: Bearer`)"),
+        (403, "Origin or Host not allowed (CORS policy, DNS-rebinding guard)"),
+        (404, "Unknown model"),
+        (413, "Request body over `--max-body`"),
+        (429, "Overloaded: the model's queue is full or the wait would exceed `--max-queue-wait` "
+              "(`Retry-After` gives seconds)"),
+        (500, "The engine failed, or an unexpected error (logged with the request id, which the message repeats)"),
+        (503, "Model loading or failed to load, or the server is draining (`Retry-After`)"),
+    )
+}
+
+
+def _stream_doc(chunk: type[Any]) -> dict[str, Any]:
+    # OpenAPI 3.1: for text/event-stream, `schema` describes one event.
+    return {
+        "schema": {
+            "type": "object",
+            "description": (
+                "Server-sent events, when the request sets `stream: true`. Each event's `data` is a "
+                f"`{chunk.__name__}` in JSON; an error that happens after the first event arrives in-band "
+                "as the error envelope; the stream always ends with `data: [DONE]`."
+            ),
+            "required": ["data"],
+            "properties": {
+                "event": {"type": "string"},
+                "data": {
+                    "anyOf": [
+                        {"const": "[DONE]"},
+                        {
+                            "type": "string",
+                            "contentMediaType": "application/json",
+                            "contentSchema": {"anyOf": [{"$ref": f"#/components/schemas/{chunk.__name__}"},
+                                                        {"$ref": "#/components/schemas/ErrorResponse"}]},
+                        },
+                    ]
+                },
+            },
+        },
+    }
+
+
+def _generation_responses(whole: type[Any], chunk: type[Any]) -> dict[int | str, dict[str, Any]]:
+    return {
+        200: {"model": whole, "description": "The completion (JSON), or its stream (SSE) when `stream` is true",
+              "content": {"text/event-stream": _stream_doc(chunk)}},
+        **_ERRORS,
+    }
+
+
+def openapi_schema(app: Any, extra_models: tuple[type[Any], ...] = (ChatCompletionChunk,)) -> dict[str, Any]:
+    """The app's OpenAPI document, made to describe what the server really does: request errors
+    are 400 in the OpenAI envelope (never FastAPI's 422), and stream chunks have their schema."""
+    if app.openapi_schema:
+        return dict(app.openapi_schema)
+    from fastapi.openapi.utils import get_openapi
+
+    doc = get_openapi(title=app.title, version=app.version, routes=app.routes,
+                      description="OpenAI-compatible API of llm-gateway. Errors use the OpenAI envelope "
+                                  "`{\"error\": {\"message\", \"type\", \"param\", \"code\"}}`.")
+    for item in doc["paths"].values():
+        for op in item.values():
+            op.get("responses", {}).pop("422", None)
+    schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+    for name in ("HTTPValidationError", "ValidationError"):
+        schemas.pop(name, None)
+    for model in extra_models:
+        found = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        schemas.update(found.pop("$defs", {}))
+        schemas[model.__name__] = found
+    app.openapi_schema = doc
+    return doc
 
 
 async def _respond(
@@ -33,7 +120,8 @@ async def _respond(
     return sse_response(first, frames, p.headers)
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", response_model=None,
+             responses=_generation_responses(ChatCompletion, ChatCompletionChunk))
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     received = time.perf_counter()
     service: ChatService = request.app.state.chat
@@ -43,7 +131,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     return await _respond(request, service, p, body.model, body.stream, include_usage)
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", response_model=None, responses=_generation_responses(Completion, Completion))
 async def completions(body: CompletionRequest, request: Request) -> Response:
     received = time.perf_counter()
     service: CompletionService = request.app.state.completions
@@ -53,7 +141,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     return await _respond(request, service, p, body.model, body.stream, include_usage)
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", responses={k: v for k, v in _ERRORS.items() if k in (401, 403)})
 async def list_models(request: Request) -> ModelList:
     manager = request.app.state.manager
     created = request.app.state.started
@@ -71,12 +159,16 @@ async def list_models(request: Request) -> ModelList:
     return ModelList(data=cards)
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=Response, responses={
+    200: {"description": "Prometheus text format", "content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}}},
+    401: _ERRORS[401], 403: _ERRORS[403]})
 async def metrics(request: Request) -> Response:
     return Response(generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-@router.get("/health")
+@router.get("/health", response_model=HealthResponse, responses={
+    503: {"model": HealthResponse, "description": "Not ready: loading, failed, or draining (`Retry-After`)"},
+    403: _ERRORS[403]})
 async def health(request: Request) -> JSONResponse:
     manager = request.app.state.manager
     default = manager.registry.default

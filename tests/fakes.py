@@ -27,7 +27,8 @@ class FakeEngine:
     instances: list[FakeEngine] = []
 
     def __init__(self, config: EngineConfig, script: str = "hello from the fake engine", load_delay: float = 0.0,
-                 fail_load: bool = False, capacity: int = 1000, fail_after: int | None = None) -> None:
+                 fail_load: bool = False, capacity: int = 1000, fail_after: int | None = None,
+                 bug_after: int | None = None) -> None:
         self.config = config
         self.info = EngineInfo(runtime="fake", backend=config.backend, device=config.device, parallel=config.parallel)
         self.script = script.split()
@@ -35,6 +36,7 @@ class FakeEngine:
         self.fail_load = fail_load
         self.capacity = capacity
         self.fail_after = fail_after
+        self.bug_after = bug_after  # raise a plain exception (a bug, not an EngineError) at this token
         self.loaded = False
         self.closed = False
         self.running = 0
@@ -57,6 +59,8 @@ class FakeEngine:
                 await asyncio.sleep(0.001)
                 if self.fail_after is not None and i == self.fail_after:
                     raise EngineFailure("fake engine crashed mid-stream")
+                if self.bug_after is not None and i == self.bug_after:
+                    raise ZeroDivisionError("a bug in the engine")
                 last = i == len(words) - 1
                 yield TokenEvent(
                     text=(" " if i else "") + w,

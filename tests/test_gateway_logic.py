@@ -145,3 +145,45 @@ def test_error_after_stream_started_is_sent_in_band(registry_file: Path) -> None
         assert json.loads(lines[0][6:])["choices"][0]["delta"]["content"] == "hello"
     finally:
         server.stop()
+
+
+def test_an_unexpected_exception_is_a_500_envelope_a_logged_traceback_and_counted(
+    registry_file: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # bug_after=0: a plain exception (not an EngineError) in the engine, before any output.
+    server, _ = _server(registry_file, check=False, bug_after=0)
+    server.start()
+    try:
+        with caplog.at_level("ERROR", logger="gateway"):
+            r = _chat(server.url, "a", max_tokens=5)
+            s = httpx.post(f"{server.url}/v1/chat/completions", timeout=10, json={
+                "model": "a", "messages": [{"role": "user", "content": "x"}], "stream": True})
+        assert r.status_code == 500 and s.status_code == 500
+        for resp in (r, s):
+            err = resp.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"}
+            assert (err["type"], err["code"]) == ("server_error", "internal_error")
+            rid = resp.headers["x-request-id"]
+            assert rid in err["message"]
+            logged = [rec for rec in caplog.records if rid in rec.getMessage()]
+            assert logged and logged[0].exc_info is not None, "no traceback logged with the request id"
+            assert "ZeroDivisionError" in caplog.text
+        metrics = httpx.get(f"{server.url}/metrics").text
+        assert 'outcome="error",status="500"} 2.0' in metrics
+    finally:
+        server.stop()
+
+
+def test_an_unexpected_exception_mid_stream_ends_with_an_error_frame(registry_file: Path) -> None:
+    server, _ = _server(registry_file, check=False, bug_after=2)
+    server.start()
+    try:
+        with httpx.stream("POST", f"{server.url}/v1/chat/completions", timeout=10, json={
+                "model": "a", "messages": [{"role": "user", "content": "x"}], "stream": True}) as r:
+            frames = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
+        assert r.status_code == 200 and frames[-1] == "[DONE]"
+        err = json.loads(frames[-2])["error"]
+        assert err["code"] == "internal_error" and r.headers["x-request-id"] in err["message"]
+        assert 'outcome="error",status="500"} 1.0' in httpx.get(f"{server.url}/metrics").text
+    finally:
+        server.stop()
