@@ -44,7 +44,7 @@ def create_app(
         if registry.get(settings.model) is None:
             raise ValueError(f"unknown model {settings.model!r}; models.yaml defines {sorted(registry.models)}")
         registry.default = settings.model
-    metrics = Metrics()
+    metrics = Metrics(queue_limit_s=settings.max_queue_wait)
     host = host if host is not None else probe_host()
     if checker is None and engine_factory is None and settings.isolate_check:
         env = vulkan_visible_env(host.vulkan)

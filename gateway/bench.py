@@ -204,7 +204,7 @@ async def _for_duration(client: httpx.AsyncClient, args: argparse.Namespace, pro
 
 
 async def _queue_wait(url: str) -> dict[str, float]:
-    """The server's gateway_queue_wait_seconds buckets (cumulative counts by `le`), summed over labels."""
+    """The server's gateway_admission_wait_seconds buckets (cumulative counts by `le`), summed over labels."""
     from prometheus_client.parser import text_string_to_metric_families
 
     async with httpx.AsyncClient(timeout=30) as c:
@@ -212,7 +212,7 @@ async def _queue_wait(url: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for fam in text_string_to_metric_families(text):
         for sm in fam.samples:
-            if sm.name == "gateway_queue_wait_seconds_bucket":
+            if sm.name == "gateway_admission_wait_seconds_bucket":
                 out[sm.labels["le"]] = out.get(sm.labels["le"], 0.0) + sm.value
     return out
 

@@ -40,8 +40,12 @@ SLO_E2E_S = 10.0
 
 
 class Metrics:
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, queue_limit_s: float | None = None) -> None:
         r = self.registry = registry or CollectorRegistry()
+        # The admission queue's time limit is a bucket edge, so "nobody accepted waited longer than
+        # --max-queue-wait" can be read off the histogram.
+        admission_buckets = tuple(sorted(set(QUEUE_BUCKETS) | ({queue_limit_s} if queue_limit_s else set())))
+        self.admission_wait = Histogram("gateway_admission_wait_seconds", "Time an accepted request waited in the gateway's queue for its slots.", ("model",), buckets=admission_buckets, registry=r)
         self.ttft = Histogram("gateway_time_to_first_token_seconds", "Request received to first token sent.", LABELS, buckets=TTFT_BUCKETS, registry=r)
         self.itl = Histogram("gateway_inter_token_latency_seconds", "Gap between consecutive tokens of one choice.", LABELS, buckets=TOKEN_GAP_BUCKETS, registry=r)
         self.tpot = Histogram("gateway_time_per_output_token_seconds", "(e2e - TTFT) / (output tokens - 1) per request.", LABELS, buckets=TOKEN_GAP_BUCKETS, registry=r)

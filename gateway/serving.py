@@ -300,6 +300,7 @@ class _Service:
             err.counted = True
             raise err from exc
         observer.admission_wait = ticket.waited_s
+        self.metrics.admission_wait.labels(spec.id).observe(ticket.waited_s)
         rid = f"{prefix}-{uuid.uuid4().hex[:24]}"
         base = replace(base, request_id=rid)
         return Prepared(loaded, _fan_out(base, n), rid, observer, ticket, self.drain, on_complete=self.on_complete)

@@ -129,8 +129,22 @@ async def test_stop_max_tokens_and_seed(engine: OrtGenAIEngine) -> None:
 async def test_unsupported_and_too_long_requests_fail_before_generation(engine: OrtGenAIEngine) -> None:
     with pytest.raises(InvalidGenerationRequest, match="logit_bias"):
         await _run(engine, _chat("hi", logit_bias=((1, 5.0),)))
+    # ORT GenAI's search has a repetition penalty only: the OpenAI penalties are refused, not ignored.
+    for param in ("presence_penalty", "frequency_penalty"):
+        with pytest.raises(InvalidGenerationRequest, match=param) as err:
+            await _run(engine, _chat("hi", **{param: 0.5}))
+        assert err.value.param == param
     with pytest.raises(ContextLengthExceeded):
         await _run(engine, GenerationRequest("t", SamplingParams(max_tokens=2), prompt="word " * 600))
+
+
+async def test_repeat_penalty_reduces_repetition(engine: OrtGenAIEngine) -> None:
+    prompt = "Write the word 'banana' thirty times, separated by spaces."
+    plain, _, _ = await _run(engine, _chat(prompt, max_tokens=48))
+    penalised, _, _ = await _run(engine, _chat(prompt, max_tokens=48, repeat_penalty=1.8))
+    repeats = [len(t) - len(set(t)) for t in (plain, penalised)]
+    assert repeats[0] >= 16, "the prompt should make the model repeat itself"
+    assert repeats[1] < repeats[0] * 0.8, repeats
 
 
 async def test_cancel_frees_the_worker_and_queue_is_bounded(engine: OrtGenAIEngine) -> None:
@@ -234,6 +248,12 @@ def test_gateway_serves_chat_through_ortgenai(onnx_fp32: Path, tmp_path: Path, d
         legacy = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
         assert legacy.choices[0].text.strip() and legacy.usage is not None and legacy.usage.completion_tokens <= 8
         assert 'engine="ortgenai/cpu"' in httpx.get(f"{server.url}/metrics").text
+        # A penalty this runtime lacks is a clear 400 naming it, never a 500 or a silent no-op.
+        with pytest.raises(openai.BadRequestError, match="frequency_penalty"):
+            client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, frequency_penalty=0.5)
+        pen = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0,
+                                             extra_body={"repeat_penalty": 1.3})
+        assert pen.choices[0].message.content
     finally:
         server.stop()
 
