@@ -123,6 +123,8 @@ class EngineConfig:
     device_key: str = ""  # the runtime's own device id (ggml "Vulkan0"/"CUDA0", ORT device id); "" = CPU
     chat_template: str | None = None  # Jinja; overrides the template shipped with the model
     compute_units: str = "ALL"  # CoreML only: ALL, CPU_AND_NE, CPU_AND_GPU, CPU_ONLY
+    pooling: str = "mean"  # embeddings: mean, cls or last
+    normalize_embeddings: bool = True  # L2-normalise each embedding
 
 
 @dataclass(frozen=True)
@@ -161,6 +163,12 @@ class Engine(Protocol):
 
     def tokenize(self, text: str) -> list[int]:
         """Token ids of `text` as this engine's model sees it (with BOS where the model adds one)."""
+        ...
+
+    async def embed(self, inputs: list[list[int]]) -> npt.NDArray[np.float32]:
+        """One pooled embedding per token sequence: shape (len(inputs), width).  Raises
+        InvalidGenerationRequest for an empty or out-of-vocabulary sequence, ContextLengthExceeded
+        for one longer than the context, and InvalidGenerationRequest where the runtime has none."""
         ...
 
     def health(self) -> EngineHealth: ...

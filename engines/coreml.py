@@ -244,6 +244,11 @@ class CoreMLEngine:
                                     finish_reason=finish, usage=usage))
             return
 
+    async def embed(self, inputs: list[list[int]]) -> npt.NDArray[np.float32]:
+        raise InvalidGenerationRequest(
+            "embeddings are not supported by the coreml runtime; serve this model with llama.cpp", param="model"
+        )
+
     async def logits(self, token_ids: list[int]) -> npt.NDArray[np.float32]:
         pool = self._pool
         if pool is None:

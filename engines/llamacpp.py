@@ -89,6 +89,7 @@ class LlamaCppEngine:
         self._eog: list[int] = []
         self._template: Any = None
         self._bos_text = ""
+        self._embedder: Any = None
 
     # --- lifecycle -----------------------------------------------------------------------
 
@@ -162,8 +163,13 @@ class LlamaCppEngine:
             piece=self.piece,
             is_eog=lambda t: lc.llama_vocab_is_eog(self._vocab, t),
         )
+        from engines.llamacpp_embed import Embedder
+
+        self._embedder = Embedder(model, self._n_ctx_seq, self._n_vocab, threads, o.pooling, o.normalize_embeddings)
+        self._sched.embedder = self._embedder
         self.info = replace(
-            self.info, context_length=self._n_ctx_seq, extra={"precision": self._precision(lc)}
+            self.info, context_length=self._n_ctx_seq,
+            extra={"precision": self._precision(lc), "embedding_width": str(self._embedder.width)},
         )
         log.info(
             "llama.cpp loaded %s: backend=%s device=%s ctx/seq=%d parallel=%d vocab=%d",
@@ -310,6 +316,20 @@ class LlamaCppEngine:
             raise InvalidGenerationRequest(
                 f"unsupported JSON schema: {exc}", param="response_format.json_schema"
             ) from exc
+
+    async def embed(self, inputs: list[list[int]]) -> npt.NDArray[np.float32]:
+        from engines.llamacpp_batch import EmbedJob
+
+        if self._sched is None:
+            raise ModelLoadError("model is not loaded")
+        self._embedder.check(inputs)
+        fut: asyncio.Future[npt.NDArray[np.float32]] = asyncio.get_running_loop().create_future()
+        job = EmbedJob(inputs=[list(x) for x in inputs], done=settle_from_thread(fut))
+        self._sched.submit_embed(job)
+        try:
+            return await fut
+        finally:
+            self._sched.cancel(job)
 
     async def logits(self, token_ids: list[int]) -> npt.NDArray[np.float32]:
         from engines.llamacpp_batch import ScoreJob

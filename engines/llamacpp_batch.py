@@ -72,6 +72,15 @@ class ScoreJob:
         return self.token_ids
 
 
+@dataclass(eq=False)
+class EmbedJob:
+    """Pooled embeddings of several token sequences, computed between generation steps."""
+
+    inputs: list[list[int]]
+    done: Callable[[npt.NDArray[np.float32] | BaseException], None]
+    cancelled: bool = False
+
+
 Job = GenJob | ScoreJob
 
 
@@ -113,6 +122,8 @@ class BatchScheduler:
         self._slots = [_Slot(seq_id=i) for i in range(n_parallel)]
         self.prefix_copies = 0  # prompts that took their prefix from another sequence's KV
         self._waiting: deque[Job] = deque()
+        self._embeds: deque[EmbedJob] = deque()
+        self.embedder: Any = None  # engines.llamacpp_embed.Embedder, set by the engine
         self._cv = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="llamacpp-batch", daemon=True)
@@ -132,7 +143,16 @@ class BatchScheduler:
             self._waiting.append(job)
             self._cv.notify()
 
-    def cancel(self, job: Job) -> None:
+    def submit_embed(self, job: EmbedJob) -> None:
+        with self._cv:
+            if self._stopping:
+                raise EngineClosed("the engine is shutting down")
+            if len(self._embeds) >= self._max_queue:
+                raise EngineOverloaded(f"{len(self._embeds)} embedding requests are already waiting; retry later")
+            self._embeds.append(job)
+            self._cv.notify()
+
+    def cancel(self, job: Job | EmbedJob) -> None:
         with self._cv:
             job.cancelled = True
             self._cv.notify()
@@ -154,12 +174,15 @@ class BatchScheduler:
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not self._stopping and not self._waiting and not self._active():
+                while not self._stopping and not self._waiting and not self._active() and not self._embeds:
                     self._cv.wait()
                 if self._stopping:
                     break
                 self._drop_cancelled_waiting()
                 self._admit()
+                embeds, self._embeds = list(self._embeds), deque()
+            for ejob in embeds:
+                self._embed(ejob)
             self._release_cancelled()
             if self._active():
                 try:
@@ -169,6 +192,16 @@ class BatchScheduler:
                     for slot in self._active():
                         self._fail(slot, EngineFailure(f"llama.cpp failed: {exc}"))
         self._shutdown()
+
+    def _embed(self, job: EmbedJob) -> None:
+        if job.cancelled:
+            return
+        try:
+            result: npt.NDArray[np.float32] | BaseException = self.embedder.embed(job.inputs)
+        except Exception as exc:  # noqa: BLE001 - handed to the waiting request
+            log.exception("llama.cpp embedding failed")
+            result = exc if isinstance(exc, EngineFailure) else EngineFailure(f"llama.cpp failed: {exc}")
+        job.done(result)
 
     def _active(self) -> list[_Slot]:
         return [s for s in self._slots if s.job is not None]
@@ -352,6 +385,11 @@ class BatchScheduler:
             self._fail(slot, closed)
         with self._cv:
             waiting, self._waiting = list(self._waiting), deque()
+            embeds, self._embeds = list(self._embeds), deque()
+        for ejob in embeds:
+            ejob.done(closed)
+        if self.embedder is not None:
+            self.embedder.close()
         for job in waiting:
             _free_job(job)
             if isinstance(job, GenJob):

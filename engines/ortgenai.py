@@ -299,6 +299,11 @@ class OrtGenAIEngine:
             ))
             return
 
+    async def embed(self, inputs: list[list[int]]) -> npt.NDArray[np.float32]:
+        raise InvalidGenerationRequest(
+            "embeddings are not supported by the ortgenai runtime; serve this model with llama.cpp", param="model"
+        )
+
     async def logits(self, token_ids: list[int]) -> npt.NDArray[np.float32]:
         pool = self._pool
         if pool is None:

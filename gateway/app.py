@@ -14,6 +14,7 @@ from fastapi import FastAPI
 from engines.base import EngineConfig, EngineHealth
 from engines.registry import create_engine
 from gateway.admission import Admission
+from gateway.embeddings import EmbeddingService
 from gateway.errors import install_error_handlers
 from gateway.functional_check import CheckResult, run_isolated
 from gateway.guards import Drain, Guards, Policy, is_loopback_bind
@@ -109,6 +110,7 @@ def create_app(
     app.state.drain = drain
     app.state.chat = ChatService(manager, metrics, admission, drain, on_complete)
     app.state.completions = CompletionService(manager, metrics, admission, drain, on_complete)
+    app.state.embeddings = EmbeddingService(manager, metrics)
     app.state.started = int(time.time())
     app.state.preload = settings.preload
     app.state.preloading = settings.preload

@@ -123,7 +123,7 @@ def to_api_error(exc: BaseException) -> APIError:
 def _param(loc: tuple[Any, ...]) -> str | None:
     parts = [p for p in loc if p != "body"]
     # Pydantic adds the union member it tried (e.g. "str", "list[str]") to the location.
-    parts = [p for p in parts if not (isinstance(p, str) and ("[" in p or p in _TYPE_TAGS))]
+    parts = [p for p in parts if not (isinstance(p, str) and ("[" in p or p in _TYPE_TAGS or p.startswith("constrained-")))]
     out = ""
     for p in parts:
         out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))

@@ -255,6 +255,8 @@ def engine_config(spec: ModelSpec, cand: Candidate, path: str, settings: Setting
         device_key=cand.device_key,
         chat_template=spec.chat_template,
         compute_units=spec.compute_units,
+        pooling=spec.embedding.pooling,
+        normalize_embeddings=spec.embedding.normalize,
     )
 
 

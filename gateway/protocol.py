@@ -220,6 +220,39 @@ class ModelCard(_Response):
     formats: list[str]
     available: bool
     loaded: bool
+    endpoints: list[str]  # which API endpoints serve it: chat.completions, completions, embeddings
+    description: str = ""
+
+
+class EmbeddingRequest(_Request):
+    model: str
+    input: (
+        Annotated[str, Field(max_length=10_000_000)]
+        | Annotated[list[str], Field(min_length=1, max_length=2048)]
+        | Annotated[list[int], Field(min_length=1)]
+        | Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1, max_length=2048)]
+    )
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, Field(ge=1)] | None = None
+    user: str | None = None
+
+
+class Embedding(_Response):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str  # base64: little-endian float32
+
+
+class EmbeddingUsage(_Response):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingList(_Response):
+    object: Literal["list"] = "list"
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
 
 
 class ModelList(_Response):

@@ -87,6 +87,15 @@ class Defaults(_Strict):
     max_tokens: int | None = None
 
 
+class EmbeddingOptions(_Strict):
+    """How `/v1/embeddings` pools and scales this model's hidden states."""
+
+    pooling: Literal["mean", "cls", "last"] = Field(
+        default="mean", description="mean (decoder models' usual choice), cls or last token"
+    )
+    normalize: bool = Field(default=True, description="L2-normalise each vector")
+
+
 class ParityTolerance(_Strict):
     """Parity limits (`gateway parity`, shadow parity); unset fields keep the built-in table's value.
 
@@ -120,6 +129,14 @@ class ModelSpec(_Strict):
     )
     defaults: Defaults = Defaults()
     parity: ParityTolerance | None = Field(default=None, description="parity tolerances for this model")
+    embedding: EmbeddingOptions = EmbeddingOptions()
+    embedding_only: bool = Field(default=False, description="serve /v1/embeddings only (an embedding model)")
+
+    def endpoints(self) -> list[str]:
+        """The API endpoints this model serves."""
+        if self.embedding_only:
+            return ["embeddings"]
+        return ["chat.completions", "completions", "embeddings"]
 
 
 class RegistryFile(_Strict):

@@ -9,12 +9,15 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from gateway.errors import APIError
 from gateway.protocol import (
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
     Completion,
     CompletionRequest,
+    EmbeddingList,
+    EmbeddingRequest,
     ErrorResponse,
     HealthResponse,
     ModelCard,
@@ -141,22 +144,39 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     return await _respond(request, service, p, body.model, body.stream, include_usage)
 
 
+def _card(request: Request, spec: Any) -> ModelCard:
+    manager = request.app.state.manager
+    return ModelCard(
+        id=spec.id,
+        created=request.app.state.started,
+        context_length=spec.context_length,
+        formats=sorted(spec.formats),
+        available=any(manager.registry.local_path(spec, f) is not None for f in spec.formats),
+        loaded=manager.is_loaded(spec.id),
+        endpoints=spec.endpoints(),
+        description=spec.description,
+    )
+
+
 @router.get("/v1/models", responses={k: v for k, v in _ERRORS.items() if k in (401, 403)})
 async def list_models(request: Request) -> ModelList:
-    manager = request.app.state.manager
-    created = request.app.state.started
-    cards = [
-        ModelCard(
-            id=spec.id,
-            created=created,
-            context_length=spec.context_length,
-            formats=sorted(spec.formats),
-            available=any(manager.registry.local_path(spec, f) is not None for f in spec.formats),
-            loaded=manager.is_loaded(spec.id),
-        )
-        for spec in manager.registry.models.values()
-    ]
-    return ModelList(data=cards)
+    return ModelList(data=[_card(request, spec) for spec in request.app.state.manager.registry.models.values()])
+
+
+@router.get("/v1/models/{model_id:path}", responses={k: v for k, v in _ERRORS.items() if k in (401, 403, 404)})
+async def get_model(model_id: str, request: Request) -> ModelCard:
+    spec = request.app.state.manager.registry.get(model_id)
+    if spec is None:
+        raise APIError(404, f"The model '{model_id}' does not exist", param="model", code="model_not_found")
+    return _card(request, spec)
+
+
+@router.post("/v1/embeddings", responses={200: {"model": EmbeddingList, "description": "One vector per input"},
+                                          **_ERRORS})
+async def embeddings(body: EmbeddingRequest, request: Request) -> EmbeddingList:
+    received = time.perf_counter()
+    result: EmbeddingList = await until_disconnect(request, request.app.state.embeddings.embed(body, received))
+    return result
 
 
 @router.get("/metrics", response_class=Response, responses={

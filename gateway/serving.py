@@ -286,6 +286,9 @@ class _Service:
         spec = self.manager.registry.get(model)
         if spec is None:
             raise APIError(404, f"The model '{model}' does not exist", param="model", code="model_not_found")
+        if spec.embedding_only:
+            raise invalid(f"the model '{model}' serves embeddings only (POST /v1/embeddings)", param="model",
+                          code="model_not_supported")
         return spec
 
     async def prepare(self, spec: ModelSpec, base: GenerationRequest, n: int, prefix: str, received: float) -> Prepared:

@@ -74,6 +74,12 @@ class FakeEngine:
     async def logits(self, token_ids: list[int]) -> npt.NDArray[np.float32]:
         return np.zeros((len(token_ids), 8), dtype=np.float32)
 
+    async def embed(self, inputs: list[list[int]]) -> npt.NDArray[np.float32]:
+        out = np.zeros((len(inputs), 8), dtype=np.float32)
+        for i, ids in enumerate(inputs):
+            out[i, len(ids) % 8] = 1.0
+        return out
+
     def tokenize(self, text: str) -> list[int]:
         return list(range(len(text.split())))
 

@@ -89,12 +89,13 @@ def _pin(body: Any) -> None:
     """The served model and a few output tokens; everything else as generated."""
     if not isinstance(body, dict):
         return
-    if "model" in body or "messages" in body or "prompt" in body:
+    if "model" in body or "messages" in body or "prompt" in body or "input" in body:
         body["model"] = MODEL
     for key in ("max_tokens", "max_completion_tokens"):
         if isinstance(body.get(key), int) and not isinstance(body.get(key), bool) and body[key] > MAX_TOKENS:
             body[key] = MAX_TOKENS
-    if not any(isinstance(body.get(k), int) for k in ("max_tokens", "max_completion_tokens")):
+    generates = "messages" in body or "prompt" in body
+    if generates and not any(isinstance(body.get(k), int) for k in ("max_tokens", "max_completion_tokens")):
         body["max_tokens"] = MAX_TOKENS  # absent or null would mean "until the context is full"
 
 
@@ -103,8 +104,8 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 
 
 # Every operation of the document; test_every_operation_is_fuzzed keeps this list complete.
-OPERATIONS = [("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("GET", "/v1/models"),
-              ("GET", "/health"), ("GET", "/metrics")]
+OPERATIONS = [("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("POST", "/v1/embeddings"),
+              ("GET", "/v1/models"), ("GET", "/v1/models/{model_id}"), ("GET", "/health"), ("GET", "/metrics")]
 
 
 def test_every_operation_is_fuzzed(api_schema: Any) -> None:

@@ -1,0 +1,81 @@
+"""`/v1/embeddings`: OpenAI embedding requests <-> the engine's `embed`."""
+
+from __future__ import annotations
+
+import base64
+import time
+
+import numpy as np
+
+from gateway.errors import APIError, invalid, outcome_of, to_api_error
+from gateway.metrics import Metrics
+from gateway.pool import ModelManager
+from gateway.protocol import Embedding, EmbeddingList, EmbeddingRequest, EmbeddingUsage
+from gateway.registry import ModelSpec
+
+
+def _inputs(req: EmbeddingRequest) -> list[str] | list[list[int]]:
+    """The request's inputs as texts or as token-id lists (OpenAI's four shapes)."""
+    x = req.input
+    if isinstance(x, str):
+        return [x]
+    if all(isinstance(v, int) for v in x):
+        return [list(x)]  # type: ignore[return-value]
+    return list(x)  # type: ignore[return-value]
+
+
+def encode(vector: np.ndarray, fmt: str) -> list[float] | str:
+    if fmt == "base64":  # what the OpenAI SDK asks for by default: little-endian float32
+        return base64.b64encode(vector.astype("<f4").tobytes()).decode()
+    return vector.astype(np.float32).tolist()  # type: ignore[no-any-return]
+
+
+class EmbeddingService:
+    def __init__(self, manager: ModelManager, metrics: Metrics) -> None:
+        self.manager = manager
+        self.metrics = metrics
+
+    def spec(self, model: str) -> ModelSpec:
+        spec = self.manager.registry.get(model)
+        if spec is None:
+            raise APIError(404, f"The model '{model}' does not exist", param="model", code="model_not_found")
+        return spec
+
+    async def embed(self, req: EmbeddingRequest, received: float) -> EmbeddingList:
+        spec = self.spec(req.model)
+        raw = _inputs(req)
+        for i, item in enumerate(raw):
+            if (isinstance(item, str) and not item) or (isinstance(item, list) and not item):
+                raise invalid(f"input[{i}] is empty", param="input")
+        limit = self.manager.settings.max_prompt_chars
+        chars = sum(len(t) for t in raw if isinstance(t, str))
+        if chars > limit:
+            raise invalid(f"the input holds {chars} characters, more than the limit of {limit}", param="input",
+                          code="prompt_too_long")
+        loaded = await self.manager.get(spec)
+        engine = loaded.engine
+        c = loaded.candidate
+        observer = self.metrics.observe(spec.id, f"{c.runtime}/{c.backend}", c.device, received)
+        try:
+            ids = [engine.tokenize(t) if isinstance(t, str) else t for t in raw]
+            vectors = await engine.embed(ids)
+            width = vectors.shape[1]
+            if req.dimensions is not None and req.dimensions != width:
+                raise invalid(f"dimensions must equal this model's embedding width ({width}); "
+                              "shortening embeddings is not supported", param="dimensions")
+        except Exception as exc:
+            err = to_api_error(exc)
+            observer.finish(outcome_of(err), err.status)
+            err.counted = True
+            if err.code == "context_length_exceeded":
+                err.param = "input"
+            raise err from exc
+        tokens = sum(len(x) for x in ids)
+        self.metrics.prompt_tokens.labels(*observer.labels).inc(tokens)
+        observer.finish("embedded")
+        self.metrics.e2e.labels(*observer.labels).observe(time.perf_counter() - received)
+        return EmbeddingList(
+            data=[Embedding(index=i, embedding=encode(v, req.encoding_format)) for i, v in enumerate(vectors)],
+            model=req.model,
+            usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens),
+        )
