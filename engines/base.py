@@ -41,6 +41,7 @@ class SamplingParams:
     structured: str | None = None
     json_schema: str | None = None
     ignore_eos: bool = False
+    tools: bool = False  # the constraint above encodes tool calls (errors then name `tools`)
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import functools
 import logging
 import os
 from collections.abc import AsyncIterator
@@ -280,13 +281,11 @@ class LlamaCppEngine:
         prompt = self.render_prompt(request)
         sp = request.sampling
         max_new = new_token_budget(prompt, self._n_ctx_seq, sp.max_tokens)
-        grammar = self._grammar(sp.structured, sp.json_schema)
+        grammar = self._grammar(sp.structured, sp.json_schema, "tools" if sp.tools else "response_format")
         sampler = build_sampler(self._vocab, self._n_vocab, sp, grammar, self._eog, max_new)
         if sampler is None:
-            raise InvalidGenerationRequest(
-                "llama.cpp could not compile the grammar for response_format",
-                param="response_format",
-            )
+            what = "tools" if sp.tools else "response_format"
+            raise InvalidGenerationRequest(f"llama.cpp could not compile the grammar for {what}", param=what)
         channel = EventChannel()
         job = GenJob(prompt_ids=prompt, sampling=sp, max_new_tokens=max_new, sampler=sampler, emit=channel.emit)
         try:
@@ -303,19 +302,18 @@ class LlamaCppEngine:
             self._sched.cancel(job)
 
     @staticmethod
-    def _grammar(structured: str | None, schema: str | None) -> bytes | None:
+    def _grammar(structured: str | None, schema: str | None, param: str = "response_format") -> bytes | None:
         if structured is None:
             return None
-        from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
+        from llama_cpp.llama_grammar import JSON_GBNF
 
         if structured == "json_object" or not schema:
             return JSON_GBNF.encode()
         try:
-            return json_schema_to_gbnf(schema).encode()
+            return _schema_grammar(schema)
         except Exception as exc:
-            raise InvalidGenerationRequest(
-                f"unsupported JSON schema: {exc}", param="response_format.json_schema"
-            ) from exc
+            where = "tools" if param == "tools" else "response_format.json_schema"
+            raise InvalidGenerationRequest(f"unsupported JSON schema: {exc}", param=where) from exc
 
     async def embed(self, inputs: list[list[int]]) -> npt.NDArray[np.float32]:
         from engines.llamacpp_batch import EmbedJob
@@ -347,6 +345,14 @@ class LlamaCppEngine:
             return await fut
         finally:
             self._sched.cancel(job)
+
+
+@functools.lru_cache(maxsize=256)
+def _schema_grammar(schema: str) -> bytes:
+    """GBNF for a JSON schema, cached: tool definitions repeat on every request of an agent."""
+    from llama_cpp.llama_grammar import json_schema_to_gbnf
+
+    return json_schema_to_gbnf(schema).encode()
 
 
 @register_runtime("llamacpp")

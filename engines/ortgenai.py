@@ -326,6 +326,10 @@ class OrtGenAIEngine:
 
 def _check_supported(sp: SamplingParams) -> None:
     """Reject, rather than ignore, what ORT GenAI's search cannot do."""
+    if sp.tools:
+        raise InvalidGenerationRequest(
+            "tool calling is not supported by the ortgenai runtime: it cannot constrain output to a "
+            "well-formed tool call; serve this model with llama.cpp", param="tools")
     unsupported = {
         "response_format": sp.structured is not None,
         "logit_bias": bool(sp.logit_bias),

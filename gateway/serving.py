@@ -21,6 +21,7 @@ from engines.base import (
     TokenLogprob,
     Usage,
 )
+from gateway import tools
 from gateway.admission import Admission, Ticket
 from gateway.errors import APIError, ServerShutdown, invalid, outcome_of, to_api_error
 from gateway.guards import Drain
@@ -39,8 +40,12 @@ from gateway.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     Delta,
+    FunctionCallOut,
+    FunctionDelta,
     PromptTokensDetails,
     TokenLogprobOut,
+    ToolCallDelta,
+    ToolCallOut,
     TopLogprobOut,
     UsageOut,
 )
@@ -194,6 +199,8 @@ class Prepared:
     observer: RequestObserver
     ticket: Ticket | None = None
     drain: Drain | None = None
+    tool_plan: tools.ToolPlan | None = None  # the output is a constrained tool-call answer
+    usages: list[Usage] = field(default_factory=list)
     created: int = field(default_factory=lambda: int(time.time()))
     on_complete: CompletionHook | None = None
 
@@ -312,10 +319,10 @@ class _Service:
 class ChatService(_Service):
     async def prepare_chat(self, req: ChatCompletionRequest, received: float) -> Prepared:
         spec = self.spec(req.model)
-        if req.tools:
-            raise invalid("tool calling is not supported by this server yet", param="tools")
-        if req.tool_choice not in (None, "none"):
-            raise invalid("tool_choice requires tools, which are not supported yet", param="tool_choice")
+        try:
+            tool_plan = tools.plan(req)
+        except tools.ToolRequestError as exc:
+            raise invalid(str(exc), param=exc.param) from None
         if req.top_logprobs and not req.logprobs:
             raise invalid("top_logprobs requires logprobs to be true", param="top_logprobs")
         self.check_stream_options(req)
@@ -329,16 +336,26 @@ class ChatService(_Service):
         if chars > limits.max_prompt_chars:
             raise invalid(f"the messages hold {chars} characters, more than the limit of {limits.max_prompt_chars}",
                           param="messages", code="prompt_too_long")
-        messages = []
         for i, m in enumerate(req.messages):
-            if m.role == "assistant" and m.content is None:
-                raise invalid("assistant messages need content", param=f"messages[{i}].content")
+            if m.role == "assistant" and m.content is None and not m.tool_calls:
+                raise invalid("assistant messages need content or tool_calls", param=f"messages[{i}].content")
+            if m.role == "tool" and not m.tool_call_id:
+                raise invalid("tool messages need tool_call_id", param=f"messages[{i}].tool_call_id")
+            if m.tool_calls and m.role != "assistant":
+                raise invalid("only assistant messages carry tool_calls", param=f"messages[{i}].tool_calls")
+        if tool_plan is not None or tools.uses_tool_history(req):
+            messages = tools.render(req, tool_plan)
+        else:
             # "developer" is OpenAI's new name for the system role.
-            messages.append(ChatMessage(role="system" if m.role == "developer" else m.role, content=m.text()))
+            messages = [ChatMessage(role="system" if m.role == "developer" else m.role, content=m.text())
+                        for m in req.messages]
         sp = _sampling(req, spec, req.max_completion_tokens or req.max_tokens)
         sp = replace(sp, logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0)
         fmt = req.response_format
-        if fmt is not None and fmt.type != "text":
+        if tool_plan is not None:
+            # The response branch of the schema carries response_format's schema.
+            sp = replace(sp, structured="json_schema", json_schema=json.dumps(tool_plan.schema), tools=True)
+        elif fmt is not None and fmt.type != "text":
             schema = None
             if fmt.type == "json_schema":
                 if fmt.json_schema is None or fmt.json_schema.schema_ is None:
@@ -346,20 +363,24 @@ class ChatService(_Service):
                 schema = json.dumps(fmt.json_schema.schema_)
             sp = replace(sp, structured=fmt.type, json_schema=schema)
         base = GenerationRequest(request_id="", sampling=sp, messages=tuple(messages))
-        return await self.prepare(spec, base, req.n, "chatcmpl", received)
+        p = await self.prepare(spec, base, req.n, "chatcmpl", received)
+        p.tool_plan = tool_plan
+        return p
 
     async def complete(self, p: Prepared, model: str) -> ChatCompletion:
         c = await _collect(p)
         want_lp = p.requests[0].sampling.logprobs
-        choices = [
-            ChatChoice(
+        choices = []
+        for i in range(len(p.requests)):
+            message, finish = AssistantMessage(content=c.texts[i]), c.finish[i]
+            if p.tool_plan is not None:
+                message, finish = _tool_answer(c.texts[i], finish)
+            choices.append(ChatChoice(
                 index=i,
-                message=AssistantMessage(content=c.texts[i]),
+                message=message,
                 logprobs=ChoiceLogprobs(content=_chat_logprobs(tuple(c.tokens[i]))) if want_lp else None,
-                finish_reason=c.finish[i],
-            )
-            for i in range(len(p.requests))
-        ]
+                finish_reason=finish,
+            ))
         return ChatCompletion(id=p.response_id, created=p.created, model=model, choices=choices, usage=_usage(c.usages))
 
     async def stream(self, p: Prepared, model: str, include_usage: bool) -> AsyncIterator[str]:
@@ -381,6 +402,12 @@ class ChatService(_Service):
                 t = templates[i] = TextChunk(lambda s: chunk([ChunkChoice(index=i, delta=Delta(content=s))]))
             return t(text)
 
+        if p.tool_plan is not None:
+            async for frame in self._tool_stream(p, chunk):
+                yield frame
+            if include_usage:
+                yield chunk([], _usage(p.usages))
+            return
         async with contextlib.aclosing(p.events()) as events:
             async for i, ev in events:
                 lp = ChoiceLogprobs(content=_chat_logprobs(ev.logprobs)) if want_lp and ev.logprobs else None
@@ -398,6 +425,56 @@ class ChatService(_Service):
                     yield chunk([ChunkChoice(index=i, delta=Delta(), finish_reason=ev.finish_reason)])
         if include_usage:
             yield chunk([], _usage(usages))
+
+
+    async def _tool_stream(self, p: Prepared, chunk: Callable[..., str]) -> AsyncIterator[str]:
+        """Chunks of a tool-call answer: each call's id, type and name once, then its arguments in
+        fragments (their concatenation is exactly the final arguments text); plain answers as content."""
+        parsers: dict[int, tools.StreamParser] = {}
+        async with contextlib.aclosing(p.events()) as events:
+            async for i, ev in events:
+                parser = parsers.get(i)
+                first = parser is None
+                if parser is None:
+                    parser = parsers[i] = tools.StreamParser()
+                calls: list[ToolCallDelta] = []
+                content = ""
+                for e in parser.feed(ev.text):
+                    if isinstance(e, tools.CallStarted):
+                        calls.append(ToolCallDelta(index=e.index, id=_call_id(), type="function",
+                                                   function=FunctionDelta(name=e.name, arguments="")))
+                    elif isinstance(e, tools.ArgumentsDelta):
+                        calls.append(ToolCallDelta(index=e.index, function=FunctionDelta(arguments=e.text)))
+                    else:
+                        content += e.text
+                if first:
+                    yield chunk([ChunkChoice(index=i, delta=Delta(role="assistant", content=content or None,
+                                                                  tool_calls=calls or None))])
+                elif calls or content:
+                    yield chunk([ChunkChoice(index=i, delta=Delta(content=content or None, tool_calls=calls or None))])
+                if ev.finish_reason is not None:
+                    if ev.usage is not None:
+                        p.usages.append(ev.usage)
+                    finish = "tool_calls" if parser.done and parser.calls else ev.finish_reason
+                    yield chunk([ChunkChoice(index=i, delta=Delta(), finish_reason=finish)])
+
+
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _tool_answer(text: str, finish: str | None) -> tuple[AssistantMessage, str | None]:
+    """A whole constrained answer as an OpenAI message: tool calls, the response, or (cut short
+    by max_tokens) the raw text with its finish reason."""
+    parser = tools.StreamParser()
+    parser.feed(text)
+    if not parser.done:
+        return AssistantMessage(content=text), finish
+    if parser.calls:
+        calls = [ToolCallOut(id=_call_id(), function=FunctionCallOut(name=n, arguments=a or "{}"))
+                 for n, a in parser.calls]
+        return AssistantMessage(content=None, tool_calls=calls), "tool_calls"
+    return AssistantMessage(content=parser.content), finish
 
 
 class CompletionService(_Service):

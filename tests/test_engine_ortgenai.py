@@ -251,6 +251,11 @@ def test_gateway_serves_chat_through_ortgenai(onnx_fp32: Path, tmp_path: Path, d
         # A penalty this runtime lacks is a clear 400 naming it, never a 500 or a silent no-op.
         with pytest.raises(openai.BadRequestError, match="frequency_penalty"):
             client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, frequency_penalty=0.5)
+        # Without a grammar a tool call could not be guaranteed: a 400 naming tools, not a guess.
+        tool: Any = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+        with pytest.raises(openai.BadRequestError, match="tool calling is not supported") as bad:
+            client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, tools=[tool])
+        assert bad.value.body["param"] == "tools"  # type: ignore[index]
         pen = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0,
                                              extra_body={"repeat_penalty": 1.3})
         assert pen.choices[0].message.content
