@@ -187,3 +187,31 @@ def test_an_unexpected_exception_mid_stream_ends_with_an_error_frame(registry_fi
         assert 'outcome="error",status="500"} 1.0' in httpx.get(f"{server.url}/metrics").text
     finally:
         server.stop()
+
+
+def test_an_embedding_only_model_serves_embeddings_and_refuses_chat(tmp_path: Path) -> None:
+    (tmp_path / "e.gguf").write_bytes(b"GGUF")
+    cfg = tmp_path / "models.yaml"
+    cfg.write_text("models:\n  - id: e\n    embedding_only: true\n    embedding: {pooling: cls, normalize: false}\n"
+                   "    formats: {gguf: {path: e.gguf}}\n")
+    made: list[FakeEngine] = []
+
+    def factory(runtime: str, config: EngineConfig) -> FakeEngine:
+        made.append(FakeEngine(config))
+        return made[-1]
+
+    settings = Settings.from_env(env={}, config=str(cfg), functional_check=False)
+    app = create_app(settings, load_registry(cfg, cache_dir=tmp_path / "cache"), engine_factory=factory,  # type: ignore[arg-type]
+                     host=hosts.CPU_ONLY)
+    server = ServerThread(app).start()
+    try:
+        card = httpx.get(f"{server.url}/v1/models/e").json()
+        assert card["endpoints"] == ["embeddings"]
+        r = _chat(server.url, "e")
+        assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_supported"
+        e = httpx.post(f"{server.url}/v1/embeddings", json={"model": "e", "input": ["a b", "c"]}, timeout=10)
+        assert e.status_code == 200 and len(e.json()["data"]) == 2
+        # models.yaml's pooling options reach the engine.
+        assert (made[0].config.pooling, made[0].config.normalize_embeddings) == ("cls", False)
+    finally:
+        server.stop()
