@@ -15,9 +15,20 @@ import numpy.typing as npt
 
 
 @dataclass(frozen=True)
+class ToolCallRecord:
+    """A tool call made in an earlier assistant turn (arguments as JSON text)."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
 class ChatMessage:
     role: str
     content: str
+    tool_calls: tuple[ToolCallRecord, ...] = ()  # assistant turns that called tools
+    tool_call_id: str | None = None  # tool turns: the call this result answers
 
 
 @dataclass(frozen=True)
@@ -42,6 +53,12 @@ class SamplingParams:
     json_schema: str | None = None
     ignore_eos: bool = False
     tools: bool = False  # the constraint above encodes tool calls (errors then name `tools`)
+    # A template's native tool-call format: "hermes" = <tool_call>{call JSON}</tool_call>. Then
+    # `json_schema` is one call's schema, at most `max_tool_calls` are allowed, and with
+    # tool_mode "auto" the grammar starts only where the model writes <tool_call> (lazy).
+    tool_format: str | None = None
+    tool_mode: str = "auto"
+    max_tool_calls: int = 1
 
 
 @dataclass(frozen=True)
@@ -53,6 +70,7 @@ class GenerationRequest:
     prompt: str | None = None
     messages: tuple[ChatMessage, ...] | None = None
     add_generation_prompt: bool = True
+    tools_json: str | None = None  # tool definitions (OpenAI's JSON) for templates that render them
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,10 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import functools
+import json
 import logging
 import os
+import re
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
@@ -19,6 +21,7 @@ import numpy as np
 import numpy.typing as npt
 
 from engines.base import (
+    ChatMessage,
     ContextLengthExceeded,
     EngineConfig,
     EngineHealth,
@@ -155,6 +158,7 @@ class LlamaCppEngine:
         self._ctx = ctx
         self._eog = [t for t in range(self._n_vocab) if lc.llama_vocab_is_eog(self._vocab, t)]
         self._template = self._load_template(lc)
+        tool_format = "hermes" if self._template is not None and HERMES_OPEN in self._template.template else ""
         self._sched = BatchScheduler(
             ctx=ctx,
             n_vocab=self._n_vocab,
@@ -170,7 +174,8 @@ class LlamaCppEngine:
         self._sched.embedder = self._embedder
         self.info = replace(
             self.info, context_length=self._n_ctx_seq,
-            extra={"precision": self._precision(lc), "embedding_width": str(self._embedder.width)},
+            extra={"precision": self._precision(lc), "embedding_width": str(self._embedder.width),
+                   "tool_format": tool_format},
         )
         log.info(
             "llama.cpp loaded %s: backend=%s device=%s ctx/seq=%d parallel=%d vocab=%d",
@@ -260,9 +265,8 @@ class LlamaCppEngine:
                 "this model has no chat template; use /v1/completions", param="messages"
             )
         try:
-            text = self._template(
-                messages=[{"role": m.role, "content": m.content} for m in request.messages]
-            ).prompt
+            tools = json.loads(request.tools_json) if request.tools_json else None
+            text = self._template(messages=[_template_message(m) for m in request.messages], tools=tools).prompt
         except Exception as exc:  # template raise_exception() or Jinja errors
             raise InvalidGenerationRequest(
                 f"the model's chat template rejected the messages: {exc}", param="messages"
@@ -282,7 +286,12 @@ class LlamaCppEngine:
         sp = request.sampling
         max_new = new_token_budget(prompt, self._n_ctx_seq, sp.max_tokens)
         grammar = self._grammar(sp.structured, sp.json_schema, "tools" if sp.tools else "response_format")
-        sampler = build_sampler(self._vocab, self._n_vocab, sp, grammar, self._eog, max_new)
+        lazy: list[bytes] = []
+        if grammar is not None and sp.tool_format == "hermes":
+            grammar = _hermes_grammar(grammar, sp.max_tool_calls)
+            if sp.tool_mode == "auto":
+                lazy = [HERMES_OPEN.encode()]  # free text until the model opens a call
+        sampler = build_sampler(self._vocab, self._n_vocab, sp, grammar, self._eog, max_new, lazy)
         if sampler is None:
             what = "tools" if sp.tools else "response_format"
             raise InvalidGenerationRequest(f"llama.cpp could not compile the grammar for {what}", param=what)
@@ -347,12 +356,44 @@ class LlamaCppEngine:
             self._sched.cancel(job)
 
 
+HERMES_OPEN = "<tool_call>"
+
+
+def _template_message(m: ChatMessage) -> dict[str, Any]:
+    """A message as Hugging Face chat templates expect it (tool calls with parsed arguments)."""
+    out: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        out["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": _json_or_text(c.arguments)}}
+            for c in m.tool_calls
+        ]
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    return out
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text) if text else {}
+    except ValueError:
+        return text
+
+
+@functools.lru_cache(maxsize=256)
+def _hermes_grammar(call: bytes, max_calls: int) -> bytes:
+    """One to `max_calls` calls, each `<tool_call>\\n{call JSON}\\n</tool_call>` (Hermes / Qwen2.5)."""
+    body = re.sub(rb"^root ::=", b"call ::=", call, count=1, flags=re.MULTILINE)
+    more = f'("\\n" tc){{0,{max_calls - 1}}}' if max_calls > 1 else ""
+    head = f'root ::= tc {more}\ntc ::= "<tool_call>\\n" call "\\n</tool_call>"\n'
+    return head.encode() + body
+
+
 @functools.lru_cache(maxsize=256)
 def _schema_grammar(schema: str) -> bytes:
     """GBNF for a JSON schema, cached: tool definitions repeat on every request of an agent."""
     from llama_cpp.llama_grammar import json_schema_to_gbnf
 
-    return json_schema_to_gbnf(schema).encode()
+    return str(json_schema_to_gbnf(schema)).encode()
 
 
 @register_runtime("llamacpp")

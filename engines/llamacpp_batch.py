@@ -11,6 +11,7 @@ prefills the part that differs.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 import time
@@ -419,6 +420,7 @@ def build_sampler(
     grammar: bytes | None,
     eog_ids: list[int],
     penalty_window: int,
+    lazy_patterns: list[bytes] | None = None,
 ) -> Any:
     """A llama.cpp sampler chain for one request.  Returns None if the grammar does not parse."""
     chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
@@ -434,7 +436,12 @@ def build_sampler(
             chain, lc.llama_sampler_init_logit_bias(n_vocab, len(bias), arr)
         )
     if grammar is not None:
-        g = lc.llama_sampler_init_grammar(vocab, grammar, b"root")
+        if lazy_patterns:
+            # The grammar applies from the first match of a pattern on; the text before is free.
+            pats = (ctypes.c_char_p * len(lazy_patterns))(*lazy_patterns)
+            g = lc.llama_sampler_init_grammar_lazy_patterns(vocab, grammar, b"root", pats, len(lazy_patterns), None, 0)
+        else:
+            g = lc.llama_sampler_init_grammar(vocab, grammar, b"root")
         if not g:
             lc.llama_sampler_free(chain)
             return None

@@ -319,8 +319,12 @@ class _Service:
 class ChatService(_Service):
     async def prepare_chat(self, req: ChatCompletionRequest, received: float) -> Prepared:
         spec = self.spec(req.model)
+        native = ""
+        if req.tools and req.tool_choice != "none":
+            # The serving template decides the tool format: its own (rendered by the template) or ours.
+            native = (await self.manager.get(spec)).engine.info.extra.get("tool_format", "")
         try:
-            tool_plan = tools.plan(req)
+            tool_plan = tools.plan(req, native)
         except tools.ToolRequestError as exc:
             raise invalid(str(exc), param=exc.param) from None
         if req.top_logprobs and not req.logprobs:
@@ -343,7 +347,13 @@ class ChatService(_Service):
                 raise invalid("tool messages need tool_call_id", param=f"messages[{i}].tool_call_id")
             if m.tool_calls and m.role != "assistant":
                 raise invalid("only assistant messages carry tool_calls", param=f"messages[{i}].tool_calls")
-        if tool_plan is not None or tools.uses_tool_history(req):
+        tools_json = None
+        if tool_plan is not None and tool_plan.native:
+            messages = tools.render_native(req)
+            tools_json = tools.tools_json(req)
+        elif native and tools.uses_tool_history(req):
+            messages = tools.render_native(req)
+        elif tool_plan is not None or tools.uses_tool_history(req):
             messages = tools.render(req, tool_plan)
         else:
             # "developer" is OpenAI's new name for the system role.
@@ -354,7 +364,9 @@ class ChatService(_Service):
         fmt = req.response_format
         if tool_plan is not None:
             # The response branch of the schema carries response_format's schema.
-            sp = replace(sp, structured="json_schema", json_schema=json.dumps(tool_plan.schema), tools=True)
+            sp = replace(sp, structured="json_schema", json_schema=json.dumps(tool_plan.schema), tools=True,
+                         tool_format=tool_plan.native or None, tool_mode=tool_plan.choice.mode,
+                         max_tool_calls=tool_plan.max_calls)
         elif fmt is not None and fmt.type != "text":
             schema = None
             if fmt.type == "json_schema":
@@ -362,7 +374,7 @@ class ChatService(_Service):
                     raise invalid("response_format json_schema needs json_schema.schema", param="response_format.json_schema")
                 schema = json.dumps(fmt.json_schema.schema_)
             sp = replace(sp, structured=fmt.type, json_schema=schema)
-        base = GenerationRequest(request_id="", sampling=sp, messages=tuple(messages))
+        base = GenerationRequest(request_id="", sampling=sp, messages=tuple(messages), tools_json=tools_json)
         p = await self.prepare(spec, base, req.n, "chatcmpl", received)
         p.tool_plan = tool_plan
         return p
@@ -374,7 +386,7 @@ class ChatService(_Service):
         for i in range(len(p.requests)):
             message, finish = AssistantMessage(content=c.texts[i]), c.finish[i]
             if p.tool_plan is not None:
-                message, finish = _tool_answer(c.texts[i], finish)
+                message, finish = _tool_answer(p.tool_plan.parser(), c.texts[i], finish)
             choices.append(ChatChoice(
                 index=i,
                 message=message,
@@ -430,13 +442,14 @@ class ChatService(_Service):
     async def _tool_stream(self, p: Prepared, chunk: Callable[..., str]) -> AsyncIterator[str]:
         """Chunks of a tool-call answer: each call's id, type and name once, then its arguments in
         fragments (their concatenation is exactly the final arguments text); plain answers as content."""
-        parsers: dict[int, tools.StreamParser] = {}
+        assert p.tool_plan is not None
+        parsers: dict[int, tools.StreamParser | tools.HermesParser] = {}
         async with contextlib.aclosing(p.events()) as events:
             async for i, ev in events:
                 parser = parsers.get(i)
                 first = parser is None
                 if parser is None:
-                    parser = parsers[i] = tools.StreamParser()
+                    parser = parsers[i] = p.tool_plan.parser()
                 calls: list[ToolCallDelta] = []
                 content = ""
                 for e in parser.feed(ev.text):
@@ -455,6 +468,9 @@ class ChatService(_Service):
                 if ev.finish_reason is not None:
                     if ev.usage is not None:
                         p.usages.append(ev.usage)
+                    for e in parser.flush():  # a partial tag held back is text after all
+                        if isinstance(e, tools.ContentDelta):
+                            yield chunk([ChunkChoice(index=i, delta=Delta(content=e.text))])
                     finish = "tool_calls" if parser.done and parser.calls else ev.finish_reason
                     yield chunk([ChunkChoice(index=i, delta=Delta(), finish_reason=finish)])
 
@@ -463,17 +479,19 @@ def _call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def _tool_answer(text: str, finish: str | None) -> tuple[AssistantMessage, str | None]:
+def _tool_answer(parser: tools.StreamParser | tools.HermesParser, text: str,
+                 finish: str | None) -> tuple[AssistantMessage, str | None]:
     """A whole constrained answer as an OpenAI message: tool calls, the response, or (cut short
     by max_tokens) the raw text with its finish reason."""
-    parser = tools.StreamParser()
     parser.feed(text)
+    parser.flush()
     if not parser.done:
         return AssistantMessage(content=text), finish
     if parser.calls:
         calls = [ToolCallOut(id=_call_id(), function=FunctionCallOut(name=n, arguments=a or "{}"))
                  for n, a in parser.calls]
-        return AssistantMessage(content=None, tool_calls=calls), "tool_calls"
+        said = parser.content.strip() if isinstance(parser, tools.HermesParser) else ""
+        return AssistantMessage(content=said or None, tool_calls=calls), "tool_calls"
     return AssistantMessage(content=parser.content), finish
 
 

@@ -17,7 +17,7 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from engines.base import ChatMessage
+from engines.base import ChatMessage, ToolCallRecord
 
 if TYPE_CHECKING:
     from gateway.protocol import ChatCompletionRequest
@@ -48,16 +48,27 @@ class ToolRequestError(ValueError):
 
 @dataclass(frozen=True)
 class ToolPlan:
-    """How one request uses tools: constrained to `schema`, parsed back with StreamParser."""
+    """How one request uses tools: constrained to `schema`, parsed back with `parser()`.
+
+    `native` names a chat template's own tool format ("hermes": the template renders the tools
+    and the model writes <tool_call>{call}</tool_call>); "" is the rewrite for other templates.
+    """
 
     tools: list[Tool]
     choice: ToolChoice
     parallel: bool
     schema: dict[str, Any]
+    native: str = ""
+    max_calls: int = 1
+
+    def parser(self) -> StreamParser | HermesParser:
+        return HermesParser() if self.native == "hermes" else StreamParser()
 
 
-def plan(req: ChatCompletionRequest) -> ToolPlan | None:
-    """The tool plan of a request (None: answer in plain text). Raises ToolRequestError."""
+def plan(req: ChatCompletionRequest, native: str = "") -> ToolPlan | None:
+    """The tool plan of a request (None: answer in plain text). Raises ToolRequestError.
+
+    `native` is the serving template's tool format, if it has one."""
     if req.tools is not None and not req.tools:
         raise ToolRequestError("tools must not be empty; leave it out for no tools", "tools")
     choice = req.tool_choice
@@ -78,13 +89,16 @@ def plan(req: ChatCompletionRequest) -> ToolPlan | None:
                                    "tool_choice.function.name")
         tc = ToolChoice("named", choice.function.name)
     parallel = req.parallel_tool_calls is not False
-    response: dict[str, Any] | None = None
+    most = max(MAX_PARALLEL_CALLS, len(tools)) if parallel else 1
     fmt = req.response_format
+    if native == "hermes" and (fmt is None or fmt.type == "text"):
+        return ToolPlan(tools, tc, parallel, call_schema(tools, tc), native, most)
+    response: dict[str, Any] | None = None
     if fmt is not None and fmt.type == "json_object":
         response = {"type": "object"}
     elif fmt is not None and fmt.type == "json_schema" and fmt.json_schema is not None:
         response = fmt.json_schema.schema_
-    return ToolPlan(tools, tc, parallel, output_schema(tools, tc, parallel, response))
+    return ToolPlan(tools, tc, parallel, output_schema(tools, tc, parallel, response), max_calls=most)
 
 
 def render(req: ChatCompletionRequest, tool_plan: ToolPlan | None) -> list[ChatMessage]:
@@ -111,6 +125,23 @@ def render(req: ChatCompletionRequest, tool_plan: ToolPlan | None) -> list[ChatM
         else:
             turns.insert(0, ("system", extra))
     return [ChatMessage(role=r, content=t) for r, t in merge_turns(turns)]
+
+
+def render_native(req: ChatCompletionRequest) -> list[ChatMessage]:
+    """The conversation for a template that renders tools, calls and results itself."""
+    return [
+        ChatMessage(
+            role="system" if m.role == "developer" else m.role,
+            content=m.text(),
+            tool_calls=tuple(ToolCallRecord(c.id, c.function.name, c.function.arguments) for c in m.tool_calls or ()),
+            tool_call_id=m.tool_call_id,
+        )
+        for m in req.messages
+    ]
+
+
+def tools_json(req: ChatCompletionRequest) -> str:
+    return json.dumps([t.model_dump(exclude_none=True) for t in req.tools or ()], ensure_ascii=False)
 
 
 def uses_tool_history(req: ChatCompletionRequest) -> bool:
@@ -170,16 +201,22 @@ def merge_turns(messages: list[tuple[str, str]]) -> list[tuple[str, str]]:
 # --- the constraint ---------------------------------------------------------------------------
 
 
-def output_schema(tools: list[Tool], choice: ToolChoice, parallel: bool,
-                  response: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The JSON schema every answer must match (compiled to a grammar by the engine)."""
+def call_schema(tools: list[Tool], choice: ToolChoice) -> dict[str, Any]:
+    """One call: {"name": <one of the tools>, "arguments": <that tool's parameters>}."""
     chosen = [t for t in tools if choice.mode != "named" or t.name == choice.name]
     calls = [
         {"type": "object", "properties": {"name": {"const": t.name}, "arguments": t.parameters or EMPTY_PARAMETERS},
          "required": ["name", "arguments"], "additionalProperties": False}
         for t in chosen
     ]
-    call: dict[str, Any] = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    return calls[0] if len(calls) == 1 else {"anyOf": calls}
+
+
+def output_schema(tools: list[Tool], choice: ToolChoice, parallel: bool,
+                  response: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The JSON schema every answer must match (compiled to a grammar by the engine)."""
+    chosen = [t for t in tools if choice.mode != "named" or t.name == choice.name]
+    call = call_schema(tools, choice)
     if parallel:
         # A bound on calls per answer: small models otherwise repeat the call until max_tokens.
         most = max(MAX_PARALLEL_CALLS, len(chosen))
@@ -265,6 +302,9 @@ class StreamParser:
         for ch in text:
             self._char(ch, out)
         return _coalesce(out)
+
+    def flush(self) -> list[Event]:
+        return []  # nothing is held back
 
     def _value_role(self) -> str:
         if not self._stack:
@@ -425,3 +465,76 @@ def _coalesce(events: list[Event]) -> list[Event]:
         else:
             out.append(ev)
     return out
+
+
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest end of `text` that could be the start of `tag`."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class HermesParser:
+    """The Hermes / Qwen2.5 format: free text, then `<tool_call>{"name", "arguments"}</tool_call>`
+    blocks. The calls' JSON goes through StreamParser as if it were {"tool_calls": [...]}, so both
+    formats yield the same events."""
+
+    def __init__(self) -> None:
+        self.inner = StreamParser()
+        self.content = ""
+        self._buf = ""
+        self._in_call = False
+        self._opened = 0
+
+    @property
+    def calls(self) -> list[tuple[str, str]]:
+        return self.inner.calls
+
+    @property
+    def done(self) -> bool:
+        """Every call opened was closed (an answer without calls is plain text, always whole)."""
+        return not self._in_call
+
+    def _text(self, text: str, out: list[Event]) -> None:
+        if self._opened and not text.strip():
+            return  # whitespace between calls is not content
+        self.content += text
+        if text:
+            out.append(ContentDelta(text))
+
+    def feed(self, text: str) -> list[Event]:
+        out: list[Event] = []
+        buf = self._buf + text
+        while True:
+            tag = HERMES_CLOSE if self._in_call else HERMES_OPEN
+            i = buf.find(tag)
+            if i < 0:
+                keep = _partial_suffix(buf, tag)
+                head, buf = buf[: len(buf) - keep], buf[len(buf) - keep :]
+                if self._in_call:
+                    out += self.inner.feed(head)
+                else:
+                    self._text(head, out)
+                break
+            if self._in_call:
+                out += self.inner.feed(buf[:i])
+            else:
+                self._text(buf[:i], out)
+                out += self.inner.feed('{"tool_calls": [' if not self._opened else ", ")
+                self._opened += 1
+            self._in_call = not self._in_call
+            buf = buf[i + len(tag) :]
+        self._buf = buf
+        return _coalesce(out)
+
+    def flush(self) -> list[Event]:
+        """At the end of the answer: text held back as a possible tag start is text after all."""
+        out: list[Event] = []
+        if self._buf and not self._in_call:
+            self._text(self._buf, out)
+        self._buf = ""
+        return out
