@@ -53,7 +53,8 @@ class Embedder:
 
     def _open(self) -> None:
         p = lc.llama_context_default_params()
-        p.n_ctx = self._n_ctx * MAX_SEQS
+        # One decode holds at most n_ctx tokens in all (see embed()), so that is all the KV needed.
+        p.n_ctx = self._n_ctx
         p.n_batch = p.n_ubatch = self._n_ctx  # pooling needs a whole sequence in one micro-batch
         p.n_seq_max = MAX_SEQS
         p.kv_unified = True  # one stream, sequences kept apart by the attention mask
