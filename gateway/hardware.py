@@ -65,6 +65,7 @@ class VulkanDriver:
     library: str = ""
     ok: bool = False
     error: str = ""
+    remedy: str = ""  # what fixes it, when the probe could tell
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,8 @@ class VulkanInfo:
         broken = [d for d in self.drivers if d.error]
         missing_loader = self.loader is None
         if broken:
-            why = "; ".join(f"{d.library or d.manifest}: {d.error}" for d in broken)
+            why = "; ".join(f"{d.library or d.manifest}: {d.error}" + (f" (fix: {d.remedy})" if d.remedy else "")
+                            for d in broken)
             msg = f"Vulkan driver present but failed to initialise: {why}"
             if missing_loader:
                 msg += " (and the Vulkan loader libvulkan.so.1 is not installed)"
@@ -219,7 +221,8 @@ def probe_vulkan() -> VulkanInfo:
         loader_api_version=r.get("loader_api_version", ""),
         devices=tuple(_vulkan_device(d) for d in r.get("devices", [])),
         drivers=tuple(
-            VulkanDriver(d.get("manifest", ""), d.get("library", ""), bool(d.get("ok")), d.get("error", ""))
+            VulkanDriver(d.get("manifest", ""), d.get("library", ""), bool(d.get("ok")), d.get("error", ""),
+                         d.get("remedy", ""))
             for d in r.get("drivers", [])
         ),
         error=r.get("error"),

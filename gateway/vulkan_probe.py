@@ -17,6 +17,7 @@ import glob
 import json
 import os
 import platform
+import re
 import sys
 from typing import Any
 
@@ -205,35 +206,117 @@ def icd_manifests() -> list[str]:
     return found
 
 
+# Shared libraries Vulkan drivers need, and the Debian/Ubuntu package that provides each.
+SONAME_PACKAGES = {
+    "libGLdispatch.so.0": "libglvnd0", "libGLX.so.0": "libglx0", "libEGL.so.1": "libegl1",
+    "libGL.so.1": "libgl1", "libOpenGL.so.0": "libopengl0", "libGLESv2.so.2": "libgles2",
+    "libvulkan.so.1": "libvulkan1", "libX11.so.6": "libx11-6", "libX11-xcb.so.1": "libx11-xcb1",
+    "libxcb.so.1": "libxcb1", "libwayland-client.so.0": "libwayland-client0", "libdrm.so.2": "libdrm2",
+    "libz.so.1": "zlib1g", "libexpat.so.1": "libexpat1", "libstdc++.so.6": "libstdc++6",
+}
+# Libraries a driver opens at run time rather than at link time: loading the driver works without
+# them, and it fails later. NVIDIA's Vulkan ICD lives in its GLX library and needs libglvnd's
+# dispatcher; without it the loader reports only "Could not get 'vkCreateInstance'".
+RUNTIME_DEPS = {"libGLX_nvidia.so": ("libGLdispatch.so.0",)}
+# Device nodes a vendor's driver opens; absent in a container started without the GPU.
+DEVICE_NODES = {"libGLX_nvidia.so": ("nvidiactl", "nvidia0"), "libnvidia": ("nvidiactl", "nvidia0")}
+# llama.cpp's Vulkan backend needs Vulkan 1.2.
+MIN_API = (1, 2)
+
+
+def soname_remedy(soname: str) -> str:
+    pkg = SONAME_PACKAGES.get(soname)
+    if pkg:
+        return f"install {pkg} (Debian/Ubuntu), which provides {soname}"
+    return f"install the package that provides {soname}"
+
+
+def _loadable(soname: str) -> bool:
+    try:
+        ctypes.CDLL(soname)
+    except OSError:
+        return False
+    return True
+
+
+def runtime_problems(library: str, loadable: Any = _loadable, dev_root: str = "/dev") -> list[tuple[str, str]]:
+    """(what is wrong, remedy) for a driver that loads but does not initialise."""
+    base = os.path.basename(library)
+    out: list[tuple[str, str]] = []
+    for prefix, deps in RUNTIME_DEPS.items():
+        if base.startswith(prefix):
+            for dep in deps:
+                if not loadable(dep):
+                    out.append((f"it needs {dep}, which cannot be loaded", soname_remedy(dep)))
+    for prefix, nodes in DEVICE_NODES.items():
+        if base.startswith(prefix):
+            gone = [n for n in nodes if not os.path.exists(os.path.join(dev_root, n))]
+            if gone:
+                out.append((f"{', '.join(os.path.join(dev_root, n) for n in gone)} missing",
+                            "give this container or VM the GPU's device nodes (docker --gpus all, or --device)"))
+    return out
+
+
+def _api_tuple(text: str) -> tuple[int, int] | None:
+    m = re.match(r"^(\d+)\.(\d+)", text or "")
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
 def diagnose_icd(manifest: str) -> dict[str, Any]:
-    """Load one driver the way the loader would and report whether it initialises."""
+    """Load one driver the way the loader would and report whether it initialises, and if not,
+    why and what fixes it (`remedy`)."""
     out: dict[str, Any] = {"manifest": manifest}
     try:
         with open(manifest) as f:
-            library = json.load(f)["ICD"]["library_path"]
+            icd = json.load(f)["ICD"]
+        library = icd["library_path"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         out["error"] = f"unreadable manifest: {exc}"
+        out["remedy"] = f"reinstall the driver package that owns {manifest}, or remove that file"
         return out
     if not os.path.isabs(library) and os.sep in library:
         library = os.path.join(os.path.dirname(manifest), library)
     out["library"] = library
+    api = _api_tuple(str(icd.get("api_version", "")))
+    if api is not None and api < MIN_API:
+        out["error"] = f"the driver supports Vulkan {api[0]}.{api[1]}; llama.cpp needs {MIN_API[0]}.{MIN_API[1]} or newer"
+        out["remedy"] = "update the GPU driver (or Mesa)"
+        return out
+    if os.sep in library and not os.path.exists(library):
+        out["error"] = f"the manifest names {library}, which does not exist"
+        out["remedy"] = f"reinstall the driver package that owns {manifest}, or remove that stale file"
+        return out
     try:
         lib = ctypes.CDLL(library)
     except OSError as exc:
         out["error"] = f"driver library cannot be loaded: {exc}"
+        missing = re.search(r"([\w.+-]+\.so[\w.]*): cannot open shared object file", str(exc))
+        if missing and os.path.basename(library) != missing.group(1):
+            out["remedy"] = soname_remedy(missing.group(1))
         return out
     negotiate = getattr(lib, "vk_icdNegotiateLoaderICDInterfaceVersion", None)
-    if negotiate is None:
-        out["ok"] = True  # very old ICD interface; the loader copes, so do we
+    if negotiate is not None:
+        version = u32(7)
+        negotiate.restype = i32
+        code = negotiate(ctypes.byref(version))
+        if code != VK_SUCCESS:
+            out["error"] = f"vk_icdNegotiateLoaderICDInterfaceVersion returned {result_name(code)}"
+        else:
+            out["interface_version"] = version.value
+    if "error" not in out:
+        gipa = getattr(lib, "vk_icdGetInstanceProcAddr", None)
+        if gipa is not None:
+            gipa.restype = ctypes.c_void_p
+            gipa.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+            if not gipa(None, b"vkCreateInstance"):
+                out["error"] = "the driver returns no vkCreateInstance (vk_icdGetInstanceProcAddr)"
+    if "error" in out:
+        problems = runtime_problems(library)
+        if problems:
+            out["error"] += "; " + "; ".join(w for w, _ in problems)
+            out["remedy"] = "; ".join(r for _, r in problems)
         return out
-    version = u32(7)
-    negotiate.restype = i32
-    code = negotiate(ctypes.byref(version))
-    if code != VK_SUCCESS:
-        out["error"] = f"vk_icdNegotiateLoaderICDInterfaceVersion returned {result_name(code)}"
-    else:
-        out["ok"] = True
-        out["interface_version"] = version.value
+    out["ok"] = True  # (a driver without the negotiate entry point is a very old one the loader copes with)
     return out
 
 

@@ -71,7 +71,71 @@ def test_missing_driver_library_is_a_reported_absence(tmp_path: Path, monkeypatc
     monkeypatch.setenv("VK_DRIVER_FILES", str(manifest))
     vk = probe_vulkan()
     assert vk.devices == ()
-    assert "driver library cannot be loaded" in vk.reason
+    assert "which does not exist" in vk.reason and "fix: reinstall the driver package" in vk.reason
+
+
+def _cc() -> str:
+    cc = shutil.which("cc") or shutil.which("gcc")
+    assert cc, "a C compiler is needed to build the stand-in drivers"
+    return cc
+
+
+def _manifest(path: Path, library: str, api: str = "1.3.0") -> Path:
+    path.write_text(json.dumps({"file_format_version": "1.0.0", "ICD": {"library_path": library, "api_version": api}}))
+    return path
+
+
+def test_a_driver_with_an_unresolved_dependency_names_the_missing_library(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The stand-in driver links against a library that is then removed, as when a package is missing.
+    (tmp_path / "dep.c").write_text("int standin_dep(void) { return 1; }\n")
+    subprocess.run([_cc(), "-shared", "-fPIC", "-Wl,-soname,libstandin_dep.so.1", "-o",
+                    str(tmp_path / "libstandin_dep.so.1"), str(tmp_path / "dep.c")], check=True)
+    (tmp_path / "icd.c").write_text("int standin_dep(void);\nint icd_uses_dep(void) { return standin_dep(); }\n"
+                                    + BROKEN_ICD)
+    subprocess.run([_cc(), "-shared", "-fPIC", "-o", str(tmp_path / "libneeds_dep_icd.so"), str(tmp_path / "icd.c"),
+                    str(tmp_path / "libstandin_dep.so.1")], check=True)
+    (tmp_path / "libstandin_dep.so.1").unlink()
+    monkeypatch.setenv("VK_DRIVER_FILES", str(_manifest(tmp_path / "m.json", str(tmp_path / "libneeds_dep_icd.so"))))
+    reason = probe_vulkan().reason
+    assert "libstandin_dep.so.1: cannot open shared object file" in reason
+    assert "fix: install the package that provides libstandin_dep.so.1" in reason
+
+
+def test_a_driver_older_than_vulkan_1_2_is_named(broken_icd: Path, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    library = json.loads(broken_icd.read_text())["ICD"]["library_path"]
+    monkeypatch.setenv("VK_DRIVER_FILES", str(_manifest(tmp_path / "old.json", library, api="1.1.130")))
+    reason = probe_vulkan().reason
+    assert "supports Vulkan 1.1; llama.cpp needs 1.2 or newer" in reason and "fix: update the GPU driver" in reason
+
+
+def test_nvidia_driver_without_libglvnd_or_device_nodes_gets_the_remedy(tmp_path: Path) -> None:
+    from gateway.vulkan_probe import runtime_problems, soname_remedy
+
+    (tmp_path / "nvidiactl").touch()
+    problems = runtime_problems("/usr/lib/x86_64-linux-gnu/libGLX_nvidia.so.0",
+                                loadable=lambda so: so != "libGLdispatch.so.0", dev_root=str(tmp_path))
+    assert problems == [
+        ("it needs libGLdispatch.so.0, which cannot be loaded", "install libglvnd0 (Debian/Ubuntu), which provides libGLdispatch.so.0"),
+        (f"{tmp_path}/nvidia0 missing", "give this container or VM the GPU's device nodes (docker --gpus all, or --device)"),
+    ]
+    (tmp_path / "nvidia0").touch()
+    assert runtime_problems("libGLX_nvidia.so.0", loadable=lambda so: True, dev_root=str(tmp_path)) == []
+    assert runtime_problems("libvulkan_lvp.so", loadable=lambda so: False, dev_root=str(tmp_path)) == []
+    assert soname_remedy("libEGL.so.1") == "install libegl1 (Debian/Ubuntu), which provides libEGL.so.1"
+
+
+def test_a_driver_returning_no_vkcreateinstance_is_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Negotiates fine, then has nothing to offer: what the H100's ICD did without libglvnd.
+    (tmp_path / "icd.c").write_text(
+        "#include <stdint.h>\nint32_t vk_icdNegotiateLoaderICDInterfaceVersion(uint32_t *v) { *v = 5; return 0; }\n"
+        "void *vk_icdGetInstanceProcAddr(void *i, const char *n) { (void)i; (void)n; return 0; }\n")
+    subprocess.run([_cc(), "-shared", "-fPIC", "-o", str(tmp_path / "libempty_icd.so"), str(tmp_path / "icd.c")],
+                   check=True)
+    monkeypatch.setenv("VK_DRIVER_FILES", str(_manifest(tmp_path / "m.json", str(tmp_path / "libempty_icd.so"))))
+    assert "the driver returns no vkCreateInstance" in probe_vulkan().reason
 
 
 def test_crashing_probe_is_reported_not_fatal() -> None:
