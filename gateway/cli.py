@@ -31,6 +31,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_body=parse_size(args.max_body) if args.max_body else None, parity_reference=args.parity_reference, parity_sample=args.parity_sample,
         parity_window=args.parity_window, parity_queue=args.parity_queue,
         parity_enforce=True if args.parity_enforce else None,
+        rank_by_speed=True if args.rank_by_speed else None,
     )
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -131,6 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--runtime", default=None, help="pin a runtime: llamacpp, ortgenai, coreml")
     s.add_argument("--device", default=None, help="GPU by index or part of its name (see `gateway devices`)")
     s.add_argument("--recheck", action="store_true", help="forget cached functional-check results")
+    s.add_argument("--rank-by-speed", action="store_true",
+                   help="where several engines pass on one device, serve on the fastest (32-token decode, cached)")
     s.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=None, help="port (default 8080)")
     s.add_argument("--config", default=None, help="models.yaml path")

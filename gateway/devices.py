@@ -80,6 +80,8 @@ def render(host: HostCapabilities, plans: dict[str, Plan | str], checks: dict[st
         for i, cand in enumerate(p.candidates, 1):
             check = checks.get(f"{model_id}|{cand.label}|{cand.device_key}")
             state = "not checked yet" if check is None else ("check ok" if check["ok"] else f"check FAILED: {check['reason']}")
+            if check is not None and check.get("tok_s"):
+                state += f", {check['tok_s']:.0f} tok/s measured"
             lines.append(f"  {i}. {cand.label} on {cand.device}{f' [{cand.device_key}]' if cand.device_key else ''}: {state}")
         for s in p.skipped:
             lines.append(f"  - {s.what}: {s.why}" + (" (fallback)" if s.kind == "unusable" else ""))
@@ -123,7 +125,8 @@ def _devices(args: argparse.Namespace) -> int:
                 result = run_isolated(cand.runtime, config, settings.check_timeout, vulkan_visible_env(host.vulkan))
                 cache.put(key, result, f"{mid} on {cand.label} {cand.device}")
             if result is not None:
-                checks[f"{mid}|{cand.label}|{cand.device_key}"] = {"ok": result.ok, "reason": result.reason}
+                checks[f"{mid}|{cand.label}|{cand.device_key}"] = {"ok": result.ok, "reason": result.reason,
+                                                                    "tok_s": result.tok_s}
     if args.json:
         out = {
             "host": host.to_dict(),

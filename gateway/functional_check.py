@@ -37,6 +37,26 @@ class CheckResult:
     seconds: float = 0.0
     text: str = ""
     cached: bool = False
+    tok_s: float | None = None  # measured decode speed (--rank-by-speed), when measured
+
+
+SPEED_TOKENS = 32  # tokens decoded to measure an engine's speed
+
+
+async def measure_decode(engine: Any, tokens: int = SPEED_TOKENS) -> float:
+    """Single-stream greedy decode speed in tokens/s, from the first token to the last."""
+    req = GenerationRequest(
+        request_id="speed-check",
+        sampling=SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True),
+        prompt=PROMPT,
+    )
+    stamps: list[float] = []
+    async for ev in engine.generate(req):
+        if ev.token_ids:
+            stamps.extend([time.perf_counter()] * len(ev.token_ids))
+    if len(stamps) < 2 or stamps[-1] <= stamps[0]:
+        raise RuntimeError("too few tokens to measure a decode speed")
+    return (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
 
 async def one_token(engine: Any) -> str:
@@ -75,12 +95,18 @@ class CheckCache:
             return None
         if not item.get("ok") and time.time() - item.get("at", 0) > FAILURE_TTL_S:
             return None
-        return CheckResult(bool(item.get("ok")), item.get("reason", ""), item.get("seconds", 0.0), "", True)
+        return CheckResult(bool(item.get("ok")), item.get("reason", ""), item.get("seconds", 0.0), "", True,
+                           item.get("tok_s"))
 
     def put(self, key: str, result: CheckResult, what: str) -> None:
         data = self._read()
+        old = data.get(key)
+        before: dict[str, Any] = old if isinstance(old, dict) else {}
         data[key] = {"ok": result.ok, "reason": result.reason, "seconds": round(result.seconds, 2),
                      "at": time.time(), "what": what}
+        tok_s = result.tok_s if result.tok_s is not None else (before.get("tok_s") if result.ok else None)
+        if tok_s is not None:  # a passing re-check keeps the speed measured before
+            data[key]["tok_s"] = round(tok_s, 1)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(data, indent=1))

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from engines.base import Engine, EngineConfig, EngineError, ModelLoadError, ModelNotAvailable
 from engines.registry import create_engine
-from gateway.functional_check import CheckCache, CheckResult, fingerprint, one_token
+from gateway.functional_check import CheckCache, CheckResult, fingerprint, measure_decode, one_token
 from gateway.hardware import HostCapabilities, probe_host, vulkan_visible_env
 from gateway.metrics import Metrics
 from gateway.registry import ModelSpec, ModelUnavailable, Registry
@@ -76,6 +76,7 @@ class ModelManager:
         # model id -> (runtime, backend) -> why that engine is out of selection (parity drift).
         self.excluded: dict[str, dict[tuple[str, str], str]] = {}
         self._closing: set[asyncio.Task[None]] = set()
+        self.speeds: dict[str, dict[str, float]] = {}  # model -> engine label -> measured tok/s
 
     def is_loaded(self, model_id: str) -> bool:
         return model_id in self._loaded
@@ -116,6 +117,8 @@ class ModelManager:
                 )
             the_plan = dataclasses.replace(the_plan, candidates=kept)
             await self._make_room()
+            if self.settings.rank_by_speed:
+                the_plan = dataclasses.replace(the_plan, candidates=await self._rank_by_speed(spec, kept))
             for cand in the_plan.candidates:
                 try:
                     path = await asyncio.to_thread(self.registry.resolve, spec, cand.format)
@@ -186,6 +189,48 @@ class ModelManager:
         if self.settings.functional_check:
             self.checks.put(key, CheckResult(True), what)
         return engine, ""
+
+    async def _rank_by_speed(self, spec: ModelSpec, candidates: tuple[Candidate, ...]) -> tuple[Candidate, ...]:
+        """Candidates that share a device, fastest first (a 32-token decode each, cached with the
+        functional check); devices keep the plan's order, and so does a candidate never measured."""
+        groups: dict[str, list[int]] = {}
+        for i, c in enumerate(candidates):
+            groups.setdefault(c.device, []).append(i)
+        order = list(candidates)
+        for positions in groups.values():
+            if len(positions) < 2:
+                continue
+            speeds: dict[int, float] = {}
+            for i in positions:
+                cand = candidates[i]
+                try:
+                    path = await asyncio.to_thread(self.registry.resolve, spec, cand.format)
+                except ModelUnavailable:
+                    continue
+                config = self._config(spec, cand, str(path))
+                key = fingerprint(cand.runtime, config, *fingerprint_parts(self.host, cand))
+                cached = self.checks.get(key)
+                if cached is not None and cached.ok and cached.tok_s:
+                    speeds[i] = cached.tok_s
+                    continue
+                engine, _ = await self._try(spec, cand, config)
+                if engine is None:
+                    continue
+                try:
+                    speeds[i] = await measure_decode(engine)
+                except (EngineError, RuntimeError) as exc:
+                    log.warning("could not measure %s on %s: %s", cand.label, cand.device, exc)
+                finally:
+                    await engine.close()
+                if i in speeds:
+                    self.checks.put(key, CheckResult(True, tok_s=speeds[i]), f"{spec.id} on {cand.label} {cand.device}")
+            self.speeds.setdefault(spec.id, {}).update({candidates[i].label: s for i, s in speeds.items()})
+            ranked = sorted(positions, key=lambda i: (i not in speeds, -speeds.get(i, 0.0), i))
+            for slot, i in zip(positions, ranked, strict=True):
+                order[slot] = candidates[i]
+            log.info("%s on %s ranked by measured decode speed: %s", spec.id, candidates[positions[0]].device,
+                     ", ".join(f"{candidates[i].label} {speeds[i]:.0f} tok/s" for i in ranked if i in speeds))
+        return tuple(order)
 
     def _config(self, spec: ModelSpec, cand: Candidate, path: str) -> EngineConfig:
         return engine_config(spec, cand, path, self.settings)

@@ -47,6 +47,9 @@ class Settings:
     functional_check: bool = True  # load + one token before an engine is trusted
     isolate_check: bool = True  # run that check in a child process first (survives driver crashes)
     check_timeout: float = 300.0  # seconds; Vulkan on a software device compiles pipelines slowly
+    # Rank candidates that share a device by a measured decode speed (32 tokens each, cached with the
+    # functional check): off by default, since the first start loads every such candidate once.
+    rank_by_speed: bool = False
     # Shadow parity: re-score a sample of finished requests on a reference engine (off when None).
     parity_reference: str | None = None  # engine choice, e.g. "cpu"
     parity_sample: float = 0.05  # share of finished requests re-scored
@@ -84,6 +87,7 @@ class Settings:
             functional_check=e.get("GATEWAY_FUNCTIONAL_CHECK", "1") not in ("0", "false", "no"),
             isolate_check=e.get("GATEWAY_ISOLATE_CHECK", "1") not in ("0", "false", "no"),
             check_timeout=float(e.get("GATEWAY_CHECK_TIMEOUT", cls.check_timeout)),
+            rank_by_speed=e.get("GATEWAY_RANK_BY_SPEED", "0") in ("1", "true", "yes"),
             parity_reference=e.get("GATEWAY_PARITY_REFERENCE") or None,
             parity_sample=float(e.get("GATEWAY_PARITY_SAMPLE", cls.parity_sample)),
             parity_window=int(e.get("GATEWAY_PARITY_WINDOW", cls.parity_window)),

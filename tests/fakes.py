@@ -28,7 +28,7 @@ class FakeEngine:
 
     def __init__(self, config: EngineConfig, script: str = "hello from the fake engine", load_delay: float = 0.0,
                  fail_load: bool = False, capacity: int = 1000, fail_after: int | None = None,
-                 bug_after: int | None = None) -> None:
+                 bug_after: int | None = None, token_delay: float = 0.001) -> None:
         self.config = config
         self.info = EngineInfo(runtime="fake", backend=config.backend, device=config.device, parallel=config.parallel)
         self.script = script.split()
@@ -37,6 +37,7 @@ class FakeEngine:
         self.capacity = capacity
         self.fail_after = fail_after
         self.bug_after = bug_after  # raise a plain exception (a bug, not an EngineError) at this token
+        self.token_delay = token_delay  # seconds per token
         self.loaded = False
         self.closed = False
         self.running = 0
@@ -56,7 +57,7 @@ class FakeEngine:
             limit = request.sampling.max_tokens or len(self.script)
             words = self.script[:limit]
             for i, w in enumerate(words):
-                await asyncio.sleep(0.001)
+                await asyncio.sleep(self.token_delay)
                 if self.fail_after is not None and i == self.fail_after:
                     raise EngineFailure("fake engine crashed mid-stream")
                 if self.bug_after is not None and i == self.bug_after:

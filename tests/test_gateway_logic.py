@@ -215,3 +215,46 @@ def test_an_embedding_only_model_serves_embeddings_and_refuses_chat(tmp_path: Pa
         assert (made[0].config.pooling, made[0].config.normalize_embeddings) == ("cls", False)
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("rank", [False, True])
+def test_rank_by_speed_serves_the_faster_engine_on_one_device(tmp_path: Path, rank: bool) -> None:
+    from gateway.hardware import OrtBuild
+
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    (tmp_path / "m-onnx").mkdir()
+    cfg = tmp_path / "models.yaml"
+    cfg.write_text("models:\n  - id: m\n    formats: {gguf: {path: m.gguf}, onnx: {path: m-onnx}}\n")
+    host = hosts.host(ort=OrtBuild((("onnxruntime-genai", "0.18.0"),), ("CPUExecutionProvider",)))
+    made: list[str] = []
+
+    def factory(runtime: str, config: EngineConfig) -> FakeEngine:
+        made.append(runtime)
+        # llama.cpp comes first in the plan; here ORT GenAI decodes 10x faster on the same CPU.
+        return FakeEngine(config, token_delay=0.02 if runtime == "llamacpp" else 0.002)
+
+    def serve() -> str:
+        settings = Settings.from_env(env={}, config=str(cfg), rank_by_speed=rank)
+        app = create_app(settings, load_registry(cfg, cache_dir=tmp_path / "cache"), engine_factory=factory,  # type: ignore[arg-type]
+                         host=host)
+        server = ServerThread(app).start()
+        try:
+            r = _chat(server.url, "m")
+            assert r.status_code == 200
+            return r.headers["x-engine"]
+        finally:
+            server.stop()
+
+    assert serve() == serve_label(rank)
+    loads = len(made)
+    assert serve() == serve_label(rank)
+    # The second start reads the measured speeds from the check cache: one load, no measuring.
+    assert len(made) - loads == 1
+    if rank:
+        checks = json.loads((tmp_path / "cache" / "functional-checks.json").read_text())
+        speeds = sorted(v["tok_s"] for v in checks.values() if "tok_s" in v)
+        assert len(speeds) == 2 and speeds[1] > 3 * speeds[0]
+
+
+def serve_label(rank: bool) -> str:
+    return "ortgenai/cpu" if rank else "llamacpp/cpu"
