@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 
-from gateway.errors import APIError, invalid, outcome_of, to_api_error
+from gateway.errors import APIError, invalid, record
 from gateway.metrics import Metrics
 from gateway.pool import ModelManager
 from gateway.protocol import Embedding, EmbeddingList, EmbeddingRequest, EmbeddingUsage
@@ -64,9 +64,7 @@ class EmbeddingService:
                 raise invalid(f"dimensions must equal this model's embedding width ({width}); "
                               "shortening embeddings is not supported", param="dimensions")
         except Exception as exc:
-            err = to_api_error(exc)
-            observer.finish(outcome_of(err), err.status)
-            err.counted = True
+            err = record(observer, exc)
             if err.code == "context_length_exceeded":
                 err.param = "input"
             raise err from exc

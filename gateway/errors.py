@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from contextvars import ContextVar
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -22,6 +22,9 @@ from engines.base import (
 )
 from gateway.admission import GateClosed, Rejected
 from gateway.protocol import ErrorBody, ErrorResponse
+
+if TYPE_CHECKING:
+    from gateway.metrics import RequestObserver
 
 log = logging.getLogger(__name__)
 
@@ -111,13 +114,17 @@ def to_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, (ServerShutdown, GateClosed)):
         return shutdown_error()
     rid = REQUEST_ID.get()
-    if not getattr(exc, "_gateway_logged", False):
-        log.error("unexpected error in request %s", rid, exc_info=exc)
-        try:
-            exc._gateway_logged = True  # type: ignore[attr-defined]
-        except AttributeError:
-            pass
+    log.error("unexpected error in request %s", rid, exc_info=exc)
     return APIError(500, f"internal server error (request id {rid})", type="server_error", code="internal_error")
+
+
+def record(observer: RequestObserver, exc: BaseException) -> APIError:
+    """`exc` as the API error the client gets, recorded once as the request's outcome. Raise the
+    result (`from exc`): handlers further out then answer with it and neither count nor log again."""
+    err = to_api_error(exc)
+    observer.finish(outcome_of(err), err.status)
+    err.counted = True
+    return err
 
 
 def _param(loc: tuple[Any, ...]) -> str | None:

@@ -23,7 +23,7 @@ from engines.base import (
 )
 from gateway import tools
 from gateway.admission import Admission, Ticket
-from gateway.errors import APIError, ServerShutdown, invalid, outcome_of, to_api_error
+from gateway.errors import APIError, ServerShutdown, invalid, record
 from gateway.guards import Drain
 from gateway.metrics import Metrics, RequestObserver
 from gateway.pool import Loaded, ModelManager
@@ -239,11 +239,9 @@ class Prepared:
             self.observer.finish("cancelled", 499)
             raise
         except Exception as exc:
-            if drain is not None and drain.expired and not isinstance(exc, ServerShutdown):
-                raise ServerShutdown() from exc  # the engine was stopped by the shutdown
-            err = to_api_error(exc)
-            self.observer.finish(outcome_of(err), err.status)
-            raise
+            # Once the drain time is up, whatever ended it, the shutdown did (it may have stopped the engine).
+            ended: Exception = ServerShutdown() if drain is not None and drain.expired else exc
+            raise record(self.observer, ended) from exc
         finally:
             self.release()
         self.observer.finish(finish or "stop")
@@ -305,10 +303,7 @@ class _Service:
         try:
             ticket = await self.admission.admit(spec.id, loaded.engine.info.parallel, n)
         except Exception as exc:
-            err = to_api_error(exc)
-            observer.finish(outcome_of(err), err.status)
-            err.counted = True
-            raise err from exc
+            raise record(observer, exc) from exc
         observer.admission_wait = ticket.waited_s
         self.metrics.admission_wait.labels(spec.id).observe(ticket.waited_s)
         rid = f"{prefix}-{uuid.uuid4().hex[:24]}"
