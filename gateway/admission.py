@@ -186,6 +186,11 @@ class Admission:
     def gates(self) -> dict[str, Gate]:
         return dict(self._gates)
 
+    def waiting(self, model: str) -> int:
+        """Requests of `model` queued in the gateway (the engine's own queue is not counted)."""
+        g = self._gates.get(model)
+        return g.waiting if g is not None else 0
+
     def close(self, reason: str) -> None:
         self._closed = reason
         for g in self._gates.values():

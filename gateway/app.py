@@ -58,15 +58,12 @@ def create_app(
     drain = Drain()
 
     def resident() -> list[tuple[str, str, str, EngineHealth]]:
-        gates = admission.gates()
-        out = []
-        for e in manager.loaded():
-            h = e.engine.health()
-            gate = gates.get(e.spec.id)
-            if gate is not None:  # requests queued in the gateway wait too
-                h = dataclasses.replace(h, waiting=h.waiting + gate.waiting)
-            out.append((e.spec.id, f"{e.candidate.runtime}/{e.candidate.backend}", e.candidate.device, h))
-        return out
+        # Requests queued in the gateway wait too.
+        return [
+            (e.spec.id, f"{e.candidate.runtime}/{e.candidate.backend}", e.candidate.device,
+             dataclasses.replace(h := e.engine.health(), waiting=h.waiting + admission.waiting(e.spec.id)))
+            for e in manager.loaded()
+        ]
 
     metrics.watch(resident)
 

@@ -7,11 +7,11 @@ import time
 
 import numpy as np
 
-from gateway.errors import APIError, invalid, record
+from gateway.errors import invalid, record
 from gateway.metrics import Metrics
 from gateway.pool import ModelManager
 from gateway.protocol import Embedding, EmbeddingList, EmbeddingRequest, EmbeddingUsage
-from gateway.registry import ModelSpec
+from gateway.serving import check_prompt_chars, model_spec
 
 
 def _inputs(req: EmbeddingRequest) -> list[str] | list[list[int]]:
@@ -35,23 +35,14 @@ class EmbeddingService:
         self.manager = manager
         self.metrics = metrics
 
-    def spec(self, model: str) -> ModelSpec:
-        spec = self.manager.registry.get(model)
-        if spec is None:
-            raise APIError(404, f"The model '{model}' does not exist", param="model", code="model_not_found")
-        return spec
-
     async def embed(self, req: EmbeddingRequest, received: float) -> EmbeddingList:
-        spec = self.spec(req.model)
+        spec = model_spec(self.manager.registry, req.model)
         raw = _inputs(req)
         for i, item in enumerate(raw):
             if (isinstance(item, str) and not item) or (isinstance(item, list) and not item):
                 raise invalid(f"input[{i}] is empty", param="input")
-        limit = self.manager.settings.max_prompt_chars
-        chars = sum(len(t) for t in raw if isinstance(t, str))
-        if chars > limit:
-            raise invalid(f"the input holds {chars} characters, more than the limit of {limit}", param="input",
-                          code="prompt_too_long")
+        check_prompt_chars(sum(len(t) for t in raw if isinstance(t, str)), self.manager.settings.max_prompt_chars,
+                           "input", "the input holds")
         loaded = await self.manager.get(spec)
         engine = loaded.engine
         c = loaded.candidate

@@ -9,7 +9,6 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gateway.errors import APIError
 from gateway.protocol import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -23,7 +22,7 @@ from gateway.protocol import (
     ModelCard,
     ModelList,
 )
-from gateway.serving import ChatService, CompletionService, Prepared
+from gateway.serving import ChatService, CompletionService, Prepared, model_spec
 from gateway.sse import sse_response, until_disconnect
 
 router = APIRouter()
@@ -165,10 +164,7 @@ async def list_models(request: Request) -> ModelList:
 
 @router.get("/v1/models/{model_id:path}", responses={k: v for k, v in _ERRORS.items() if k in (401, 403, 404)})
 async def get_model(model_id: str, request: Request) -> ModelCard:
-    spec = request.app.state.manager.registry.get(model_id)
-    if spec is None:
-        raise APIError(404, f"The model '{model_id}' does not exist", param="model", code="model_not_found")
-    return _card(request, spec)
+    return _card(request, model_spec(request.app.state.manager.registry, model_id))
 
 
 @router.post("/v1/embeddings", responses={200: {"model": EmbeddingList, "description": "One vector per input"},
@@ -193,17 +189,16 @@ async def health(request: Request) -> JSONResponse:
     manager = request.app.state.manager
     default = manager.registry.default
     models: dict[str, Any] = {}
-    gates = request.app.state.admission.gates()
+    admission = request.app.state.admission
     for entry in manager.loaded():
         h = entry.engine.health()
         c = entry.candidate
-        gate = gates.get(entry.spec.id)
         models[entry.spec.id] = {
             "ready": h.ready,
             "engine": c.label,
             "device": c.device,
             "running": h.running,
-            "waiting": h.waiting + (gate.waiting if gate else 0),
+            "waiting": h.waiting + admission.waiting(entry.spec.id),
             "fallback_reason": entry.fallback_reason or None,
         }
     for mid in manager.loading:

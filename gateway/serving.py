@@ -49,7 +49,7 @@ from gateway.protocol import (
     TopLogprobOut,
     UsageOut,
 )
-from gateway.registry import ModelSpec
+from gateway.registry import ModelSpec, Registry
 
 
 def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
@@ -200,7 +200,6 @@ class Prepared:
     ticket: Ticket | None = None
     drain: Drain | None = None
     tool_plan: tools.ToolPlan | None = None  # the output is a constrained tool-call answer
-    usages: list[Usage] = field(default_factory=list)
     created: int = field(default_factory=lambda: int(time.time()))
     on_complete: CompletionHook | None = None
 
@@ -273,6 +272,20 @@ async def _collect(p: Prepared) -> _Collected:
     return out
 
 
+def model_spec(registry: Registry, model: str) -> ModelSpec:
+    """The configured model a request names, or 404 in the envelope."""
+    spec = registry.get(model)
+    if spec is None:
+        raise APIError(404, f"The model '{model}' does not exist", param="model", code="model_not_found")
+    return spec
+
+
+def check_prompt_chars(chars: int, limit: int, param: str, what: str) -> None:
+    """The prompt-size limit, applied before tokenizing (400 `prompt_too_long`)."""
+    if chars > limit:
+        raise invalid(f"{what} {chars} characters, more than the limit of {limit}", param=param, code="prompt_too_long")
+
+
 class _Service:
     def __init__(self, manager: ModelManager, metrics: Metrics, admission: Admission, drain: Drain,
                  on_complete: CompletionHook | None = None) -> None:
@@ -288,9 +301,7 @@ class _Service:
             raise invalid("stream_options is only allowed when stream is true", param="stream_options")
 
     def spec(self, model: str) -> ModelSpec:
-        spec = self.manager.registry.get(model)
-        if spec is None:
-            raise APIError(404, f"The model '{model}' does not exist", param="model", code="model_not_found")
+        spec = model_spec(self.manager.registry, model)
         if spec.embedding_only:
             raise invalid(f"the model '{model}' serves embeddings only (POST /v1/embeddings)", param="model",
                           code="model_not_supported")
@@ -331,10 +342,8 @@ class ChatService(_Service):
         if len(req.messages) > limits.max_messages:
             raise invalid(f"{len(req.messages)} messages exceed the limit of {limits.max_messages}",
                           param="messages", code="too_many_messages")
-        chars = sum(len(m.text()) for m in req.messages)
-        if chars > limits.max_prompt_chars:
-            raise invalid(f"the messages hold {chars} characters, more than the limit of {limits.max_prompt_chars}",
-                          param="messages", code="prompt_too_long")
+        check_prompt_chars(sum(len(m.text()) for m in req.messages), limits.max_prompt_chars, "messages",
+                           "the messages hold")
         for i, m in enumerate(req.messages):
             if m.role == "assistant" and m.content is None and not m.tool_calls:
                 raise invalid("assistant messages need content or tool_calls", param=f"messages[{i}].content")
@@ -410,10 +419,10 @@ class ChatService(_Service):
             return t(text)
 
         if p.tool_plan is not None:
-            async for frame in self._tool_stream(p, chunk):
+            async for frame in self._tool_stream(p, chunk, usages):
                 yield frame
             if include_usage:
-                yield chunk([], _usage(p.usages))
+                yield chunk([], _usage(usages))
             return
         async with contextlib.aclosing(p.events()) as events:
             async for i, ev in events:
@@ -434,7 +443,7 @@ class ChatService(_Service):
             yield chunk([], _usage(usages))
 
 
-    async def _tool_stream(self, p: Prepared, chunk: Callable[..., str]) -> AsyncIterator[str]:
+    async def _tool_stream(self, p: Prepared, chunk: Callable[..., str], usages: list[Usage]) -> AsyncIterator[str]:
         """Chunks of a tool-call answer: each call's id, type and name once, then its arguments in
         fragments (their concatenation is exactly the final arguments text); plain answers as content."""
         assert p.tool_plan is not None
@@ -462,7 +471,7 @@ class ChatService(_Service):
                     yield chunk([ChunkChoice(index=i, delta=Delta(content=content or None, tool_calls=calls or None))])
                 if ev.finish_reason is not None:
                     if ev.usage is not None:
-                        p.usages.append(ev.usage)
+                        usages.append(ev.usage)
                     for e in parser.flush():  # a partial tag held back is text after all
                         if isinstance(e, tools.ContentDelta):
                             yield chunk([ChunkChoice(index=i, delta=Delta(content=e.text))])
@@ -503,10 +512,7 @@ class CompletionService(_Service):
         prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
         if len(prompts) != 1:
             raise invalid("only one prompt per request is supported; send a string", param="prompt")
-        limit = self.manager.settings.max_prompt_chars
-        if len(prompts[0]) > limit:
-            raise invalid(f"the prompt holds {len(prompts[0])} characters, more than the limit of {limit}",
-                          param="prompt", code="prompt_too_long")
+        check_prompt_chars(len(prompts[0]), self.manager.settings.max_prompt_chars, "prompt", "the prompt holds")
         sp = _sampling(req, spec, req.max_tokens)
         if req.logprobs is not None:
             sp = replace(sp, logprobs=True, top_logprobs=req.logprobs)
