@@ -13,6 +13,10 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import numpy.typing as npt
 
+# The Hermes / Qwen2.5 tool-call format: a chat template that writes these tags renders the tools
+# itself, and the model answers with `<tool_call>{"name": ..., "arguments": ...}</tool_call>` blocks.
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+
 
 @dataclass(frozen=True)
 class ToolCallRecord:

@@ -21,6 +21,8 @@ import numpy as np
 import numpy.typing as npt
 
 from engines.base import (
+    HERMES_CLOSE,
+    HERMES_OPEN,
     ChatMessage,
     ContextLengthExceeded,
     EngineConfig,
@@ -285,7 +287,8 @@ class LlamaCppEngine:
         prompt = self.render_prompt(request)
         sp = request.sampling
         max_new = new_token_budget(prompt, self._n_ctx_seq, sp.max_tokens)
-        grammar = self._grammar(sp.structured, sp.json_schema, "tools" if sp.tools else "response_format")
+        what = "tools" if sp.tools else "response_format"  # the request parameter a grammar error is about
+        grammar = self._grammar(sp.structured, sp.json_schema, what)
         lazy: list[bytes] = []
         if grammar is not None and sp.tool_format == "hermes":
             grammar = _hermes_grammar(grammar, sp.max_tool_calls)
@@ -293,7 +296,6 @@ class LlamaCppEngine:
                 lazy = [HERMES_OPEN.encode()]  # free text until the model opens a call
         sampler = build_sampler(self._vocab, self._n_vocab, sp, grammar, self._eog, max_new, lazy)
         if sampler is None:
-            what = "tools" if sp.tools else "response_format"
             raise InvalidGenerationRequest(f"llama.cpp could not compile the grammar for {what}", param=what)
         channel = EventChannel()
         job = GenJob(prompt_ids=prompt, sampling=sp, max_new_tokens=max_new, sampler=sampler, emit=channel.emit)
@@ -356,9 +358,6 @@ class LlamaCppEngine:
             self._sched.cancel(job)
 
 
-HERMES_OPEN = "<tool_call>"
-
-
 def _template_message(m: ChatMessage) -> dict[str, Any]:
     """A message as Hugging Face chat templates expect it (tool calls with parsed arguments)."""
     out: dict[str, Any] = {"role": m.role, "content": m.content}
@@ -384,7 +383,7 @@ def _hermes_grammar(call: bytes, max_calls: int) -> bytes:
     """One to `max_calls` calls, each `<tool_call>\\n{call JSON}\\n</tool_call>` (Hermes / Qwen2.5)."""
     body = re.sub(rb"^root ::=", b"call ::=", call, count=1, flags=re.MULTILINE)
     more = f'("\\n" tc){{0,{max_calls - 1}}}' if max_calls > 1 else ""
-    head = f'root ::= tc {more}\ntc ::= "<tool_call>\\n" call "\\n</tool_call>"\n'
+    head = f'root ::= tc {more}\ntc ::= "{HERMES_OPEN}\\n" call "\\n{HERMES_CLOSE}"\n'
     return head.encode() + body
 
 

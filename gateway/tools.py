@@ -17,7 +17,7 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from engines.base import ChatMessage, ToolCallRecord
+from engines.base import HERMES_CLOSE, HERMES_OPEN, ChatMessage, ToolCallRecord
 
 if TYPE_CHECKING:
     from gateway.protocol import ChatCompletionRequest
@@ -89,7 +89,7 @@ def plan(req: ChatCompletionRequest, native: str = "") -> ToolPlan | None:
                                    "tool_choice.function.name")
         tc = ToolChoice("named", choice.function.name)
     parallel = req.parallel_tool_calls is not False
-    most = max(MAX_PARALLEL_CALLS, len(tools)) if parallel else 1
+    most = call_cap(tools, tc, parallel)
     fmt = req.response_format
     if native == "hermes" and (fmt is None or fmt.type == "text"):
         return ToolPlan(tools, tc, parallel, call_schema(tools, tc), native, most)
@@ -201,9 +201,19 @@ def merge_turns(messages: list[tuple[str, str]]) -> list[tuple[str, str]]:
 # --- the constraint ---------------------------------------------------------------------------
 
 
+def _callable(tools: list[Tool], choice: ToolChoice) -> list[Tool]:
+    return [t for t in tools if choice.mode != "named" or t.name == choice.name]
+
+
+def call_cap(tools: list[Tool], choice: ToolChoice, parallel: bool) -> int:
+    """Calls allowed in one answer: one without parallel calls, else MAX_PARALLEL_CALLS, or one
+    per callable tool when there are more (small models otherwise repeat a call until max_tokens)."""
+    return max(MAX_PARALLEL_CALLS, len(_callable(tools, choice))) if parallel else 1
+
+
 def call_schema(tools: list[Tool], choice: ToolChoice) -> dict[str, Any]:
     """One call: {"name": <one of the tools>, "arguments": <that tool's parameters>}."""
-    chosen = [t for t in tools if choice.mode != "named" or t.name == choice.name]
+    chosen = _callable(tools, choice)
     calls = [
         {"type": "object", "properties": {"name": {"const": t.name}, "arguments": t.parameters or EMPTY_PARAMETERS},
          "required": ["name", "arguments"], "additionalProperties": False}
@@ -215,11 +225,9 @@ def call_schema(tools: list[Tool], choice: ToolChoice) -> dict[str, Any]:
 def output_schema(tools: list[Tool], choice: ToolChoice, parallel: bool,
                   response: dict[str, Any] | None = None) -> dict[str, Any]:
     """The JSON schema every answer must match (compiled to a grammar by the engine)."""
-    chosen = [t for t in tools if choice.mode != "named" or t.name == choice.name]
     call = call_schema(tools, choice)
     if parallel:
-        # A bound on calls per answer: small models otherwise repeat the call until max_tokens.
-        most = max(MAX_PARALLEL_CALLS, len(chosen))
+        most = call_cap(tools, choice, parallel)
         branch = {"type": "object",
                   "properties": {"tool_calls": {"type": "array", "items": call, "minItems": 1, "maxItems": most}},
                   "required": ["tool_calls"], "additionalProperties": False}
@@ -465,9 +473,6 @@ def _coalesce(events: list[Event]) -> list[Event]:
         else:
             out.append(ev)
     return out
-
-
-HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 
 
 def _partial_suffix(text: str, tag: str) -> int:
