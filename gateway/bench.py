@@ -144,37 +144,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             await one_request(client, args.url, args.model, p, args.output_len, not args.no_ignore_eos)
         results: list[Result] = []
         queue_before = await _queue_wait(args.url) if args.server_metrics else None
-        if args.duration:
-            t0 = time.perf_counter()
-            await _for_duration(client, args, prompts, results)
-            duration = time.perf_counter() - t0
-            summary = summarise(results, duration, args.slo_ttft, args.slo_tpot)
-            if queue_before is not None:
-                summary["server_queue_wait"] = _queue_wait_delta(queue_before, await _queue_wait(args.url))
-            summary["config"] = {k: v for k, v in vars(args).items() if k not in ("func",)}
-            return summary
-        progress = _Progress(len(prompts), enabled=not args.quiet)
-        sem = asyncio.Semaphore(args.concurrency) if args.concurrency else None
-        rng = random.Random(args.seed)
-
-        async def task(p: str) -> None:
-            if sem is not None:
-                async with sem:
-                    r = await one_request(client, args.url, args.model, p, args.output_len, not args.no_ignore_eos)
-            else:
-                r = await one_request(client, args.url, args.model, p, args.output_len, not args.no_ignore_eos)
-            results.append(r)
-            progress.tick(r.ok)
-
         t0 = time.perf_counter()
-        tasks = []
-        for p in prompts:
-            tasks.append(asyncio.create_task(task(p)))
-            if args.rate:
-                await asyncio.sleep(rng.expovariate(args.rate))
-        await asyncio.gather(*tasks)
+        if args.duration:
+            await _for_duration(client, args, prompts, results)
+        else:
+            await _for_prompts(client, args, prompts, results)
         duration = time.perf_counter() - t0
-        progress.close()
     summary = summarise(results, duration, args.slo_ttft, args.slo_tpot)
     if queue_before is not None:
         summary["server_queue_wait"] = _queue_wait_delta(queue_before, await _queue_wait(args.url))
@@ -182,6 +157,31 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.plot:
         plot(results, args.plot)
     return summary
+
+
+async def _for_prompts(client: httpx.AsyncClient, args: argparse.Namespace, prompts: list[str],
+                       results: list[Result]) -> None:
+    """Each prompt once: at most `concurrency` in flight, or Poisson arrivals at `rate`."""
+    progress = _Progress(len(prompts), enabled=not args.quiet)
+    sem = asyncio.Semaphore(args.concurrency) if args.concurrency else None
+    rng = random.Random(args.seed)
+
+    async def task(p: str) -> None:
+        if sem is not None:
+            async with sem:
+                r = await one_request(client, args.url, args.model, p, args.output_len, not args.no_ignore_eos)
+        else:
+            r = await one_request(client, args.url, args.model, p, args.output_len, not args.no_ignore_eos)
+        results.append(r)
+        progress.tick(r.ok)
+
+    tasks = []
+    for p in prompts:
+        tasks.append(asyncio.create_task(task(p)))
+        if args.rate:
+            await asyncio.sleep(rng.expovariate(args.rate))
+    await asyncio.gather(*tasks)
+    progress.close()
 
 
 async def _for_duration(client: httpx.AsyncClient, args: argparse.Namespace, prompts: list[str],

@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Callable
 from types import FrameType
 
 import uvicorn
@@ -73,9 +74,9 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-async def _until(done: object, timeout: float) -> bool:
+async def _until(done: Callable[[], bool], timeout: float) -> bool:
     deadline = time.monotonic() + timeout
-    while not done():  # type: ignore[operator]
+    while not done():
         if time.monotonic() >= deadline:
             return False
         await asyncio.sleep(0.05)
