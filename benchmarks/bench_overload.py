@@ -15,12 +15,11 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
-
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from benchmarks.bench_vs_llama_server import _wait  # noqa: E402
 
 
 def serve(port: int, parallel: int, extra: list[str]) -> subprocess.Popen[bytes]:
@@ -28,16 +27,12 @@ def serve(port: int, parallel: int, extra: list[str]) -> subprocess.Popen[bytes]
            "--parallel", str(parallel), *extra]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env={**os.environ, "GATEWAY_LOG_LEVEL": "warning"})
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    proc.kill()
-    raise SystemExit("gateway did not start")
+    try:
+        _wait(f"http://127.0.0.1:{port}", proc)
+    except RuntimeError:
+        proc.kill()
+        raise
+    return proc
 
 
 def main() -> int:

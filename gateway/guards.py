@@ -91,10 +91,8 @@ class Guards:
     def host_allowed(self, host: str) -> bool:
         if not self.policy.check_host:
             return True
-        name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
-        if host.startswith("[") and "]:" in host:
-            name = host[: host.index("]") + 1]
-        name = name.lower()
+        # The name without its port: "[::1]:8080" -> "[::1]", "localhost:80" -> "localhost".
+        name = (host[: host.find("]") + 1] if host.startswith("[") and "]" in host else host.rsplit(":", 1)[0]).lower()
         return name in LOOPBACK_HOSTS or name in self.policy.allowed_hosts or "*" in self.policy.allowed_hosts
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
