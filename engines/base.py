@@ -6,9 +6,10 @@ Engines never see HTTP or OpenAI types.  The gateway turns a validated API reque
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -25,6 +26,15 @@ class ToolCallRecord:
     id: str
     name: str
     arguments: str
+
+
+def arguments_value(arguments: str) -> Any:
+    """A tool call's arguments text as the JSON it holds ({} when empty), or the text itself when
+    it is not JSON: history is rendered as the client sent it, never refused."""
+    try:
+        return json.loads(arguments) if arguments else {}
+    except ValueError:
+        return arguments
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from engines.base import (
     InvalidGenerationRequest,
     ModelLoadError,
     TokenEvent,
+    arguments_value,
     new_token_budget,
 )
 from engines.bridge import EventChannel, settle_from_thread
@@ -363,19 +364,12 @@ def _template_message(m: ChatMessage) -> dict[str, Any]:
     out: dict[str, Any] = {"role": m.role, "content": m.content}
     if m.tool_calls:
         out["tool_calls"] = [
-            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": _json_or_text(c.arguments)}}
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": arguments_value(c.arguments)}}
             for c in m.tool_calls
         ]
     if m.tool_call_id is not None:
         out["tool_call_id"] = m.tool_call_id
     return out
-
-
-def _json_or_text(text: str) -> Any:
-    try:
-        return json.loads(text) if text else {}
-    except ValueError:
-        return text
 
 
 @functools.lru_cache(maxsize=256)

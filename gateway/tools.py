@@ -17,7 +17,7 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from engines.base import HERMES_CLOSE, HERMES_OPEN, ChatMessage, ToolCallRecord
+from engines.base import HERMES_CLOSE, HERMES_OPEN, ChatMessage, ToolCallRecord, arguments_value
 
 if TYPE_CHECKING:
     from gateway.protocol import ChatCompletionRequest
@@ -170,7 +170,7 @@ def system_text(tools: list[Tool], choice: ToolChoice, parallel: bool) -> str:
 
 def call_text(calls: list[tuple[str, str]], parallel: bool) -> str:
     """An assistant turn that called tools, as the JSON the model is asked to write."""
-    items = [{"name": n, "arguments": _loads_or_text(a)} for n, a in calls]
+    items = [{"name": n, "arguments": arguments_value(a)} for n, a in calls]
     obj = {"tool_calls": items} if parallel or len(items) != 1 else {"tool_call": items[0]}
     return json.dumps(obj, ensure_ascii=False)
 
@@ -178,13 +178,6 @@ def call_text(calls: list[tuple[str, str]], parallel: bool) -> str:
 def result_text(name: str | None, call_id: str | None, content: str) -> str:
     who = f"{name} " if name else ""
     return f"Result of tool call {who}({call_id or 'no id'}): {content}"
-
-
-def _loads_or_text(arguments: str) -> Any:
-    try:
-        return json.loads(arguments) if arguments else {}
-    except ValueError:
-        return arguments
 
 
 def merge_turns(messages: list[tuple[str, str]]) -> list[tuple[str, str]]:
