@@ -44,6 +44,11 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 
+def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """The documented error responses of a route that can answer with these statuses."""
+    return {status: _ERRORS[status] for status in statuses}
+
+
 def _stream_doc(chunk: type[Any]) -> dict[str, Any]:
     # OpenAPI 3.1: for text/event-stream, `schema` describes one event.
     return {
@@ -157,12 +162,12 @@ def _card(request: Request, spec: Any) -> ModelCard:
     )
 
 
-@router.get("/v1/models", responses={k: v for k, v in _ERRORS.items() if k in (401, 403)})
+@router.get("/v1/models", responses=_errors(401, 403))
 async def list_models(request: Request) -> ModelList:
     return ModelList(data=[_card(request, spec) for spec in request.app.state.manager.registry.models.values()])
 
 
-@router.get("/v1/models/{model_id:path}", responses={k: v for k, v in _ERRORS.items() if k in (401, 403, 404)})
+@router.get("/v1/models/{model_id:path}", responses=_errors(401, 403, 404))
 async def get_model(model_id: str, request: Request) -> ModelCard:
     return _card(request, model_spec(request.app.state.manager.registry, model_id))
 
@@ -177,14 +182,14 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> EmbeddingList:
 
 @router.get("/metrics", response_class=Response, responses={
     200: {"description": "Prometheus text format", "content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}}},
-    401: _ERRORS[401], 403: _ERRORS[403]})
+    **_errors(401, 403)})
 async def metrics(request: Request) -> Response:
     return Response(generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.get("/health", response_model=HealthResponse, responses={
     503: {"model": HealthResponse, "description": "Not ready: loading, failed, or draining (`Retry-After`)"},
-    403: _ERRORS[403]})
+    **_errors(403)})
 async def health(request: Request) -> JSONResponse:
     manager = request.app.state.manager
     default = manager.registry.default
