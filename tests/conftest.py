@@ -6,7 +6,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,21 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def wait_for(url: str, timeout: float, ok: Callable[[httpx.Response], bool] = lambda r: r.status_code == 200,
+             alive: Callable[[], bool] = lambda: True) -> bool:
+    """Poll `url` until a response satisfies `ok`: False when `timeout` passes first or `alive()`
+    (the server's process still running) turns false."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and alive():
+        try:
+            if ok(httpx.get(url, timeout=2)):
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    return False
+
+
 class ServerThread:
     """uvicorn in a background thread, on a free loopback port."""
 
@@ -47,15 +62,8 @@ class ServerThread:
 
     def start(self, wait_ready: bool = True, timeout: float = 120) -> ServerThread:
         self.thread.start()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                r = httpx.get(f"{self.url}/health", timeout=2)
-                if r.status_code == 200 or (not wait_ready and r.status_code == 503):
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
+        if wait_for(f"{self.url}/health", timeout, ok=lambda r: r.status_code == 200 or (not wait_ready and r.status_code == 503)):
+            return self
         raise RuntimeError("gateway did not become ready")
 
     def stop(self) -> None:

@@ -15,7 +15,7 @@ import openai
 import pytest
 import yaml
 
-from tests.conftest import MODEL, ROOT, free_port
+from tests.conftest import MODEL, ROOT, free_port, wait_for
 
 DEPLOY = ROOT / "deploy"
 
@@ -77,15 +77,7 @@ def prometheus(gateway_url: str, tmp_path_factory: pytest.TempPathFactory) -> It
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{url}/-/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        else:
+        if not wait_for(f"{url}/-/ready", 60):
             raise RuntimeError("prometheus did not start: " + (tmp / "prometheus.log").read_text()[-2000:])
         yield url
     finally:

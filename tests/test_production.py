@@ -20,7 +20,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import MODEL, ROOT, free_port
+from tests.conftest import MODEL, ROOT, free_port, wait_for
 
 KEYS = ("sk-first-0123456789", "sk-second-abcdefghij")
 METRICS_KEY = "metrics-key-42"
@@ -39,16 +39,9 @@ class Gateway:
                "--config", str(ROOT / "models.yaml"), *args]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
                                      env={**os.environ, "GATEWAY_LOG_LEVEL": "info", **(env or {})})
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"gateway exited early:\n{self.log()}"
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise AssertionError(f"gateway did not become ready:\n{self.log()}")
+        if not wait_for(f"{self.url}/health", 300, alive=lambda: self.proc.poll() is None):
+            state = "exited early" if self.proc.poll() is not None else "did not become ready"
+            raise AssertionError(f"gateway {state}:\n{self.log()}")
 
     def log(self) -> str:
         self._log.flush()
