@@ -194,16 +194,8 @@ def test_an_embedding_only_model_serves_embeddings_and_refuses_chat(tmp_path: Pa
     cfg = tmp_path / "models.yaml"
     cfg.write_text("models:\n  - id: e\n    embedding_only: true\n    embedding: {pooling: cls, normalize: false}\n"
                    "    formats: {gguf: {path: e.gguf}}\n")
-    made: list[FakeEngine] = []
-
-    def factory(runtime: str, config: EngineConfig) -> FakeEngine:
-        made.append(FakeEngine(config))
-        return made[-1]
-
-    settings = Settings.from_env(env={}, config=str(cfg), functional_check=False)
-    app = create_app(settings, load_registry(cfg, cache_dir=tmp_path / "cache"), engine_factory=factory,  # type: ignore[arg-type]
-                     host=hosts.CPU_ONLY)
-    server = ServerThread(app).start()
+    server, made = _server(cfg, check=False)
+    server.start()
     try:
         card = httpx.get(f"{server.url}/v1/models/e").json()
         assert card["endpoints"] == ["embeddings"]
