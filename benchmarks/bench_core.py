@@ -76,7 +76,7 @@ def main() -> int:
     ap.add_argument("--gateway", default=str(ROOT / ".venv/bin/gateway"), help="command that runs the gateway CLI")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
-    from gateway.registry import load_registry
+    from gateway.models.registry import load_registry
 
     reg = load_registry(args.config)
     model_path = str(reg.resolve(reg.models[MODEL], "gguf"))

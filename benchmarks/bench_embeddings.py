@@ -78,7 +78,7 @@ def grammar_compile(model_path: str, n: int = 20) -> dict[str, float]:
     import llama_cpp as lc
 
     from engines.llamacpp import _schema_grammar
-    from gateway.tools import Tool, ToolChoice, output_schema
+    from gateway.api.tools import Tool, ToolChoice, output_schema
 
     params = {"type": "object", "properties": {"order_id": {"type": "string"}, "express": {"type": "boolean"},
                                                "items": {"type": "array", "items": {"type": "object", "properties": {
@@ -116,7 +116,7 @@ def main() -> int:
     ap.add_argument("--server-bin", default=None)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    from gateway.registry import load_registry
+    from gateway.models.registry import load_registry
 
     reg = load_registry(ROOT / "models.yaml")
     spec = reg.models[MODEL]

@@ -35,8 +35,8 @@ PROVIDER = {"cpu": "cpu", "cuda": "cuda", "directml": "dml"}
 
 
 def model_path(variant: str, backend: str) -> str:
-    from gateway.convert import convert
-    from gateway.registry import load_registry
+    from gateway.models.convert import convert
+    from gateway.models.registry import load_registry
 
     reg = load_registry(ROOT / "models.yaml")
     spec = reg.models[MODEL]

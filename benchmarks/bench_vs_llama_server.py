@@ -73,7 +73,7 @@ def main() -> int:
     conc = [int(c) for c in args.concurrency.split(",")]
     np_ = max(conc)
     sys.path.insert(0, str(ROOT))
-    from gateway.registry import load_registry
+    from gateway.models.registry import load_registry
 
     reg = load_registry(ROOT / "models.yaml")
     spec = reg.models[MODEL]

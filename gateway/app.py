@@ -13,19 +13,19 @@ from fastapi import FastAPI
 
 from engines.base import EngineConfig, EngineHealth
 from engines.registry import create_engine
-from gateway.admission import Admission
-from gateway.embeddings import EmbeddingService
-from gateway.errors import install_error_handlers
-from gateway.functional_check import CheckResult, run_isolated
-from gateway.guards import Drain, Guards, Policy, is_loopback_bind
-from gateway.hardware import HostCapabilities, probe_host, vulkan_visible_env
+from gateway.api.admission import Admission
+from gateway.api.embeddings import EmbeddingService
+from gateway.api.errors import install_error_handlers
+from gateway.api.guards import Drain, Guards, Policy, is_loopback_bind
+from gateway.api.routes import openapi_schema, router
+from gateway.api.serving import ChatService, CompletionService
+from gateway.host.functional_check import CheckResult, run_isolated
+from gateway.host.hardware import HostCapabilities, probe_host, vulkan_visible_env
 from gateway.metrics import Metrics
-from gateway.pool import Checker, EngineFactory, ModelManager
-from gateway.registry import Registry, load_registry
-from gateway.routes import openapi_schema, router
-from gateway.serving import ChatService, CompletionService
+from gateway.models.pool import Checker, EngineFactory, ModelManager
+from gateway.models.registry import Registry, load_registry
+from gateway.parity.shadow import ShadowParity
 from gateway.settings import Settings
-from gateway.shadow import ShadowParity
 
 log = logging.getLogger(__name__)
 

@@ -7,10 +7,10 @@ import logging
 import sys
 from pathlib import Path
 
-from gateway.functional_check import CheckCache
-from gateway.hardware import probe_host
-from gateway.registry import RegistryError, load_registry
-from gateway.selection import Preference, SelectionError, plan
+from gateway.host.functional_check import CheckCache
+from gateway.host.hardware import probe_host
+from gateway.host.selection import Preference, SelectionError, plan
+from gateway.models.registry import RegistryError, load_registry
 from gateway.settings import ENGINE_CHOICES, Settings, parse_size, split_list
 
 log = logging.getLogger("gateway")
@@ -99,8 +99,8 @@ def _models(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from gateway.convert import ConversionError, convert
-    from gateway.registry import ModelUnavailable
+    from gateway.models.convert import ConversionError, convert
+    from gateway.models.registry import ModelUnavailable
 
     try:
         registry = load_registry(args.config or Settings.from_env().config)
@@ -176,8 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--config", default=None, help="models.yaml path")
     c.set_defaults(func=_convert)
     from gateway.bench import add_parser as add_bench
-    from gateway.devices import add_parser as add_devices
-    from gateway.parity_cli import add_parser as add_parity
+    from gateway.host.devices import add_parser as add_devices
+    from gateway.parity.cli import add_parser as add_parity
 
     add_bench(sub)
     add_devices(sub)

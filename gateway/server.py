@@ -22,7 +22,7 @@ from types import FrameType
 import uvicorn
 from fastapi import FastAPI
 
-from gateway.guards import Drain
+from gateway.api.guards import Drain
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ import pytest
 import uvicorn
 
 from gateway.app import create_app
-from gateway.hardware import probe_vulkan, vulkan_visible_env
-from gateway.registry import Registry, load_registry
+from gateway.host.hardware import probe_vulkan, vulkan_visible_env
+from gateway.models.registry import Registry, load_registry
 from gateway.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -100,7 +100,7 @@ def default_registry(registry_path: Path) -> Registry:
 
 
 def needs_convert(target: str) -> None:
-    from gateway.convert import missing_modules
+    from gateway.models.convert import missing_modules
 
     missing = missing_modules(target)
     if missing:
@@ -111,7 +111,7 @@ def needs_convert(target: str) -> None:
 def onnx_fp32(default_registry: Registry) -> Path:
     """SmolLM2 converted from its GGUF to ORT GenAI fp32 (cached in the model cache)."""
     needs_convert("onnx")
-    from gateway.convert import convert
+    from gateway.models.convert import convert
 
     return convert(default_registry, default_registry.models[MODEL], "onnx", "fp32", "cpu")
 
@@ -123,7 +123,7 @@ def hf_reference(default_registry: Registry) -> tuple[Any, Any]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from gateway.convert import hf_checkpoint
+    from gateway.models.convert import hf_checkpoint
 
     path = hf_checkpoint(default_registry, default_registry.models[MODEL])
     torch.manual_seed(0)
@@ -137,6 +137,6 @@ def hf_reference(default_registry: Registry) -> tuple[Any, Any]:
 def coreml_fp16(default_registry: Registry) -> Path:
     """SmolLM2 converted from its GGUF to a stateful CoreML ML program (cached in the model cache)."""
     needs_convert("coreml")
-    from gateway.convert import convert
+    from gateway.models.convert import convert
 
     return convert(default_registry, default_registry.models[MODEL], "coreml", "fp16")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gateway.hardware import (
+from gateway.host.hardware import (
     CpuInfo,
     CudaDevice,
     CudaInfo,

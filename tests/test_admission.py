@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from gateway.admission import Admission, Gate, GateClosed, Rejected
+from gateway.api.admission import Admission, Gate, GateClosed, Rejected
 
 
 async def test_slots_then_fifo_queue() -> None:

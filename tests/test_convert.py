@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from gateway.cli import main
-from gateway.convert import MANIFEST, ConversionError, convert
-from gateway.registry import ModelUnavailable, Registry, load_registry
+from gateway.models.convert import MANIFEST, ConversionError, convert
+from gateway.models.registry import ModelUnavailable, Registry, load_registry
 from tests.conftest import MODEL, ROOT
 
 pytestmark = [
@@ -76,7 +76,7 @@ def test_resolve_prefers_pinned_then_best_artifact(tmp_path: Path) -> None:
 
 
 def test_source_needs_exactly_one_kind(tmp_path: Path) -> None:
-    from gateway.registry import RegistryError
+    from gateway.models.registry import RegistryError
 
     with pytest.raises(RegistryError, match="exactly one of"):
         _registry(tmp_path, {"converted": {"precision": "fp32"}, "path": "x"})
@@ -122,8 +122,8 @@ def test_a_sentencepiece_decoder_on_a_byte_level_tokenizer_is_repaired(tmp_path:
 
     from tokenizers import Tokenizer
 
-    from gateway.convert import ROUND_TRIP_PROBE, repair_byte_level_decoder
-    from gateway.registry import load_registry
+    from gateway.models.convert import ROUND_TRIP_PROBE, repair_byte_level_decoder
+    from gateway.models.registry import load_registry
 
     reg = load_registry(ROOT / "models.yaml")
     good = reg.converted_root(reg.models[MODEL]) / "hf-fp32" / "tokenizer.json"

@@ -61,7 +61,7 @@ def _ids(gateway_url: str, text: str) -> list[int]:
     """The model's token ids for `text`, from llama.cpp's tokenizer on the same GGUF (vocab only)."""
     from llama_cpp import llama_cpp as lc  # the same tokenizer the engine uses
 
-    from gateway.registry import load_registry
+    from gateway.models.registry import load_registry
     from tests.conftest import ROOT
 
     reg = load_registry(ROOT / "models.yaml")

@@ -167,7 +167,7 @@ def test_sampling_is_seeded_and_respects_filters() -> None:
 def decoder(hf_reference: tuple[Any, Any]) -> Any:
     import torch
 
-    from gateway.coreml_export import KVCacheDecoder
+    from gateway.models.coreml_export import KVCacheDecoder
 
     return KVCacheDecoder(hf_reference[0], context_length=128, cache_dtype=torch.float32).eval()
 
@@ -222,7 +222,7 @@ class DecoderMLModel:
 
 @pytest.fixture
 async def torch_backed(decoder: Any, default_registry: Any, tmp_path: Path) -> AsyncIterator[CoreMLEngine]:
-    from gateway.convert import hf_checkpoint
+    from gateway.models.convert import hf_checkpoint
     from tests.conftest import MODEL
 
     hf = hf_checkpoint(default_registry, default_registry.models[MODEL])

@@ -11,7 +11,7 @@ import pytest
 
 from engines.base import ChatMessage, ContextLengthExceeded, EngineConfig, GenerationRequest, SamplingParams
 from engines.llamacpp import LlamaCppEngine
-from gateway.registry import load_registry
+from gateway.models.registry import load_registry
 from tests.conftest import ROOT
 
 

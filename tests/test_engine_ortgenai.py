@@ -26,7 +26,7 @@ from engines.base import (
     SamplingParams,
 )
 from gateway.app import create_app
-from gateway.registry import load_registry
+from gateway.models.registry import load_registry
 from gateway.settings import Settings
 from tests.conftest import MODEL, ROOT, ServerThread
 

@@ -21,8 +21,8 @@ from engines.base import EngineConfig, GenerationRequest, SamplingParams
 from engines.llamacpp import LlamaCppEngine
 from gateway.app import create_app
 from gateway.cli import main as cli
-from gateway.hardware import probe_host
-from gateway.registry import load_registry
+from gateway.host.hardware import probe_host
+from gateway.models.registry import load_registry
 from gateway.settings import Settings
 from tests.conftest import MODEL, ROOT, VULKAN, ServerThread
 

@@ -13,8 +13,8 @@ from starlette.testclient import TestClient
 
 from engines.base import ModelLoadError
 from gateway.app import create_app
-from gateway.hardware import HostCapabilities, VulkanInfo, probe_host
-from gateway.registry import load_registry
+from gateway.host.hardware import HostCapabilities, VulkanInfo, probe_host
+from gateway.models.registry import load_registry
 from gateway.settings import Settings
 from tests import hosts
 from tests.conftest import MODEL, ROOT, ServerThread

@@ -28,7 +28,7 @@ from schemathesis.checks import (
     status_code_conformance,
 )
 
-from gateway.protocol import ChatCompletionChunk, Completion, ErrorResponse
+from gateway.api.protocol import ChatCompletionChunk, Completion, ErrorResponse
 from tests.conftest import MODEL
 
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "120"))

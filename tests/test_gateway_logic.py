@@ -12,7 +12,7 @@ import pytest
 
 from engines.base import EngineConfig
 from gateway.app import create_app
-from gateway.registry import load_registry
+from gateway.models.registry import load_registry
 from gateway.settings import Settings
 from tests import hosts
 from tests.conftest import ServerThread
@@ -211,7 +211,7 @@ def test_an_embedding_only_model_serves_embeddings_and_refuses_chat(tmp_path: Pa
 
 @pytest.mark.parametrize("rank", [False, True])
 def test_rank_by_speed_serves_the_faster_engine_on_one_device(tmp_path: Path, rank: bool) -> None:
-    from gateway.hardware import OrtBuild
+    from gateway.host.hardware import OrtBuild
 
     (tmp_path / "m.gguf").write_bytes(b"GGUF")
     (tmp_path / "m-onnx").mkdir()

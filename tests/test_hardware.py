@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.hardware import probe_cuda, probe_host, probe_vulkan, run_child
+from gateway.host.hardware import probe_cuda, probe_host, probe_vulkan, run_child
 
 ROOT = Path(__file__).resolve().parent.parent
 HAVE_LOADER = Path("/usr/lib/x86_64-linux-gnu/libvulkan.so.1").exists() or bool(shutil.which("vulkaninfo"))
@@ -112,7 +112,7 @@ def test_a_driver_older_than_vulkan_1_2_is_named(broken_icd: Path, tmp_path: Pat
 
 
 def test_nvidia_driver_without_libglvnd_or_device_nodes_gets_the_remedy(tmp_path: Path) -> None:
-    from gateway.vulkan_probe import runtime_problems, soname_remedy
+    from gateway.host.vulkan_probe import runtime_problems, soname_remedy
 
     (tmp_path / "nvidiactl").touch()
     problems = runtime_problems("/usr/lib/x86_64-linux-gnu/libGLX_nvidia.so.0",

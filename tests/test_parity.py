@@ -14,7 +14,8 @@ import pytest
 
 from engines.base import Engine
 from gateway.cli import main as cli
-from gateway.parity import (
+from gateway.models.registry import ModelUnavailable, ParityTolerance, Registry, load_registry
+from gateway.parity.compare import (
     Scores,
     VocabularyMismatch,
     compare,
@@ -26,7 +27,6 @@ from gateway.parity import (
     tolerance_for,
     top_k_ids,
 )
-from gateway.registry import ModelUnavailable, ParityTolerance, Registry, load_registry
 from gateway.settings import Settings
 from tests.conftest import MODEL, ROOT
 
@@ -97,7 +97,7 @@ def test_tolerance_table_and_model_override() -> None:
 
 
 def test_models_yaml_parity_field_is_validated(tmp_path: Path) -> None:
-    from gateway.registry import RegistryError
+    from gateway.models.registry import RegistryError
 
     cfg = tmp_path / "models.yaml"
     cfg.write_text("models:\n  - id: m\n    formats: {gguf: {path: x.gguf}}\n    parity: {max_mean_kl: 0.01}\n")

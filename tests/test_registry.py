@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.registry import ModelUnavailable, RegistryError, load_registry
+from gateway.models.registry import ModelUnavailable, RegistryError, load_registry
 from tests.conftest import ROOT
 
 
@@ -187,8 +187,8 @@ def test_hf_missing_file_is_a_clear_error(tmp_path: Path, hub: str) -> None:
 
 
 def test_coreml_compute_units_are_validated_and_reach_the_engine(tmp_path: Path) -> None:
-    from gateway.pool import ModelManager
-    from gateway.selection import Candidate
+    from gateway.host.selection import Candidate
+    from gateway.models.pool import ModelManager
     from gateway.settings import Settings
 
     p = _write(tmp_path, "models:\n  - id: m\n    compute_units: CPU_AND_NE\n    formats:\n      coreml: {converted: {}}\n")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.hardware import CudaInfo, HostCapabilities
-from gateway.registry import ModelSpec
-from gateway.selection import Preference, SelectionError, plan
+from gateway.host.hardware import CudaInfo, HostCapabilities
+from gateway.host.selection import Preference, SelectionError, plan
+from gateway.models.registry import ModelSpec
 from tests import hosts
 
 GGUF = ModelSpec.model_validate({"id": "m", "formats": {"gguf": {"path": "m.gguf"}}})

@@ -17,10 +17,10 @@ import pytest
 from engines.base import EngineConfig, ModelLoadError
 from gateway.app import create_app
 from gateway.metrics import Metrics
-from gateway.pool import ModelManager
-from gateway.registry import load_registry
+from gateway.models.pool import ModelManager
+from gateway.models.registry import load_registry
+from gateway.parity.shadow import ShadowParity, ShadowSample
 from gateway.settings import Settings
-from gateway.shadow import ShadowParity, ShadowSample
 from tests import hosts
 from tests.conftest import MODEL, ROOT, ServerThread
 from tests.fakes import FakeEngine

@@ -14,7 +14,7 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from gateway.tools import ArgumentsDelta, CallStarted, ContentDelta, StreamParser
+from gateway.api.tools import ArgumentsDelta, CallStarted, ContentDelta, StreamParser
 from tests.conftest import MODEL
 
 WEATHER = {

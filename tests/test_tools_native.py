@@ -17,7 +17,7 @@ import yaml
 from engines.base import ChatMessage, EngineConfig, GenerationRequest, SamplingParams, ToolCallRecord
 from engines.llamacpp import LlamaCppEngine
 from gateway.app import create_app
-from gateway.registry import load_registry
+from gateway.models.registry import load_registry
 from gateway.settings import Settings
 from tests.conftest import MODEL, ROOT, ServerThread
 from tests.test_tools import ASK, SCHEMAS, TOOLS

@@ -156,5 +156,5 @@ if __name__ == "__main__":  # the child-process entry of `gateway convert --to c
     import sys
 
     if len(sys.argv) != 5:
-        sys.exit("usage: python -m gateway.coreml_export HF_DIR OUT_DIR PRECISION CONTEXT_LENGTH")
+        sys.exit("usage: python -m gateway.models.coreml_export HF_DIR OUT_DIR PRECISION CONTEXT_LENGTH")
     hf_to_coreml(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], int(sys.argv[4]))

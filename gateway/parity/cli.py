@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from gateway.parity import (
+from gateway.models.registry import RegistryError, load_registry
+from gateway.parity.compare import (
     DEFAULT_PROMPTS,
     DEFAULT_TOKENS,
     DEFAULT_TOP_K,
@@ -22,7 +23,6 @@ from gateway.parity import (
     Scores,
     run_parity,
 )
-from gateway.registry import RegistryError, load_registry
 from gateway.settings import ENGINE_CHOICES, Settings
 
 log = logging.getLogger(__name__)

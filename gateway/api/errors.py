@@ -20,15 +20,15 @@ from engines.base import (
     ModelLoadError,
     ModelNotAvailable,
 )
-from gateway.admission import GateClosed, Rejected
-from gateway.protocol import ErrorBody, ErrorResponse
+from gateway.api.admission import GateClosed, Rejected
+from gateway.api.protocol import ErrorBody, ErrorResponse
 
 if TYPE_CHECKING:
     from gateway.metrics import RequestObserver
 
 log = logging.getLogger(__name__)
 
-# The id of the request being served (set by gateway.guards), for log lines anywhere below it.
+# The id of the request being served (set by gateway.api.guards), for log lines anywhere below it.
 REQUEST_ID: ContextVar[str] = ContextVar("request_id", default="-")
 
 
@@ -184,4 +184,4 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(EngineError, api_error)
     app.add_exception_handler(RequestValidationError, validation)
     app.add_exception_handler(StarletteHTTPException, http_error)
-    # Anything else is caught by gateway.guards, outside the app, with the request id.
+    # Anything else is caught by gateway.api.guards, outside the app, with the request id.

@@ -215,7 +215,7 @@ def _vulkan_device(d: dict[str, Any]) -> VulkanDevice:
 
 
 def probe_vulkan() -> VulkanInfo:
-    r = run_child("gateway.vulkan_probe")
+    r = run_child("gateway.host.vulkan_probe")
     return VulkanInfo(
         loader=r.get("loader"),
         loader_api_version=r.get("loader_api_version", ""),
@@ -230,7 +230,7 @@ def probe_vulkan() -> VulkanInfo:
 
 
 def probe_cuda() -> CudaInfo:
-    r = run_child("gateway.cuda_probe")
+    r = run_child("gateway.host.cuda_probe")
     return CudaInfo(
         devices=tuple(CudaDevice(**d) for d in r.get("devices", [])),
         driver_version=r.get("driver_version"),
@@ -269,7 +269,7 @@ def probe_ort() -> OrtBuild:
             continue
     if not packages:
         return OrtBuild(error="no ONNX Runtime package is installed")
-    r = run_child("gateway.hardware")
+    r = run_child("gateway.host.hardware")
     return OrtBuild(packages=tuple(packages), providers=tuple(r.get("providers", [])), error=r.get("error"))
 
 

@@ -6,7 +6,7 @@ device's properties, limits and memory heaps. When the loader finds no device we
 the installed ICD manifests and ask each driver why (`vk_icdNegotiateLoaderICDInterfaceVersion`),
 so "driver present but failed to initialise" can be told apart from "no driver".
 
-Run it in a child process (`python -m gateway.vulkan_probe`): a broken driver may crash,
+Run it in a child process (`python -m gateway.host.vulkan_probe`): a broken driver may crash,
 and the gateway must survive that.
 """
 

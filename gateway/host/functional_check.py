@@ -4,7 +4,7 @@ A driver that crashes, hangs or runs out of memory takes the child down, not the
 the pool then falls back to the next candidate with the reason. Results are cached per
 (model file, runtime build, device, driver), so a host pays for each check once.
 
-`python -m gateway.functional_check '<json>'` is the child: it prints one JSON line.
+`python -m gateway.host.functional_check '<json>'` is the child: it prints one JSON line.
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def run_isolated(runtime: str, config: EngineConfig, timeout: float, env: dict[s
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "gateway.functional_check", payload],
+            [sys.executable, "-m", "gateway.host.functional_check", payload],
             capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})},
         )
     except subprocess.TimeoutExpired:

@@ -27,10 +27,10 @@ import numpy.typing as npt
 
 from engines.base import Engine, EngineError, GenerationRequest, SamplingParams
 from engines.registry import create_engine
-from gateway.hardware import HostCapabilities, probe_host, vulkan_visible_env
-from gateway.pool import engine_config
-from gateway.registry import ModelSpec, ModelUnavailable, ParityTolerance, Registry
-from gateway.selection import Preference, SelectionError, plan
+from gateway.host.hardware import HostCapabilities, probe_host, vulkan_visible_env
+from gateway.host.selection import Preference, SelectionError, plan
+from gateway.models.pool import engine_config
+from gateway.models.registry import ModelSpec, ModelUnavailable, ParityTolerance, Registry
 from gateway.settings import Settings
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.errors import REQUEST_ID, APIError, outcome_of, to_api_error
+from gateway.api.errors import REQUEST_ID, APIError, outcome_of, to_api_error
 from gateway.metrics import Metrics
 
 log = logging.getLogger(__name__)

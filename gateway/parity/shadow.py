@@ -3,7 +3,7 @@
 A finished request is offered with its prompt and generated token ids; with probability `sample`
 it goes into a bounded queue (dropped and counted when full, so serving never waits).  One
 background task teacher-forces each sample through the reference engine (loaded lazily, one per
-model) and the engine that served it, compares the distributions with `gateway.parity`, exports
+model) and the engine that served it, compares the distributions with `gateway.parity.compare`, exports
 the numbers as Prometheus metrics, and judges a rolling window per (model, engine) against the
 model's parity tolerance.  A drifting engine is reported in `/health` and, with `enforce`, taken
 out of selection so the model manager falls back to the next candidate.
@@ -20,9 +20,16 @@ from typing import Any
 
 from engines.base import Engine
 from gateway.metrics import Metrics
-from gateway.parity import PositionStats, Scores, compare_logits, open_engine, precision_class, tolerance_for
-from gateway.pool import Loaded, ModelManager
-from gateway.registry import ParityTolerance
+from gateway.models.pool import Loaded, ModelManager
+from gateway.models.registry import ParityTolerance
+from gateway.parity.compare import (
+    PositionStats,
+    Scores,
+    compare_logits,
+    open_engine,
+    precision_class,
+    tolerance_for,
+)
 from gateway.settings import Settings
 
 log = logging.getLogger(__name__)

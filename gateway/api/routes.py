@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gateway.protocol import (
+from gateway.api.protocol import (
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -22,8 +22,8 @@ from gateway.protocol import (
     ModelCard,
     ModelList,
 )
-from gateway.serving import ChatService, CompletionService, Prepared, model_spec
-from gateway.sse import sse_response, until_disconnect
+from gateway.api.serving import ChatService, CompletionService, Prepared, model_spec
+from gateway.api.sse import sse_response, until_disconnect
 
 router = APIRouter()
 

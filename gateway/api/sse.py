@@ -11,7 +11,7 @@ from typing import TypeVar
 from sse_starlette import EventSourceResponse
 from starlette.requests import Request
 
-from gateway.errors import ClientDisconnected, to_api_error
+from gateway.api.errors import ClientDisconnected, to_api_error
 
 log = logging.getLogger(__name__)
 

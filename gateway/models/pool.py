@@ -14,11 +14,11 @@ from pathlib import Path
 
 from engines.base import Engine, EngineConfig, EngineError, ModelLoadError, ModelNotAvailable
 from engines.registry import create_engine
-from gateway.functional_check import CheckCache, CheckResult, fingerprint, measure_decode, one_token
-from gateway.hardware import HostCapabilities, probe_host, vulkan_visible_env
+from gateway.host.functional_check import CheckCache, CheckResult, fingerprint, measure_decode, one_token
+from gateway.host.hardware import HostCapabilities, probe_host, vulkan_visible_env
+from gateway.host.selection import Candidate, Plan, Preference, SelectionError, plan
 from gateway.metrics import Metrics
-from gateway.registry import ModelSpec, ModelUnavailable, Registry
-from gateway.selection import Candidate, Plan, Preference, SelectionError, plan
+from gateway.models.registry import ModelSpec, ModelUnavailable, Registry
 from gateway.settings import Settings
 
 log = logging.getLogger(__name__)

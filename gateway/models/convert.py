@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from gateway.registry import ModelSpec, Registry
+from gateway.models.registry import ModelSpec, Registry
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ def convert(
         else:
             progress(f"[2/2] Hugging Face -> CoreML ML program ({precision}, stateful KV cache) ...")
             _run_step(
-                [sys.executable, "-m", "gateway.coreml_export", str(hf), str(tmp), precision, str(spec.context_length)],
+                [sys.executable, "-m", "gateway.models.coreml_export", str(hf), str(tmp), precision, str(spec.context_length)],
                 "CoreML conversion", show_output,
             )
     _write_manifest(out, spec, to, precision, provider if to == "onnx" else None, hf)
@@ -111,7 +111,7 @@ def hf_checkpoint(
     gguf = registry.resolve(spec, "gguf")
     progress(f"[1/2] GGUF -> Hugging Face fp32 (dequantising {gguf.name}) ...")
     with _staging(out) as tmp:
-        _run_step([sys.executable, "-m", "gateway.convert", "gguf-to-hf", str(gguf), str(tmp)],
+        _run_step([sys.executable, "-m", "gateway.models.convert", "gguf-to-hf", str(gguf), str(tmp)],
                   "GGUF -> Hugging Face", show_output)
     _write_manifest(out, spec, "hf", "fp32", None, gguf)
     return out
@@ -221,5 +221,5 @@ def _write_manifest(out: Path, spec: ModelSpec, fmt: str, precision: str, provid
 
 if __name__ == "__main__":  # the child-process entry of one step: gguf-to-hf GGUF OUT
     if len(sys.argv) != 4 or sys.argv[1] != "gguf-to-hf":
-        sys.exit("usage: python -m gateway.convert gguf-to-hf GGUF OUT")
+        sys.exit("usage: python -m gateway.models.convert gguf-to-hf GGUF OUT")
     gguf_to_hf(Path(sys.argv[2]), Path(sys.argv[3]))

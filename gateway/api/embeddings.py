@@ -7,11 +7,11 @@ import time
 
 import numpy as np
 
-from gateway.errors import invalid, record
+from gateway.api.errors import invalid, record
+from gateway.api.protocol import Embedding, EmbeddingList, EmbeddingRequest, EmbeddingUsage
+from gateway.api.serving import check_prompt_chars, model_spec
 from gateway.metrics import Metrics
-from gateway.pool import ModelManager
-from gateway.protocol import Embedding, EmbeddingList, EmbeddingRequest, EmbeddingUsage
-from gateway.serving import check_prompt_chars, model_spec
+from gateway.models.pool import ModelManager
 
 
 def _inputs(req: EmbeddingRequest) -> list[str] | list[list[int]]:

@@ -21,13 +21,11 @@ from engines.base import (
     TokenLogprob,
     Usage,
 )
-from gateway import tools
-from gateway.admission import Admission, Ticket
-from gateway.errors import APIError, ServerShutdown, invalid, record
-from gateway.guards import Drain
-from gateway.metrics import Metrics, RequestObserver
-from gateway.pool import Loaded, ModelManager
-from gateway.protocol import (
+from gateway.api import tools
+from gateway.api.admission import Admission, Ticket
+from gateway.api.errors import APIError, ServerShutdown, invalid, record
+from gateway.api.guards import Drain
+from gateway.api.protocol import (
     AssistantMessage,
     ChatChoice,
     ChatCompletion,
@@ -49,7 +47,9 @@ from gateway.protocol import (
     TopLogprobOut,
     UsageOut,
 )
-from gateway.registry import ModelSpec, Registry
+from gateway.metrics import Metrics, RequestObserver
+from gateway.models.pool import Loaded, ModelManager
+from gateway.models.registry import ModelSpec, Registry
 
 
 def _stops(stop: str | list[str] | None) -> tuple[str, ...]:

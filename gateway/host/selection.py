@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
-from gateway.hardware import HostCapabilities, VulkanDevice
-from gateway.registry import ModelSpec
+from gateway.host.hardware import HostCapabilities, VulkanDevice
+from gateway.models.registry import ModelSpec
 
 # What each runtime consumes.
 RUNTIME_FORMAT = {"llamacpp": "gguf", "ortgenai": "onnx", "coreml": "coreml"}

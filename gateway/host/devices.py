@@ -8,11 +8,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from gateway.functional_check import CheckCache, fingerprint, run_isolated
-from gateway.hardware import EP_MATRIX, HostCapabilities, probe_host, vulkan_visible_env
-from gateway.pool import engine_config, fingerprint_parts
-from gateway.registry import RegistryError, load_registry
-from gateway.selection import Plan, Preference, SelectionError, plan
+from gateway.host.functional_check import CheckCache, fingerprint, run_isolated
+from gateway.host.hardware import EP_MATRIX, HostCapabilities, probe_host, vulkan_visible_env
+from gateway.host.selection import Plan, Preference, SelectionError, plan
+from gateway.models.pool import engine_config, fingerprint_parts
+from gateway.models.registry import RegistryError, load_registry
 from gateway.settings import ENGINE_CHOICES, Settings
 
 

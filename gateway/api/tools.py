@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from engines.base import HERMES_CLOSE, HERMES_OPEN, ChatMessage, ToolCallRecord, arguments_value
 
 if TYPE_CHECKING:
-    from gateway.protocol import ChatCompletionRequest
+    from gateway.api.protocol import ChatCompletionRequest
 
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 # Calls in one parallel answer: at most this many, or one per tool when there are more tools.

@@ -2,7 +2,7 @@
 
 The driver API honours `CUDA_VISIBLE_DEVICES`, so the indices here are the ones every
 CUDA program on this host (llama.cpp's `CUDA0`, ORT's `device_id`) will use. Run it in a
-child process (`python -m gateway.cuda_probe`): `cuInit` must not touch the gateway itself.
+child process (`python -m gateway.host.cuda_probe`): `cuInit` must not touch the gateway itself.
 """
 
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP API: routes, wire shapes, serving, SSE, errors and request guards."""

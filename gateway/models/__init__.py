@@ -1,0 +1,1 @@
+"""Models: the models.yaml registry, resident engines and their worker processes, conversions."""

@@ -1,0 +1,1 @@
+"""Logit parity between engines: offline comparison, its command line, and shadow mode."""
