@@ -26,6 +26,7 @@ from gateway.models.pool import Checker, EngineFactory, ModelManager
 from gateway.models.registry import Registry, load_registry
 from gateway.parity.shadow import ShadowParity
 from gateway.settings import Settings
+from gateway.web import install as install_web
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +115,7 @@ def create_app(
     app.state.startup_error = None
     install_error_handlers(app)
     app.include_router(router)
+    install_web(app, resident)
     app.openapi = lambda: openapi_schema(app)  # type: ignore[method-assign]
 
     app.add_middleware(Guards, policy=policy(settings), drain=drain, metrics=metrics)

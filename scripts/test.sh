@@ -15,5 +15,10 @@ if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null; then
   $sudo apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends prometheus
 fi
+# The web page's browser tests drive Debian's chromium through Playwright (never `playwright install`).
+if ! command -v chromium >/dev/null; then
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends chromium
+fi
 .venv/bin/ruff check gateway engines tests
 exec .venv/bin/python -m pytest -q "$@"

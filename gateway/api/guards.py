@@ -84,9 +84,13 @@ class Guards:
         self.drain = drain
         self.metrics = metrics
 
-    def origin_allowed(self, origin: str) -> bool:
+    def origin_allowed(self, origin: str, host: str) -> bool:
         allowed = self.policy.allowed_origins
-        return bool(_LOOPBACK_ORIGIN.match(origin)) or "*" in allowed or origin.rstrip("/") in allowed
+        if _LOOPBACK_ORIGIN.match(origin) or "*" in allowed or origin.rstrip("/") in allowed:
+            return True
+        # The gateway's own web page, reached by a name the Host check accepted: same-origin. Without
+        # the Host check a rebound DNS name would look same-origin too, so it needs --allowed-origins.
+        return self.policy.check_host and origin.lower().split("://", 1)[-1].rstrip("/") == host.lower()
 
     def host_allowed(self, host: str) -> bool:
         if not self.policy.check_host:
@@ -124,7 +128,7 @@ class Guards:
                                        "add it with --allowed-hosts", type="permission_error", code="host_not_allowed"))
             return
         if origin is not None:
-            if not self.origin_allowed(origin):
+            if not self.origin_allowed(origin, headers.get("host", "")):
                 await refuse(APIError(403, f"origin {origin!r} is not allowed; add it with --allowed-origins",
                                       type="permission_error", code="origin_not_allowed"))
                 return
@@ -134,7 +138,9 @@ class Guards:
                 await self._preflight(send, headers, extra, refuse)
                 return
         api = path.startswith("/v1/")
-        keys = self.policy.api_keys if api else (self.policy.metrics_keys if path == "/metrics" else ())
+        # /api/* is the web page's JSON (status, load/unload): the same keys as /v1.
+        keyed = api or path.startswith("/api/")
+        keys = self.policy.api_keys if keyed else (self.policy.metrics_keys if path == "/metrics" else ())
         if keys and not key_matches(_bearer(headers.get("authorization", "")), keys):
             await refuse(APIError(401, "invalid or missing API key (send Authorization: Bearer <key>)",
                                   type="authentication_error", code="invalid_api_key"),

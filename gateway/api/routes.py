@@ -44,7 +44,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 
-def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     """The documented error responses of a route that can answer with these statuses."""
     return {status: _ERRORS[status] for status in statuses}
 
@@ -162,12 +162,12 @@ def _card(request: Request, spec: Any) -> ModelCard:
     )
 
 
-@router.get("/v1/models", responses=_errors(401, 403))
+@router.get("/v1/models", responses=error_responses(401, 403))
 async def list_models(request: Request) -> ModelList:
     return ModelList(data=[_card(request, spec) for spec in request.app.state.manager.registry.models.values()])
 
 
-@router.get("/v1/models/{model_id:path}", responses=_errors(401, 403, 404))
+@router.get("/v1/models/{model_id:path}", responses=error_responses(401, 403, 404))
 async def get_model(model_id: str, request: Request) -> ModelCard:
     return _card(request, model_spec(request.app.state.manager.registry, model_id))
 
@@ -182,14 +182,14 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> EmbeddingList:
 
 @router.get("/metrics", response_class=Response, responses={
     200: {"description": "Prometheus text format", "content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}}},
-    **_errors(401, 403)})
+    **error_responses(401, 403)})
 async def metrics(request: Request) -> Response:
     return Response(generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.get("/health", response_model=HealthResponse, responses={
     503: {"model": HealthResponse, "description": "Not ready: loading, failed, or draining (`Retry-After`)"},
-    **_errors(403)})
+    **error_responses(403)})
 async def health(request: Request) -> JSONResponse:
     manager = request.app.state.manager
     default = manager.registry.default

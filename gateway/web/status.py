@@ -1,0 +1,250 @@
+"""The JSON the web page reads, usable by scripts too: `/api/status` (models and live numbers),
+`/api/devices` (what `gateway devices` shows) and load/unload of a model. Behind the API key like
+/v1 (gateway.api.guards)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Query, Request
+from pydantic import BaseModel
+
+from gateway.api.errors import APIError
+from gateway.api.protocol import ErrorResponse
+from gateway.api.routes import error_responses
+from gateway.api.serving import model_spec
+from gateway.host.devices import render
+from gateway.host.functional_check import fingerprint
+from gateway.host.hardware import EP_MATRIX
+from gateway.host.selection import Candidate, Plan, SelectionError
+from gateway.metrics import SLO_E2E_S, SLO_TPOT_S, SLO_TTFT_S
+from gateway.models.pool import ModelManager, engine_config, fingerprint_parts
+from gateway.models.registry import ModelSpec
+from gateway.web.live import HISTORY_S, RATE_WINDOW_S, SAMPLE_S, WINDOW_S, LiveStats, Point, Totals
+
+router = APIRouter(prefix="/api")
+
+
+class FailedCandidate(BaseModel):
+    candidate: str
+    reason: str
+
+
+class ParityEngine(BaseModel):
+    """Shadow parity of one serving engine (`gateway serve --parity-reference`)."""
+
+    engine: str
+    device: str
+    drifted: bool
+    reason: str | None
+    scored: int
+    mean_kl: float | None
+
+
+class ModelStatus(BaseModel):
+    id: str
+    description: str
+    endpoints: list[str]
+    available: bool  # its files are on this machine (no download needed)
+    state: Literal["loaded", "loading", "failed", "not_loaded"]
+    engine: str | None  # runtime/backend serving it, as in X-Engine
+    device: str | None  # as in X-Device
+    running: int
+    waiting: int  # in the engine and in the gateway's queue
+    load_seconds: float | None
+    fallback_reason: str | None  # why preferred engines are not serving it
+    error: str | None  # why the last load failed
+    failed_candidates: list[FailedCandidate]
+    parity: list[ParityEngine]  # empty when shadow parity is off
+    excluded: dict[str, str]  # engine -> why it was taken out of selection (parity drift)
+
+
+class Slo(BaseModel):
+    """The SLO thresholds of deploy/prometheus/rules.yml (gateway.metrics holds them)."""
+
+    ttft_s: float
+    tpot_s: float
+    e2e_s: float
+
+
+class Live(BaseModel):
+    window_s: float  # percentiles and 429 counts cover this span
+    rate_window_s: float  # tokens per second cover this span
+    sample_s: float  # at most one point per this many seconds
+    history_s: float  # points kept
+    slo: Slo
+    totals: Totals
+    points: list[Point]  # oldest first; only those newer than `since` when it is given
+
+
+class StatusResponse(BaseModel):
+    """`GET /api/status`: every configured model and the live numbers."""
+
+    time: float  # server time (Unix seconds): pass the last point's `t` as `since` next time
+    uptime_s: float
+    default_model: str
+    draining: bool
+    parity_reference: str | None  # the reference engine of shadow parity; None when off
+    models: list[ModelStatus]
+    live: Live
+
+
+class CheckOut(BaseModel):
+    ok: bool
+    reason: str
+    tok_s: float | None
+
+
+class CandidateOut(BaseModel):
+    runtime: str
+    engine: str
+    device: str
+    device_key: str
+    check: CheckOut | None  # the cached functional check; None when not checked yet
+    serving: bool  # this candidate serves the model now
+
+
+class SkipOut(BaseModel):
+    what: str
+    why: str
+    kind: str  # "unusable": present but cannot serve (a fallback); "absent": nothing of the kind here
+
+
+class PlanOut(BaseModel):
+    candidates: list[CandidateOut] = []
+    skipped: list[SkipOut] = []
+    error: str | None = None  # no engine can serve the model here
+
+
+class DevicesResponse(BaseModel):
+    """`GET /api/devices`: what `gateway devices --json` prints, for the served host, plus its text."""
+
+    host: dict[str, Any]  # the probe (HostCapabilities)
+    ep_matrix: list[dict[str, Any]]
+    plans: dict[str, PlanOut]  # per configured model, in preference order
+    text: str  # the `gateway devices` table as the command prints it
+
+
+def _model(request: Request, spec: ModelSpec) -> ModelStatus:
+    state = request.app.state
+    manager: ModelManager = state.manager
+    entry = next((e for e in manager.loaded() if e.spec.id == spec.id), None)
+    usage = next(((h.running, h.waiting) for m, _, _, h in state.live.resident() if m == spec.id), (0, 0))
+    shadow = state.shadow.status() if state.shadow is not None else {"engines": [], "excluded": {}}
+    return ModelStatus(
+        id=spec.id,
+        description=spec.description,
+        endpoints=spec.endpoints(),
+        available=any(manager.registry.local_path(spec, f) is not None for f in spec.formats),
+        state=("loaded" if entry is not None else "loading" if spec.id in manager.loading
+               else "failed" if spec.id in manager.load_errors else "not_loaded"),
+        engine=entry.candidate.label if entry else None,
+        device=entry.candidate.device if entry else None,
+        running=usage[0],
+        waiting=usage[1],
+        load_seconds=round(entry.load_seconds, 2) if entry else None,
+        fallback_reason=(entry.fallback_reason or None) if entry else None,
+        error=manager.load_errors.get(spec.id),
+        failed_candidates=[FailedCandidate(candidate=c, reason=r) for c, r in manager.attempts.get(spec.id, [])],
+        parity=[ParityEngine(engine=p["engine"], device=p["device"], drifted=p["drifted"], reason=p["reason"],
+                             scored=p["scored"], mean_kl=p["mean_kl"])
+                for p in shadow["engines"] if p["model"] == spec.id],
+        excluded=shadow["excluded"].get(spec.id, {}),
+    )
+
+
+@router.get("/status", responses=error_responses(401, 403))
+async def status(request: Request, since: Annotated[float | None, Query(
+        description="only live points newer than this server time (the last `t` you have)")] = None) -> StatusResponse:
+    state = request.app.state
+    live: LiveStats = state.live
+    live.sample()
+    manager: ModelManager = state.manager
+    now = live.points[-1].t if live.points else 0.0
+    return StatusResponse(
+        time=now,
+        uptime_s=round(now - state.started, 1),
+        default_model=manager.registry.default,
+        draining=state.drain.draining,
+        parity_reference=state.shadow.reference if state.shadow is not None else None,
+        models=[_model(request, spec) for spec in manager.registry.models.values()],
+        live=Live(window_s=WINDOW_S, rate_window_s=RATE_WINDOW_S, sample_s=SAMPLE_S, history_s=HISTORY_S,
+                  slo=Slo(ttft_s=SLO_TTFT_S, tpot_s=SLO_TPOT_S, e2e_s=SLO_E2E_S),
+                  totals=live.totals(), points=live.since(since)),
+    )
+
+
+def _check(manager: ModelManager, spec: ModelSpec, cand: Candidate) -> CheckOut | None:
+    """The functional check cached for `cand`, looked up as `gateway devices` does."""
+    path = manager.registry.local_path(spec, cand.format)
+    if path is None:
+        return None
+    config = engine_config(spec, cand, str(path), manager.settings)
+    result = manager.checks.get(fingerprint(cand.runtime, config, *fingerprint_parts(manager.host, cand)))
+    return None if result is None else CheckOut(ok=result.ok, reason=result.reason, tok_s=result.tok_s)
+
+
+@router.get("/devices", responses=error_responses(401, 403))
+async def devices(request: Request) -> DevicesResponse:
+    manager: ModelManager = request.app.state.manager
+    serving = {e.spec.id: e.candidate for e in manager.loaded()}
+    plans: dict[str, Plan | str] = {}
+    checks: dict[str, Any] = {}
+    out: dict[str, PlanOut] = {}
+    for spec in manager.registry.models.values():
+        try:
+            p = manager.plan(spec)
+        except SelectionError as exc:
+            plans[spec.id] = str(exc)
+            out[spec.id] = PlanOut(error=str(exc))
+            continue
+        plans[spec.id] = p
+        cands = []
+        for c in p.candidates:
+            check = _check(manager, spec, c)
+            if check is not None:
+                checks[f"{spec.id}|{c.label}|{c.device_key}"] = check.model_dump()
+            cands.append(CandidateOut(runtime=c.runtime, engine=c.backend, device=c.device, device_key=c.device_key,
+                                      check=check, serving=serving.get(spec.id) == c))
+        out[spec.id] = PlanOut(candidates=cands, skipped=[SkipOut(what=s.what, why=s.why, kind=s.kind) for s in p.skipped])
+    host = manager.host
+    return DevicesResponse(
+        host=host.to_dict(),
+        ep_matrix=[{"provider": ep, "os": os_, "gpu": gpu, "package": pkg, "available": ep in host.ort.providers}
+                   for ep, os_, gpu, pkg in EP_MATRIX],
+        plans=out,
+        text=render(host, plans, checks),
+    )
+
+
+_CONFLICT: dict[int | str, dict[str, Any]] = {
+    409: {"model": ErrorResponse, "description": "The model is loading, or is serving requests (unload)"}}
+
+
+@router.post("/models/{model_id:path}/load", responses={**error_responses(401, 403, 404, 503), **_CONFLICT})
+async def load(model_id: str, request: Request) -> ModelStatus:
+    """Load the model now (as its first request would): planned, checked, then resident."""
+    manager: ModelManager = request.app.state.manager
+    spec = model_spec(manager.registry, model_id)
+    await manager.get(spec)
+    return _model(request, spec)
+
+
+@router.post("/models/{model_id:path}/unload", responses={**error_responses(401, 403, 404), **_CONFLICT})
+async def unload(model_id: str, request: Request) -> ModelStatus:
+    """Unload an idle model; its next request loads it again."""
+    manager: ModelManager = request.app.state.manager
+    spec = model_spec(manager.registry, model_id)
+    if spec.id in manager.loading:
+        raise APIError(409, f"model {spec.id!r} is loading; unload it once it is loaded", code="model_loading")
+    entry = next((e for e in manager.loaded() if e.spec.id == spec.id), None)
+    if entry is not None:
+        h = entry.engine.health()
+        busy = h.running + h.waiting + request.app.state.admission.waiting(spec.id)
+        if busy:
+            raise APIError(409, f"model {spec.id!r} has {busy} request(s) running or waiting; unload it when idle",
+                           code="model_busy")
+        # ModelManager has no public unload yet: this is what its LRU eviction (_make_room) does.
+        manager._loaded.pop(spec.id, None)
+        await entry.engine.close()
+    return _model(request, spec)
