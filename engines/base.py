@@ -137,6 +137,7 @@ class EngineHealth:
     detail: str = ""
     running: int = 0
     waiting: int = 0
+    busy_seconds: float = 0.0  # how long the current decode step has run (0 when idle): a watchdog's input
 
 
 @dataclass(frozen=True)
@@ -194,7 +195,7 @@ class Engine(Protocol):
         """Next-token logits at every position of `token_ids`: shape (len(token_ids), n_vocab)."""
         ...
 
-    def tokenize(self, text: str) -> list[int]:
+    async def tokenize(self, text: str) -> list[int]:
         """Token ids of `text` as this engine's model sees it (with BOS where the model adds one)."""
         ...
 
@@ -249,6 +250,10 @@ class EngineClosed(EngineError):
 
 class EngineFailure(EngineError):
     """The runtime failed while generating."""
+
+
+class EngineCrashed(EngineFailure):
+    """The process hosting the engine died or hung (a native crash, an OOM kill, a stuck step)."""
 
 
 def new_token_budget(prompt: list[int], n_ctx: int, max_tokens: int | None) -> int:

@@ -163,7 +163,10 @@ class CoreMLEngine:
 
     # --- text ------------------------------------------------------------------------------
 
-    def tokenize(self, text: str) -> list[int]:
+    async def tokenize(self, text: str) -> list[int]:
+        return self.encode(text)
+
+    def encode(self, text: str) -> list[int]:
         return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
 
     def piece(self, token: int) -> bytes:
@@ -171,11 +174,11 @@ class CoreMLEngine:
 
     def render_prompt(self, request: GenerationRequest) -> list[int]:
         if request.messages is None:
-            return self.tokenize(request.prompt or "")
+            return self.encode(request.prompt or "")
         if self._template is None:
             raise InvalidGenerationRequest("this model has no chat template; use /v1/completions", param="messages")
         try:
-            return self.tokenize(self._template.render(request.messages, request.add_generation_prompt))
+            return self.encode(self._template.render(request.messages, request.add_generation_prompt))
         except Exception as exc:
             raise InvalidGenerationRequest(f"the model's chat template rejected the messages: {exc}", param="messages") from exc
 

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import re
+import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
@@ -226,7 +227,9 @@ class LlamaCppEngine:
         if self._sched is None:
             return EngineHealth(ready=False, detail="not loaded")
         running, waiting = self._sched.counts()
-        return EngineHealth(ready=True, running=running, waiting=waiting)
+        started = self._sched.step_started
+        busy = time.perf_counter() - started if started else 0.0
+        return EngineHealth(ready=True, running=running, waiting=waiting, busy_seconds=busy)
 
     # --- text ------------------------------------------------------------------------------
 
@@ -247,7 +250,10 @@ class LlamaCppEngine:
             self._pieces[token] = out
         return out
 
-    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+    async def tokenize(self, text: str) -> list[int]:
+        return self.encode(text)
+
+    def encode(self, text: str, add_special: bool = True) -> list[int]:
         import llama_cpp as lc
 
         data = text.encode("utf-8")
@@ -262,7 +268,7 @@ class LlamaCppEngine:
 
     def render_prompt(self, request: GenerationRequest) -> list[int]:
         if request.messages is None:
-            return self.tokenize(request.prompt or "")
+            return self.encode(request.prompt or "")
         if self._template is None:
             raise InvalidGenerationRequest(
                 "this model has no chat template; use /v1/completions", param="messages"
@@ -276,7 +282,7 @@ class LlamaCppEngine:
             ) from exc
         # Templates that write the BOS text themselves must not get a second BOS token.
         add_special = not (self._bos_text and text.startswith(self._bos_text))
-        return self.tokenize(text, add_special=add_special)
+        return self.encode(text, add_special=add_special)
 
     # --- generation ------------------------------------------------------------------------
 

@@ -122,6 +122,7 @@ class BatchScheduler:
         self._batch = lc.llama_batch_init(n_batch, 0, 1)
         self._slots = [_Slot(seq_id=i) for i in range(n_parallel)]
         self.prefix_copies = 0  # prompts that took their prefix from another sequence's KV
+        self.step_started = 0.0  # perf_counter() when the running step began; 0 between steps
         self._waiting: deque[Job] = deque()
         self._embeds: deque[EmbedJob] = deque()
         self.embedder: Any = None  # engines.llamacpp_embed.Embedder, set by the engine
@@ -182,6 +183,7 @@ class BatchScheduler:
                 self._drop_cancelled_waiting()
                 self._admit()
                 embeds, self._embeds = list(self._embeds), deque()
+            self.step_started = time.perf_counter()
             for ejob in embeds:
                 self._embed(ejob)
             self._release_cancelled()
@@ -192,6 +194,7 @@ class BatchScheduler:
                     log.exception("llama.cpp batch step failed")
                     for slot in self._active():
                         self._fail(slot, EngineFailure(f"llama.cpp failed: {exc}"))
+            self.step_started = 0.0
         self._shutdown()
 
     def _embed(self, job: EmbedJob) -> None:

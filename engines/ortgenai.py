@@ -193,7 +193,10 @@ class OrtGenAIEngine:
                 f"{back!r}); convert the model again with `gateway convert --force`"
             )
 
-    def tokenize(self, text: str) -> list[int]:
+    async def tokenize(self, text: str) -> list[int]:
+        return self.encode(text)
+
+    def encode(self, text: str) -> list[int]:
         if self._tokenizer is None:
             raise ModelLoadError("model is not loaded")
         return [int(t) for t in self._tokenizer.encode(text)]
@@ -206,7 +209,7 @@ class OrtGenAIEngine:
 
     def render_prompt(self, request: GenerationRequest) -> list[int]:
         if request.messages is None:
-            return self.tokenize(request.prompt or "")
+            return self.encode(request.prompt or "")
         if self._template is None:
             raise InvalidGenerationRequest("this model has no chat template; use /v1/completions", param="messages")
         try:
@@ -215,7 +218,7 @@ class OrtGenAIEngine:
             raise InvalidGenerationRequest(
                 f"the model's chat template rejected the messages: {exc}", param="messages"
             ) from exc
-        ids = self.tokenize(text)
+        ids = self.encode(text)
         bos = self._tokenizer.bos_token_id
         # A template that writes the BOS text itself must not get a second BOS token.
         if len(ids) > 1 and ids[0] == bos and ids[1] == bos:

@@ -12,7 +12,6 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI
 
 from engines.base import EngineConfig, EngineHealth
-from engines.registry import create_engine
 from gateway.api.admission import Admission
 from gateway.api.embeddings import EmbeddingService
 from gateway.api.errors import install_error_handlers
@@ -48,13 +47,14 @@ def create_app(
         registry.default = settings.model
     metrics = Metrics(queue_limit_s=settings.max_queue_wait)
     host = host if host is not None else probe_host()
-    if checker is None and engine_factory is None and settings.isolate_check:
+    # A worker process is itself the isolation the child-process check gives an in-process engine.
+    if checker is None and engine_factory is None and settings.isolate_check and not settings.workers:
         env = vulkan_visible_env(host.vulkan)
 
         def checker(runtime: str, config: EngineConfig) -> CheckResult:
             return run_isolated(runtime, config, settings.check_timeout, env)
 
-    manager = ModelManager(registry, settings, engine_factory or create_engine, metrics, host, checker)
+    manager = ModelManager(registry, settings, engine_factory, metrics, host, checker)
     admission = Admission(settings.max_queue, settings.max_queue_wait)
     drain = Drain()
 

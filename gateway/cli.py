@@ -48,17 +48,17 @@ def _serve(args: argparse.Namespace) -> int:
         host = probe_host()
         if args.recheck:
             CheckCache(Path(registry.cache_dir) / "functional-checks.json").clear()
-        the_plan = plan(default, host, Preference(settings.engine, settings.runtime, settings.device),
-                        registry.formats(default))
+        where = f"{len(default.workers)} remote worker(s)" if default.workers else ""
+        if not default.workers:
+            the_plan = plan(default, host, Preference(settings.engine, settings.runtime, settings.device),
+                            registry.formats(default))
+            first = the_plan.candidates[0]
+            where = f"first choice {first.label} on {first.device} ({len(the_plan.candidates)} candidate(s))"
         app = create_app(settings, registry, host=host)
     except (RegistryError, SelectionError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    first = the_plan.candidates[0]
-    log.info(
-        "serving %s at http://%s:%d/v1; first choice %s on %s (%d candidate(s))",
-        default.id, settings.host, settings.port, first.label, first.device, len(the_plan.candidates),
-    )
+    log.info("serving %s at http://%s:%d/v1; %s", default.id, settings.host, settings.port, where)
     if not run(app, settings.host, settings.port, settings.log_level.lower(), settings.drain_timeout):
         print(f"error: {app.state.startup_error or 'the server did not start (see the log above)'}", file=sys.stderr)
         return 2
@@ -122,6 +122,64 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _worker(args: argparse.Namespace) -> int:
+    """Serve one model to remote gateways over TCP (models.yaml `workers:` on the gateway's side)."""
+    import asyncio
+    import ssl
+
+    from engines.worker import serve_tcp
+    from gateway.models.pool import ModelManager
+
+    host_part, _, port_part = args.listen.rpartition(":")
+    if not host_part or not port_part.isdigit():
+        print(f"error: --listen wants HOST:PORT, not {args.listen!r}", file=sys.stderr)
+        return 2
+    try:
+        tokens = tuple(ln.strip() for ln in Path(args.token_file).read_text().splitlines() if ln.strip())
+    except OSError as exc:
+        print(f"error: cannot read the token file: {exc}", file=sys.stderr)
+        return 2
+    if not tokens or any(len(t) < 16 for t in tokens):
+        print("error: the token file needs one token per line, each at least 16 characters", file=sys.stderr)
+        return 2
+    context = None
+    if args.tls_cert:
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(args.tls_cert, args.tls_key)
+    settings = Settings.from_env(config=args.config, model=args.model, engine=args.engine, runtime=args.runtime,
+                                 device=args.device, parallel=args.parallel, threads=args.threads, workers=False,
+                                 isolate_check=False)
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        registry = load_registry(settings.config)
+    except RegistryError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    spec = registry.get(settings.model or registry.default)
+    if spec is None:
+        print(f"error: unknown model {settings.model!r}; known: {', '.join(registry.models)}", file=sys.stderr)
+        return 2
+
+    async def run() -> None:
+        manager = ModelManager(registry, settings)
+        entry = await manager.get(spec)
+        log.info("worker: %s on %s (%s); listening on %s", spec.id, entry.candidate.label, entry.candidate.device,
+                 args.listen)
+        try:
+            await serve_tcp(entry.engine, host_part.strip("[]"), int(port_part), tokens, context)
+        finally:
+            await manager.close()
+
+    try:
+        asyncio.run(run())
+    except KeyboardInterrupt:
+        return 0
+    except Exception as exc:  # noqa: BLE001 - the command's own error report
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gateway", description="OpenAI-compatible local LLM gateway")
     sub = p.add_subparsers(dest="command", required=True)
@@ -175,6 +233,19 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--force", action="store_true", help="convert again even if the artifact exists")
     c.add_argument("--config", default=None, help="models.yaml path")
     c.set_defaults(func=_convert)
+    w = sub.add_parser("worker", help="serve one model to gateways on other hosts (token required)")
+    w.add_argument("--listen", required=True, metavar="HOST:PORT", help="address to listen on, e.g. 0.0.0.0:7070")
+    w.add_argument("--token-file", required=True, help="file of accepted tokens, one per line (>= 16 characters)")
+    w.add_argument("--model", help="model id (models.yaml's default otherwise)")
+    w.add_argument("--engine", choices=ENGINE_CHOICES, default=None, help="where to run (default auto)")
+    w.add_argument("--runtime", default=None, help="pin a runtime: llamacpp, ortgenai, coreml")
+    w.add_argument("--device", default=None, help="GPU by index or part of its name")
+    w.add_argument("--parallel", type=int, default=None, help="sequences decoded together")
+    w.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    w.add_argument("--config", default=None, help="models.yaml path")
+    w.add_argument("--tls-cert", default=None, help="serve TLS with this certificate (PEM)")
+    w.add_argument("--tls-key", default=None, help="the certificate's private key (PEM)")
+    w.set_defaults(func=_worker)
     from gateway.bench import add_parser as add_bench
     from gateway.host.devices import add_parser as add_devices
     from gateway.parity.cli import add_parser as add_parity

@@ -57,6 +57,7 @@ class Metrics:
         self.gen_tokens = Counter("gateway_generation_tokens", "Tokens generated.", LABELS, registry=r)
         self.requests = Counter("gateway_requests", "Finished requests by outcome (finish reason or error code) and HTTP status.", (*LABELS, "outcome", "status"), registry=r)
         self.fallbacks = Counter("gateway_fallbacks", "Engine candidates skipped, by reason.", ("model", "engine", "reason"), registry=r)
+        self.worker_crashes = Counter("gateway_worker_crashes", "Engine worker processes that died or hung (each is restarted or, past the limit, falls back).", LABELS, registry=r)
         self.loads = Counter("gateway_engine_loads", "Engine load attempts.", (*LABELS, "result"), registry=r)
         self.build = Info("gateway_engine_build", "Engine build of each loaded model.", ("model",), registry=r)
         # Shadow parity: finished requests re-scored against a reference engine (labels: the serving engine).

@@ -50,6 +50,13 @@ class Settings:
     # Rank candidates that share a device by a measured decode speed (32 tokens each, cached with the
     # functional check): off by default, since the first start loads every such candidate once.
     rank_by_speed: bool = False
+    # Engines in supervised worker processes (one per loaded model); off = inside the gateway process.
+    workers: bool = True
+    worker_heartbeat_timeout: float = 3.0  # seconds without a heartbeat answer before a worker is killed
+    worker_step_timeout: float = 120.0  # seconds one engine step may run before the worker is killed
+    worker_max_crashes: int = 3  # crashes within worker_crash_window before the engine falls back
+    worker_crash_window: float = 300.0
+    worker_plugins: tuple[str, ...] = ()  # modules a worker imports first (they register runtimes)
     # Shadow parity: re-score a sample of finished requests on a reference engine (off when None).
     parity_reference: str | None = None  # engine choice, e.g. "cpu"
     parity_sample: float = 0.05  # share of finished requests re-scored
@@ -88,6 +95,12 @@ class Settings:
             isolate_check=e.get("GATEWAY_ISOLATE_CHECK", "1") not in ("0", "false", "no"),
             check_timeout=float(e.get("GATEWAY_CHECK_TIMEOUT", cls.check_timeout)),
             rank_by_speed=e.get("GATEWAY_RANK_BY_SPEED", "0") in ("1", "true", "yes"),
+            workers=e.get("GATEWAY_WORKERS", "1") not in ("0", "false", "no"),
+            worker_heartbeat_timeout=float(e.get("GATEWAY_WORKER_HEARTBEAT_TIMEOUT", cls.worker_heartbeat_timeout)),
+            worker_step_timeout=float(e.get("GATEWAY_WORKER_STEP_TIMEOUT", cls.worker_step_timeout)),
+            worker_max_crashes=int(e.get("GATEWAY_WORKER_MAX_CRASHES", cls.worker_max_crashes)),
+            worker_crash_window=float(e.get("GATEWAY_WORKER_CRASH_WINDOW", cls.worker_crash_window)),
+            worker_plugins=split_list(e.get("GATEWAY_WORKER_PLUGINS", "")),
             parity_reference=e.get("GATEWAY_PARITY_REFERENCE") or None,
             parity_sample=float(e.get("GATEWAY_PARITY_SAMPLE", cls.parity_sample)),
             parity_window=int(e.get("GATEWAY_PARITY_WINDOW", cls.parity_window)),

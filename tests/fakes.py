@@ -81,7 +81,7 @@ class FakeEngine:
             out[i, len(ids) % 8] = 1.0
         return out
 
-    def tokenize(self, text: str) -> list[int]:
+    async def tokenize(self, text: str) -> list[int]:
         return list(range(len(text.split())))
 
     def health(self) -> EngineHealth:

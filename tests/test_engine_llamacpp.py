@@ -46,7 +46,7 @@ async def _run(e: LlamaCppEngine, req: GenerationRequest) -> tuple[list[int], st
 
 async def test_logits_agree_with_greedy_generation(smol: LlamaCppEngine) -> None:
     prompt = "The quick brown fox"
-    ids = smol.tokenize(prompt)
+    ids = await smol.tokenize(prompt)
     toks, _ = await _run(smol, _req(prompt, max_tokens=4))
     logits = await smol.logits(ids + toks[:-1])
     assert logits.shape == (len(ids) + 3, smol._n_vocab)
@@ -92,7 +92,7 @@ async def test_gemma_template_and_generation(tmp_path: Path) -> None:
                                 messages=(ChatMessage("user", "Say hi"),))
         ids = e.render_prompt(req)
         assert ids.count(ids[0]) == 1, "BOS must not be doubled"
-        assert e.tokenize("<start_of_turn>", add_special=False)[0] in ids  # special tokens parsed
+        assert e.encode("<start_of_turn>", add_special=False)[0] in ids  # special tokens parsed
         _, text = await _run(e, req)
         assert text.strip()
     finally:

@@ -85,7 +85,7 @@ async def test_vulkan_logits_agree_with_cpu(vulkan_gateway: tuple[str, object], 
     # Teacher-forced on the CPU engine's greedy continuation.
     req = GenerationRequest("p", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), prompt=PROMPT)
     cont = [t async for ev in cpu_engine.generate(req) for t in ev.token_ids]
-    ids = cpu_engine.tokenize(PROMPT) + cont
+    ids = await cpu_engine.tokenize(PROMPT) + cont
     ref = _log_softmax(await cpu_engine.logits(ids))
     cand = _log_softmax(await vk.logits(ids))
     n = len(cont)

@@ -41,7 +41,9 @@ class Gateway:
                                      env={**os.environ, "GATEWAY_LOG_LEVEL": "info", **(env or {})})
         if not wait_for(f"{self.url}/health", 300, alive=lambda: self.proc.poll() is None):
             state = "exited early" if self.proc.poll() is not None else "did not become ready"
-            raise AssertionError(f"gateway {state}:\n{self.log()}")
+            log = self.log()
+            self.stop()
+            raise AssertionError(f"gateway {state}:\n{log}")
 
     def log(self) -> str:
         self._log.flush()

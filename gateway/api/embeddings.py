@@ -48,7 +48,7 @@ class EmbeddingService:
         c = loaded.candidate
         observer = self.metrics.observe(spec.id, f"{c.runtime}/{c.backend}", c.device, received)
         try:
-            ids = [engine.tokenize(t) if isinstance(t, str) else t for t in raw]
+            ids = [await engine.tokenize(t) if isinstance(t, str) else t for t in raw]
             vectors = await engine.embed(ids)
             width = vectors.shape[1]
             if req.dimensions is not None and req.dimensions != width:

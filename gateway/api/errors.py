@@ -14,6 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from engines.base import (
     ContextLengthExceeded,
     EngineClosed,
+    EngineCrashed,
     EngineError,
     EngineOverloaded,
     InvalidGenerationRequest,
@@ -91,6 +92,8 @@ def from_engine_error(exc: EngineError) -> APIError:
         return APIError(400, str(exc), param=exc.param, code="invalid_value")
     if isinstance(exc, EngineOverloaded):
         return APIError(429, str(exc), type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
+    if isinstance(exc, EngineCrashed):
+        return APIError(502, str(exc), type="server_error", code="engine_failed")
     if isinstance(exc, EngineClosed):
         return APIError(503, str(exc), type="server_error", code="engine_unloaded")
     if isinstance(exc, ModelNotAvailable):

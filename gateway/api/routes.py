@@ -39,6 +39,8 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
         (429, "Overloaded: the model's queue is full or the wait would exceed `--max-queue-wait` "
               "(`Retry-After` gives seconds)"),
         (500, "The engine failed, or an unexpected error (logged with the request id, which the message repeats)"),
+        (502, "The engine's worker process crashed or hung while serving the request (`code: engine_failed`); "
+              "it is restarted, and a request that had not started yet is retried on it"),
         (503, "Model loading or failed to load, or the server is draining (`Retry-After`)"),
     )
 }
@@ -206,6 +208,9 @@ async def health(request: Request) -> JSONResponse:
             "waiting": h.waiting + admission.waiting(entry.spec.id),
             "fallback_reason": entry.fallback_reason or None,
         }
+        worker_status = getattr(entry.engine, "worker_status", None)
+        if worker_status is not None:
+            models[entry.spec.id]["worker"] = worker_status()
     for mid in manager.loading:
         models.setdefault(mid, {"ready": False, "status": "loading"})
     for mid, err in manager.load_errors.items():

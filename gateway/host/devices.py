@@ -66,6 +66,9 @@ def render(host: HostCapabilities, plans: dict[str, Plan | str], checks: dict[st
             lines.append(f"  {b.error}")
     else:
         lines.append(f"llama.cpp {b.error}")
+    for sb in host.llamacpp_builds:
+        state = f"backends: {', '.join(sb.backends) or '-'}" if sb.installed else (sb.error or "unusable")
+        lines.append(f"  side-by-side build {sb.lib_path}: {state}")
     o = host.ort
     pk = ", ".join(f"{p} {v}" for p, v in o.packages) or "none"
     lines.append(f"ONNX Runtime packages: {pk}" + (f" ({o.error})" if o.error and o.packages else ""))
@@ -82,7 +85,8 @@ def render(host: HostCapabilities, plans: dict[str, Plan | str], checks: dict[st
             state = "not checked yet" if check is None else ("check ok" if check["ok"] else f"check FAILED: {check['reason']}")
             if check is not None and check.get("tok_s"):
                 state += f", {check['tok_s']:.0f} tok/s measured"
-            lines.append(f"  {i}. {cand.label} on {cand.device}{f' [{cand.device_key}]' if cand.device_key else ''}: {state}")
+            build = f" (build {cand.lib_path})" if cand.lib_path else ""
+            lines.append(f"  {i}. {cand.label} on {cand.device}{f' [{cand.device_key}]' if cand.device_key else ''}{build}: {state}")
         for s in p.skipped:
             lines.append(f"  - {s.what}: {s.why}" + (" (fallback)" if s.kind == "unusable" else ""))
     return "\n".join(lines)

@@ -17,7 +17,8 @@ import signal
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -139,6 +140,7 @@ class LlamaCppBuild:
     devices: tuple[tuple[str, str, str], ...] = ()  # (ggml name, description, type)
     error: str | None = None
     build_id: str = ""  # changes with every rebuild of the native libraries
+    lib_path: str = ""  # a side-by-side build's folder (LLAMA_CPP_LIB_PATH); "" = the installed package's
 
     def has(self, backend: str) -> bool:
         return any(b.lower() == backend.lower() for b in self.backends)
@@ -168,6 +170,9 @@ class HostCapabilities:
     coreml: PlatformRuntime = field(default_factory=PlatformRuntime)
     metal: PlatformRuntime = field(default_factory=PlatformRuntime)
     llamacpp: LlamaCppBuild = field(default_factory=LlamaCppBuild)
+    # More llama.cpp builds installed side by side (scripts/install-llama-cpp.sh cpu,vulkan,...): each
+    # runs in its own worker processes.
+    llamacpp_builds: tuple[LlamaCppBuild, ...] = ()
     ort: OrtBuild = field(default_factory=OrtBuild)
 
     def to_dict(self) -> dict[str, Any]:
@@ -240,8 +245,11 @@ def probe_cuda() -> CudaInfo:
     )
 
 
-def probe_llamacpp(vulkan: VulkanInfo) -> LlamaCppBuild:
-    r = run_child("engines.ggml_devices", env=vulkan_visible_env(vulkan))
+def probe_llamacpp(vulkan: VulkanInfo, lib_path: str = "") -> LlamaCppBuild:
+    env = vulkan_visible_env(vulkan)
+    if lib_path:
+        env["LLAMA_CPP_LIB_PATH"] = lib_path
+    r = run_child("engines.ggml_devices", env=env)
     return LlamaCppBuild(
         installed=bool(r.get("installed")),
         version=r.get("version"),
@@ -249,7 +257,31 @@ def probe_llamacpp(vulkan: VulkanInfo) -> LlamaCppBuild:
         devices=tuple((d["name"], d["description"], d["type"]) for d in r.get("devices", [])),
         error=r.get("error"),
         build_id=r.get("build_id", ""),
+        lib_path=lib_path,
     )
+
+
+def default_build_dirs() -> tuple[str, ...]:
+    """Side-by-side llama.cpp builds in the folder scripts/install-llama-cpp.sh unpacks them into."""
+    data = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share")
+    root = data / "llm-gateway" / "llama-builds"
+    if not root.is_dir():
+        return ()
+    return tuple(str(d) for d in sorted(root.iterdir()) if (d / "libllama.so").exists() or (d / "llama.dll").exists()
+                 or (d / "libllama.dylib").exists())
+
+
+def probe_llamacpp_builds(vulkan: VulkanInfo, primary: LlamaCppBuild, dirs: tuple[str, ...]) -> tuple[LlamaCppBuild, ...]:
+    """The side-by-side builds in `dirs` that can serve next to the installed package (same version: the
+    Python bindings are the package's), each probed in its own child process."""
+    out = []
+    for d in dirs:
+        b = probe_llamacpp(vulkan, d)
+        if b.installed and primary.version and b.version != primary.version:
+            b = replace(b, installed=False, error=f"built from llama-cpp-python {b.version}, but {primary.version} "
+                        "is installed; rebuild it with scripts/install-llama-cpp.sh")
+        out.append(b)
+    return tuple(out)
 
 
 def _ort_child() -> dict[str, Any]:
@@ -339,14 +371,16 @@ def probe_metal() -> PlatformRuntime:
     return PlatformRuntime(True, "", "Apple GPU")
 
 
-def probe_host() -> HostCapabilities:
-    """Probe everything; the native parts in parallel child processes."""
+def probe_host(llama_builds: tuple[str, ...] | None = None) -> HostCapabilities:
+    """Probe everything; the native parts in parallel child processes.  `llama_builds`: folders of
+    side-by-side llama.cpp builds (default: those scripts/install-llama-cpp.sh unpacked)."""
     with ThreadPoolExecutor(3) as pool:
         vulkan_f = pool.submit(probe_vulkan)
         cuda_f = pool.submit(probe_cuda)
         ort_f = pool.submit(probe_ort)
         vulkan = vulkan_f.result()
         llamacpp = probe_llamacpp(vulkan)
+        builds = probe_llamacpp_builds(vulkan, llamacpp, default_build_dirs() if llama_builds is None else llama_builds)
         cuda, ort = cuda_f.result(), ort_f.result()
     return HostCapabilities(
         os=f"{platform.system()} {platform.release()}",
@@ -357,6 +391,7 @@ def probe_host() -> HostCapabilities:
         coreml=probe_coreml(),
         metal=probe_metal(),
         llamacpp=llamacpp,
+        llamacpp_builds=builds,
         ort=ort,
     )
 

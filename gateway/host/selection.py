@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
-from gateway.host.hardware import HostCapabilities, VulkanDevice
+from gateway.host.hardware import HostCapabilities, LlamaCppBuild, VulkanDevice
 from gateway.models.registry import ModelSpec
 
 # What each runtime consumes.
@@ -58,6 +58,7 @@ class Candidate:
     format: str
     device_index: int | None = None
     rank: int = 0  # position of its engine in the preference order
+    lib_path: str = ""  # llama.cpp: the folder of the build that serves it; "" = the installed package's
 
     @property
     def label(self) -> str:
@@ -113,6 +114,18 @@ def _llama_built(host: HostCapabilities, backend: str, ggml_name: str) -> Skip |
             "unusable",
         )
     return None
+
+
+GGML_NAMES = {"cpu": "CPU", "vulkan": "Vulkan", "cuda": "CUDA", "metal": "Metal"}
+
+
+def llama_build_for(host: HostCapabilities, backend: str) -> LlamaCppBuild:
+    """The llama.cpp build that serves `backend`: of the installed builds that have it, the one with
+    the fewest backends (a CPU-only build for the CPU, the Vulkan build for Vulkan), the installed
+    package first on a tie; the package itself when none has it (its finder then says why)."""
+    ggml = GGML_NAMES.get(backend, backend)
+    builds = [b for b in (host.llamacpp, *host.llamacpp_builds) if b.installed and b.has(ggml)]
+    return min(builds, key=lambda b: len(b.backends)) if builds else host.llamacpp
 
 
 def _ggml_vulkan_name(host: HostCapabilities, dev: VulkanDevice) -> str | None:
@@ -249,10 +262,14 @@ def plan(
                 skipped.append(Skip(f"{runtime}/{engine}", f"model {spec.id!r} has no {fmt} format{hint}", rank=rank))
                 continue
             backend = "coreml" if runtime == "coreml" else engine
-            found, skips = FINDERS[(runtime, backend)](host, pref)
+            on, lib = host, ""
+            if runtime == "llamacpp":
+                build = llama_build_for(host, backend)
+                on, lib = replace(host, llamacpp=build), build.lib_path
+            found, skips = FINDERS[(runtime, backend)](on, pref)
             skipped.extend(replace(s, rank=rank) for s in skips)
             for device, key, index in found:
-                out.append(Candidate(runtime, engine, device, key, fmt, index, rank))
+                out.append(Candidate(runtime, engine, device, key, fmt, index, rank, lib))
     if not out:
         why = "; ".join(f"{s.what}: {s.why}" for s in skipped) or "no runtime is configured"
         wanted = f"--engine {pref.engine}" + (f" --runtime {pref.runtime}" if pref.runtime else "")

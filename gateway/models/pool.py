@@ -6,19 +6,22 @@ import asyncio
 import dataclasses
 import logging
 import os
+import ssl
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from engines.base import Engine, EngineConfig, EngineError, ModelLoadError, ModelNotAvailable
+from engines.base import Engine, EngineConfig, EngineError, EngineInfo, ModelLoadError, ModelNotAvailable
 from engines.registry import create_engine
+from engines.worker_client import LocalWorker, RemoteWorker, Supervision, WorkerEngine
 from gateway.host.functional_check import CheckCache, CheckResult, fingerprint, measure_decode, one_token
 from gateway.host.hardware import HostCapabilities, probe_host, vulkan_visible_env
 from gateway.host.selection import Candidate, Plan, Preference, SelectionError, plan
 from gateway.metrics import Metrics
 from gateway.models.registry import ModelSpec, ModelUnavailable, Registry
+from gateway.models.routing import WorkerGroup
 from gateway.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -52,16 +55,21 @@ class ModelManager:
         self,
         registry: Registry,
         settings: Settings,
-        factory: EngineFactory = create_engine,
+        factory: EngineFactory | None = None,
         metrics: Metrics | None = None,
         host: HostCapabilities | None = None,
         checker: Checker | None = None,
     ) -> None:
         self.registry = registry
         self.settings = settings
+        # None: engines run in supervised worker processes (settings.workers) or, with that off, in
+        # this process. Tests inject a factory of fake engines.
         self._factory = factory
         self.metrics = metrics or Metrics()
         self.host = host if host is not None else probe_host()
+        if not settings.workers:
+            # One process loads one llama.cpp build: side-by-side builds need worker processes.
+            self.host = dataclasses.replace(self.host, llamacpp_builds=())
         self._checker = checker
         self.checks = CheckCache(Path(registry.cache_dir) / "functional-checks.json")
         self._loaded: OrderedDict[str, Loaded] = OrderedDict()
@@ -104,6 +112,8 @@ class ModelManager:
         failures: list[tuple[str, str]] = []
         self.attempts[spec.id] = failures
         try:
+            if spec.workers:
+                return await self._load_remote(spec)
             try:
                 the_plan = self.plan(spec)
             except SelectionError as exc:
@@ -139,6 +149,7 @@ class ModelManager:
                     {"runtime": info.runtime, "version": info.version, "backend": info.backend, "device": info.device}
                 )
                 reasons = [f"{s.what}: {s.why}" for s in the_plan.unusable(before=cand)]
+                reasons += [f"{r}/{b}: {why}" for (r, b), why in excluded.items()]
                 reasons += [f"{what}: {why}" for what, why in failures]
                 entry = Loaded(spec, engine, cand, dt, time.monotonic(), "; ".join(reasons), the_plan,
                                fingerprint(cand.runtime, config, *fingerprint_parts(self.host, cand)))
@@ -173,7 +184,7 @@ class ModelManager:
                     self.checks.put(key, result, what)
                     self.metrics.loads.labels(*labels, "failed").inc()
                     return None, result.reason
-        engine = self._factory(cand.runtime, config)
+        engine = self._new_engine(spec, cand, config)
         try:
             await engine.load()
             if self.settings.functional_check:
@@ -232,13 +243,77 @@ class ModelManager:
                      ", ".join(f"{candidates[i].label} {speeds[i]:.0f} tok/s" for i in ranked if i in speeds))
         return tuple(order)
 
+    async def _load_remote(self, spec: ModelSpec) -> Loaded:
+        """Serve `spec` on its remote workers (models.yaml `workers`), as one routed engine."""
+        assert spec.workers
+        members: list[Engine] = []
+        for w in spec.workers:
+            host, port, tls = w.address
+            token_path = Path(w.token_file)
+            if not token_path.is_absolute():
+                token_path = Path(self.registry.base_dir) / token_path
+            try:
+                token = token_path.read_text().strip()
+            except OSError as exc:
+                raise ModelLoadError(f"cannot read the token of worker {w.url}: {exc}") from exc
+            context = ssl.create_default_context(cafile=w.ca_file) if tls else None
+            members.append(WorkerEngine(
+                RemoteWorker(host, port, token, context),
+                EngineInfo("remote", "remote", w.url),
+                self._supervision(),
+                on_crash=lambda _why, url=w.url: self.metrics.worker_crashes.labels(spec.id, "remote", url).inc(),
+            ))
+        group = WorkerGroup(members)
+        t0 = time.perf_counter()
+        await self._make_room()
+        await group.load()
+        info = group.info
+        where = ", ".join(w.url for w in spec.workers)
+        cand = Candidate(info.runtime, info.backend, f"{info.device} on {where}", "", "remote")
+        entry = Loaded(spec, group, cand, time.perf_counter() - t0, time.monotonic())
+        self._loaded[spec.id] = entry
+        self.load_errors.pop(spec.id, None)
+        log.info("serving %s on %d remote worker(s): %s", spec.id, len(members), where)
+        return entry
+
+    def _supervision(self) -> Supervision:
+        s = self.settings
+        return Supervision(heartbeat_timeout_s=s.worker_heartbeat_timeout, step_timeout_s=s.worker_step_timeout,
+                           max_crashes=s.worker_max_crashes, crash_window_s=s.worker_crash_window,
+                           load_timeout_s=s.check_timeout)
+
+    def _new_engine(self, spec: ModelSpec, cand: Candidate, config: EngineConfig) -> Engine:
+        if self._factory is not None:
+            return self._factory(cand.runtime, config)
+        if not self.settings.workers:
+            return create_engine(cand.runtime, config)
+        s = self.settings
+        labels = (spec.id, cand.label, cand.device)
+        return WorkerEngine(
+            LocalWorker(cand.runtime, config, env=self.worker_env(cand), plugins=s.worker_plugins,
+                        log_level=s.log_level, load_timeout_s=s.check_timeout),
+            EngineInfo(cand.runtime, cand.backend, cand.device, context_length=config.context_length,
+                       parallel=config.parallel),
+            self._supervision(),
+            on_crash=lambda _why: self.metrics.worker_crashes.labels(*labels).inc(),
+            on_failed=lambda why: self.exclude(spec.id, cand, why, cause="worker_crashed"),
+        )
+
+    def worker_env(self, cand: Candidate) -> dict[str, str]:
+        """The environment of a worker serving `cand`: Vulkan device visibility, and its llama.cpp build."""
+        env = dict(self.env)
+        if cand.lib_path:
+            env["LLAMA_CPP_LIB_PATH"] = cand.lib_path
+        return env
+
     def _config(self, spec: ModelSpec, cand: Candidate, path: str) -> EngineConfig:
         return engine_config(spec, cand, path, self.settings)
 
-    def exclude(self, model_id: str, cand: Candidate, reason: str) -> None:
+    def exclude(self, model_id: str, cand: Candidate, reason: str, cause: str = "parity_drift") -> None:
         """Take `cand` out of selection for `model_id`; the next request loads the next candidate.
 
-        The engine in use is unloaded once its running requests finish.
+        `cause` (parity_drift, worker_crashed) labels gateway_fallbacks_total. The engine in use is
+        unloaded once its running requests finish.
         """
         engine = f"{cand.runtime}/{cand.backend}"
         if (cand.runtime, cand.backend) in self.excluded.get(model_id, {}):
@@ -249,11 +324,11 @@ class ModelManager:
         if entry is None or entry.candidate != cand:
             return
         del self._loaded[model_id]
-        self.metrics.fallbacks.labels(model_id, engine, "parity_drift").inc()
+        self.metrics.fallbacks.labels(model_id, engine, cause).inc()
         if entry.check_key:
             # Recorded like a failed functional check: `gateway devices` shows it, and the next
             # start skips this engine too until `--recheck`.
-            self.checks.put(entry.check_key, CheckResult(False, f"parity drift: {reason}"),
+            self.checks.put(entry.check_key, CheckResult(False, f"{cause.replace('_', ' ')}: {reason}"),
                             f"{model_id} on {cand.label} {cand.device}")
         task = asyncio.create_task(self._close_when_idle(entry.engine))
         self._closing.add(task)
@@ -308,7 +383,7 @@ def engine_config(spec: ModelSpec, cand: Candidate, path: str, settings: Setting
 def fingerprint_parts(host: HostCapabilities, cand: Candidate) -> tuple[str, str]:
     """(runtime build, driver) identities that a functional-check result depends on."""
     if cand.runtime == "llamacpp":
-        b = host.llamacpp
+        b = next((x for x in host.llamacpp_builds if x.lib_path and x.lib_path == cand.lib_path), host.llamacpp)
         build = f"llama-cpp-python {b.version} [{','.join(b.backends)}] {b.build_id}"
     elif cand.runtime == "ortgenai":
         build = ",".join(f"{p}={v}" for p, v in host.ort.packages)

@@ -110,11 +110,40 @@ class ParityTolerance(_Strict):
     max_ppl_ratio: float | None = Field(default=None, ge=1, description="perplexity ratio either way")
 
 
+class RemoteWorker(_Strict):
+    """An engine worker on another host (`gateway worker --listen HOST:PORT --token-file F`)."""
+
+    url: str = Field(description="tcp://HOST:PORT, or tls://HOST:PORT for a worker started with a certificate")
+    token_file: str = Field(description="file holding the worker's token (relative to models.yaml)")
+    ca_file: str | None = Field(default=None, description="tls: CA that signed the worker's certificate "
+                                "(the system's trust store when unset)")
+
+    @model_validator(mode="after")
+    def _url(self) -> RemoteWorker:
+        scheme, sep, rest = self.url.partition("://")
+        host, colon, port = rest.rpartition(":")
+        if not sep or scheme not in ("tcp", "tls") or not colon or not host or not port.isdigit():
+            raise ValueError(f"worker url {self.url!r} is not tcp://HOST:PORT or tls://HOST:PORT")
+        return self
+
+    @property
+    def address(self) -> tuple[str, int, bool]:
+        """(host, port, tls)."""
+        scheme, _, rest = self.url.partition("://")
+        host, _, port = rest.rpartition(":")
+        return host.strip("[]"), int(port), scheme == "tls"
+
+
 class ModelSpec(_Strict):
     id: str
     description: str = ""
     context_length: int = Field(default=2048, ge=16, description="tokens per request")
-    formats: dict[str, Source] = Field(description="runtime format (gguf, onnx, coreml) -> source")
+    formats: dict[str, Source] = Field(default_factory=dict,
+                                       description="runtime format (gguf, onnx, coreml) -> source")
+    workers: list[RemoteWorker] | None = Field(
+        default=None, min_length=1,
+        description="serve this model on these remote workers (least-loaded first, conversations kept on "
+                    "the worker that holds their KV) instead of on this host")
     runtimes: list[str] | None = Field(
         default=None, description="runtimes allowed, preferred first (llamacpp, ortgenai, coreml); all when unset"
     )
@@ -131,6 +160,12 @@ class ModelSpec(_Strict):
     parity: ParityTolerance | None = Field(default=None, description="parity tolerances for this model")
     embedding: EmbeddingOptions = EmbeddingOptions()
     embedding_only: bool = Field(default=False, description="serve /v1/embeddings only (an embedding model)")
+
+    @model_validator(mode="after")
+    def _served_somewhere(self) -> ModelSpec:
+        if not self.formats and not self.workers:
+            raise ValueError(f"model {self.id!r} needs `formats` (files to serve here) or `workers` (remote workers)")
+        return self
 
     def endpoints(self) -> list[str]:
         """The API endpoints this model serves."""

@@ -326,8 +326,8 @@ async def compare_prompt(
     reference: Engine, candidate: Engine, prompt: str, tokens: int, top_k: int, tol: ParityTolerance
 ) -> PromptReport:
     """Compare the engines on one prompt (see the module docstring)."""
-    ids = reference.tokenize(prompt)
-    if candidate.tokenize(prompt) != ids:
+    ids = await reference.tokenize(prompt)
+    if await candidate.tokenize(prompt) != ids:
         raise VocabularyMismatch(f"the engines tokenize {prompt[:40]!r} differently; they must share a vocabulary")
     cont, cand_cont = await asyncio.gather(greedy(reference, prompt, tokens), greedy(candidate, prompt, tokens))
     seq = ids + cont

@@ -1,0 +1,543 @@
+"""The gateway's side of an engine worker: an `Engine` whose work runs in another process.
+
+`WorkerEngine` implements the engine interface over the wire protocol, so serving code does not
+know whether an engine is in-process, in a local worker or on another host.  It also supervises:
+
+- a worker that exits, is killed by a signal (segfault, OOM killer) or closes its connection is
+  noticed at once (the socket ends); one that stops answering heartbeats, or whose engine step has
+  run past a limit, is killed by the watchdog;
+- streams that already produced tokens end with `EngineCrashed`; requests that had not started yet
+  are sent again to the restarted worker;
+- restarts back off; after `max_crashes` within `crash_window_s` the engine gives up, fails what is
+  left and calls `on_failed(reason)` so its owner can fall back to another candidate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import signal
+import socket
+import ssl
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+
+from engines import wire
+from engines.base import (
+    EngineClosed,
+    EngineConfig,
+    EngineCrashed,
+    EngineError,
+    EngineHealth,
+    EngineInfo,
+    GenerationRequest,
+    InvalidGenerationRequest,
+    ModelLoadError,
+    TokenEvent,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Supervision:
+    """How a worker is watched and restarted."""
+
+    heartbeat_s: float = 0.5  # ping interval
+    heartbeat_timeout_s: float = 3.0  # no answer for this long: the worker is hung
+    step_timeout_s: float = 120.0  # one engine step running this long: the device is hung
+    max_crashes: int = 3  # crashes within the window before giving up on this engine
+    crash_window_s: float = 300.0
+    backoff_s: tuple[float, ...] = (0.5, 2.0, 8.0)  # wait before restart n (the last one repeats)
+    load_timeout_s: float = 600.0
+
+
+class Connection(Protocol):
+    """How to reach a worker: start (or dial) it and get a loaded engine's Ready."""
+
+    what: str  # for messages: "local worker", "worker at 10.0.0.2:7000"
+
+    async def open(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, wire.Ready]: ...
+
+    def kill(self) -> None:
+        """Make sure the worker is gone (a local one is SIGKILLed; a remote connection is dropped)."""
+
+    async def exit_reason(self) -> str:
+        """Why the worker went away, as well as can be told ("killed by SIGSEGV", "closed the connection")."""
+        ...
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "stopped answering"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with status {code}"
+
+
+async def _expect_ready(reader: asyncio.StreamReader, timeout: float) -> wire.Ready:
+    msg = wire.decode_for_gateway(await asyncio.wait_for(wire.read_frame(reader), timeout))
+    if isinstance(msg, wire.Error):
+        raise wire.error_from(msg) if msg.kind != "Unauthorized" else ModelLoadError(msg.message)
+    if not isinstance(msg, wire.Ready):
+        raise wire.ProtocolError(f"expected Ready, got {type(msg).__name__}")
+    return msg
+
+
+def rss_bytes(pid: int) -> int | None:
+    """Resident memory of a process (Linux /proc; None elsewhere or when it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+class LocalWorker:
+    """A worker process on this host, started with one end of a socketpair."""
+
+    what = "local worker"
+
+    def __init__(self, runtime: str, config: EngineConfig, env: dict[str, str] | None = None,
+                 plugins: tuple[str, ...] = (), log_level: str = "info", load_timeout_s: float = 600.0) -> None:
+        self.runtime = runtime
+        self.config = config
+        self.env = env or {}
+        self.plugins = plugins
+        self.log_level = log_level
+        self.load_timeout_s = load_timeout_s
+        self.process: asyncio.subprocess.Process | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process else None
+
+    async def open(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, wire.Ready]:
+        ours, theirs = socket.socketpair()
+        args = [sys.executable, "-m", "engines.worker", "--fd", str(theirs.fileno()), "--log-level", self.log_level]
+        for p in self.plugins:
+            args += ["--plugin", p]
+        try:
+            # Its own session: a terminal's Ctrl-C reaches the gateway, which drains and then
+            # closes the socket; the worker never outlives it (the socket, and PR_SET_PDEATHSIG).
+            self.process = await asyncio.create_subprocess_exec(
+                *args, pass_fds=(theirs.fileno(),), env={**os.environ, **self.env}, start_new_session=True,
+            )
+        finally:
+            theirs.close()
+        reader, writer = await asyncio.open_connection(sock=ours)
+        writer.write(wire.frame(wire.Hello(wire.PROTOCOL)))
+        writer.write(wire.frame(wire.Load(self.runtime, self.config)))
+        try:
+            ready = await _expect_ready(reader, self.load_timeout_s)
+        except (asyncio.IncompleteReadError, ConnectionError) as exc:
+            raise ModelLoadError(f"the worker {await self.exit_reason()} while loading") from exc
+        except BaseException:
+            writer.close()
+            self.kill()
+            raise
+        return reader, writer, ready
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.kill()
+
+    async def exit_reason(self) -> str:
+        if self.process is None:
+            return "never started"
+        try:
+            code = await asyncio.wait_for(self.process.wait(), 2.0)
+        except TimeoutError:
+            return "closed its connection"
+        return _describe_exit(code)
+
+
+class RemoteWorker:
+    """A worker on another host (`gateway worker --listen`), dialled over TCP (optionally TLS)."""
+
+    def __init__(self, host: str, port: int, token: str, ssl_context: ssl.SSLContext | None = None,
+                 timeout_s: float = 10.0) -> None:
+        self.host, self.port, self.token = host, port, token
+        self.ssl_context = ssl_context
+        self.timeout_s = timeout_s
+        self.what = f"worker at {host}:{port}"
+        self._writer: asyncio.StreamWriter | None = None
+
+    async def open(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, wire.Ready]:
+        try:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(self.host, self.port, ssl=self.ssl_context), self.timeout_s)
+        except (OSError, TimeoutError) as exc:
+            raise ModelLoadError(f"cannot reach the {self.what}: {exc}") from exc
+        writer.write(wire.frame(wire.Hello(wire.PROTOCOL, self.token)))
+        try:
+            ready = await _expect_ready(reader, self.timeout_s)
+        except (asyncio.IncompleteReadError, ConnectionError) as exc:
+            writer.close()
+            raise ModelLoadError(f"the {self.what} closed the connection during the handshake") from exc
+        except BaseException:
+            writer.close()
+            raise
+        self._writer = writer
+        return reader, writer, ready
+
+    def kill(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+
+    async def exit_reason(self) -> str:
+        return "closed the connection"
+
+
+@dataclass(eq=False)
+class _Pending:
+    """A request sent to the worker (or waiting to be, while it restarts)."""
+
+    message: Callable[[int], wire._Msg]  # the frame to (re)send, given the request id
+    queue: asyncio.Queue[TokenEvent | BaseException] | None = None  # streams
+    future: asyncio.Future[Any] | None = None  # calls
+    started: bool = False  # a stream that produced an event cannot be retried
+    sent: bool = False
+    frame: bytes = b""
+
+
+class WorkerEngine:
+    """An engine in a worker process, behind the `Engine` interface, supervised."""
+
+    def __init__(self, connection: Connection, info: EngineInfo, supervision: Supervision | None = None,
+                 on_failed: Callable[[str], None] | None = None, on_crash: Callable[[str], None] | None = None) -> None:
+        self.connection = connection
+        self.info = info
+        self.supervision = supervision or Supervision()
+        self.on_failed = on_failed
+        self.on_crash = on_crash
+        self.failed: str | None = None  # why this engine gave up (None while it serves)
+        self.crashes: list[tuple[float, str]] = []  # (monotonic time, reason)
+        self.restarts = 0
+        self._ids = itertools.count(1)
+        self._pending: dict[int, _Pending] = {}
+        self._writer: asyncio.StreamWriter | None = None
+        self._connected = asyncio.Event()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._reader_task: asyncio.Task[None] | None = None
+        self._last_pong = 0.0
+        self._pong: wire.Pong | None = None
+        self._closed = False
+        self.pid: int | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop that owns the connection
+
+    # --- lifecycle -----------------------------------------------------------------------
+
+    async def load(self) -> None:
+        await self._connect()
+
+    async def _connect(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        reader, writer, ready = await self.connection.open()
+        self.info = ready.info
+        self.pid = ready.pid
+        self._writer = writer
+        self._last_pong = time.monotonic()
+        self._pong = None
+        self._reader_task = self._spawn(self._read(reader))
+        self._spawn(self._watch(writer))
+        self._connected.set()
+        for p in list(self._pending.values()):  # sent again after a restart
+            if not p.sent:
+                self._send(p)
+
+    def _spawn(self, coro: Any) -> asyncio.Task[None]:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def close(self) -> None:
+        self._closed = True
+        writer, self._writer = self._writer, None
+        self._connected.clear()
+        if writer is not None and not writer.is_closing():
+            with contextlib.suppress(ConnectionError, RuntimeError):
+                writer.write(wire.frame(wire.Shutdown()))
+                await writer.drain()
+            writer.close()
+        self._fail_pending(EngineClosed("the model was unloaded"), everything=True)
+        if isinstance(self.connection, LocalWorker) and self.connection.process is not None:
+            try:
+                await asyncio.wait_for(self.connection.process.wait(), 10.0)
+            except TimeoutError:
+                log.warning("worker %s did not exit within 10 s of shutdown; killing it", self.pid)
+                self.connection.kill()
+                await self.connection.process.wait()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def health(self) -> EngineHealth:
+        if self.failed:
+            return EngineHealth(ready=False, detail=self.failed)
+        outstanding = sum(1 for p in self._pending.values() if p.queue is not None)
+        running = min(outstanding, max(1, self.info.parallel))
+        busy = self._pong.busy_seconds if self._pong and outstanding else 0.0
+        return EngineHealth(ready=self._connected.is_set(), detail="" if self._connected.is_set() else "restarting",
+                            running=running, waiting=outstanding - running, busy_seconds=busy)
+
+    def worker_status(self) -> dict[str, Any]:
+        """For /health: where the worker runs, its pid and memory, and its crashes."""
+        out: dict[str, Any] = {"where": self.connection.what, "pid": self.pid, "restarts": self.restarts,
+                               "crashes": len(self.crashes)}
+        if self.crashes:
+            out["last_crash"] = self.crashes[-1][1]
+        if isinstance(self.connection, LocalWorker) and self.pid is not None:
+            out["rss_bytes"] = rss_bytes(self.pid)
+        return out
+
+    # --- the engine interface ------------------------------------------------------------
+
+    def _foreign(self) -> bool:
+        """Called from another event loop than the connection's (e.g. a test's loop, the server's in a thread)."""
+        return self._loop is not None and asyncio.get_running_loop() is not self._loop
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        stream = self._generate_foreign(request) if self._foreign() else self._generate(request)
+        try:
+            async for event in stream:
+                yield event
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
+
+    async def _generate_foreign(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        """The stream of another loop's request, run on the connection's loop and handed across."""
+        assert self._loop is not None
+        mine = asyncio.get_running_loop()
+        queue: asyncio.Queue[TokenEvent | BaseException | None] = asyncio.Queue()
+
+        async def pump() -> None:
+            try:
+                async for event in self._generate(request):
+                    mine.call_soon_threadsafe(queue.put_nowait, event)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                mine.call_soon_threadsafe(queue.put_nowait, exc)
+                return
+            mine.call_soon_threadsafe(queue.put_nowait, None)
+
+        fut = asyncio.run_coroutine_threadsafe(pump(), self._loop)
+        try:
+            while (item := await queue.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            fut.cancel()
+
+    async def _generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        queue: asyncio.Queue[TokenEvent | BaseException] = asyncio.Queue()
+        rid = self._submit(_Pending(lambda i: wire.Generate(i, request), queue=queue))
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                if item.finish_reason is not None:
+                    finished = True
+                yield item
+                if finished:
+                    return
+        finally:
+            p = self._pending.pop(rid, None)
+            if not finished and p is not None and p.sent and self._writer is not None:
+                with contextlib.suppress(ConnectionError, RuntimeError):
+                    self._writer.write(wire.frame(wire.Cancel(rid)))
+
+    async def tokenize(self, text: str) -> list[int]:
+        result: wire.Result = await self._call(lambda i: wire.Tokenize(i, text))
+        return list(result.ids or [])
+
+    async def logits(self, token_ids: list[int]) -> npt.NDArray[np.float32]:
+        result: wire.Result = await self._call(lambda i: wire.Logits(i, list(token_ids)))
+        assert result.array is not None
+        return wire.unpack_array(result.array)
+
+    async def embed(self, inputs: list[list[int]]) -> npt.NDArray[np.float32]:
+        result: wire.Result = await self._call(lambda i: wire.Embed(i, [list(x) for x in inputs]))
+        assert result.array is not None
+        return wire.unpack_array(result.array)
+
+    async def _call(self, message: Callable[[int], wire._Msg]) -> Any:
+        if self._foreign():
+            assert self._loop is not None
+            return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._call_here(message), self._loop))
+        return await self._call_here(message)
+
+    async def _call_here(self, message: Callable[[int], wire._Msg]) -> Any:
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        rid = self._submit(_Pending(message, future=fut))
+        try:
+            return await fut
+        finally:
+            p = self._pending.pop(rid, None)
+            if p is not None and p.sent and not fut.done() and self._writer is not None:
+                with contextlib.suppress(ConnectionError, RuntimeError):
+                    self._writer.write(wire.frame(wire.Cancel(rid)))
+
+    def _submit(self, p: _Pending) -> int:
+        if self.failed:
+            raise EngineCrashed(self.failed)
+        if self._closed:
+            raise EngineClosed("the model was unloaded")
+        rid = next(self._ids)
+        try:
+            p.frame = wire.frame(p.message(rid))
+        except (OverflowError, UnicodeEncodeError, msgspec.EncodeError) as exc:
+            # Only numbers beyond 64 bits (a token id, a seed) or unpaired surrogates get here: the
+            # in-process engine would refuse them too, as a bad request.
+            raise InvalidGenerationRequest(f"the request holds a value the engine cannot take: {exc}") from exc
+        self._pending[rid] = p
+        if self._connected.is_set():
+            self._send(p)
+        return rid  # otherwise sent by _connect() once the worker is back
+
+    def _send(self, p: _Pending) -> None:
+        assert self._writer is not None
+        p.sent = True
+        self._writer.write(p.frame)
+
+    # --- receiving -----------------------------------------------------------------------
+
+    async def _read(self, reader: asyncio.StreamReader) -> None:
+        try:
+            while True:
+                msg = wire.decode_for_gateway(await wire.read_frame(reader))
+                if isinstance(msg, wire.Events):
+                    for rid, event in msg.items:
+                        p = self._pending.get(rid)
+                        if p is not None and p.queue is not None:
+                            p.started = True
+                            p.queue.put_nowait(event)
+                elif isinstance(msg, wire.Pong):
+                    self._pong = msg
+                    self._last_pong = time.monotonic()
+                elif isinstance(msg, wire.Error):
+                    self._settle(msg.id, wire.error_from(msg))
+                elif isinstance(msg, wire.Result):
+                    self._settle(msg.id, msg)
+        except (asyncio.IncompleteReadError, ConnectionError, wire.ProtocolError) as exc:
+            if not self._closed and self._writer is not None:
+                self._writer = None  # stops the watchdog: this loss is handled here
+                why = await self.connection.exit_reason()
+                if isinstance(exc, wire.ProtocolError):
+                    why = f"sent a malformed frame ({exc})"
+                await self._lost(why)
+
+    def _settle(self, rid: int, value: Any) -> None:
+        p = self._pending.get(rid)
+        if p is None:
+            return
+        if p.queue is not None:
+            p.queue.put_nowait(value if isinstance(value, BaseException) else EngineCrashed("unexpected result"))
+        elif p.future is not None and not p.future.done():
+            if isinstance(value, BaseException):
+                p.future.set_exception(value)
+            else:
+                p.future.set_result(value)
+
+    async def _watch(self, writer: asyncio.StreamWriter) -> None:
+        """Heartbeats: a worker that stops answering, or whose step runs too long, is killed."""
+        s = self.supervision
+        ping = itertools.count(1)
+        while self._writer is writer and not writer.is_closing():
+            try:
+                writer.write(wire.frame(wire.Ping(next(ping))))
+            except (ConnectionError, RuntimeError):
+                return
+            await asyncio.sleep(s.heartbeat_s)
+            silent = time.monotonic() - self._last_pong
+            why = ""
+            if silent > s.heartbeat_timeout_s:
+                why = f"stopped answering heartbeats for {silent:.1f} s"
+            elif self._pong is not None and self._pong.busy_seconds > s.step_timeout_s:
+                why = f"was stuck in one engine step for {self._pong.busy_seconds:.1f} s"
+            if why:
+                log.error("%s %s (pid %s): killing it", self.connection.what, why, self.pid)
+                self._writer = None
+                self.connection.kill()
+                writer.close()
+                if self._reader_task is not None:
+                    self._reader_task.cancel()
+                await self._lost(why)
+                return
+
+    # --- crashes -------------------------------------------------------------------------
+
+    async def _lost(self, why: str) -> None:
+        self._writer = None
+        self._connected.clear()
+        now = time.monotonic()
+        reason = f"the {self.connection.what} (pid {self.pid}) {why}"
+        self.crashes = [c for c in self.crashes if now - c[0] < self.supervision.crash_window_s] + [(now, reason)]
+        log.error("%s; %d crash(es) in the last %.0f s", reason, len(self.crashes), self.supervision.crash_window_s)
+        self._fail_pending(EngineCrashed(f"{reason} while generating"), everything=False)
+        if self.on_crash is not None:
+            self.on_crash(reason)
+        if len(self.crashes) >= self.supervision.max_crashes:
+            self._give_up(f"{reason}; {len(self.crashes)} crashes within {self.supervision.crash_window_s:.0f} s")
+            return
+        self._spawn(self._restart(reason))
+
+    async def _restart(self, reason: str) -> None:
+        s = self.supervision
+        while True:
+            delay = s.backoff_s[min(len(self.crashes) - 1, len(s.backoff_s) - 1)]
+            await asyncio.sleep(delay)
+            if self._closed:
+                return
+            try:
+                await self._connect()
+            except (EngineError, OSError, TimeoutError, wire.ProtocolError) as exc:
+                now = time.monotonic()
+                self.crashes.append((now, f"the restart failed: {exc}"))
+                if len(self.crashes) >= s.max_crashes:
+                    self._give_up(f"{reason}; the restart failed: {exc}")
+                    return
+                log.warning("%s: the restart failed (%s); trying again", self.connection.what, exc)
+                continue
+            self.restarts += 1
+            log.warning("%s restarted (pid %s) after %.1f s", self.connection.what, self.pid, delay)
+            return
+
+    def _give_up(self, reason: str) -> None:
+        self.failed = reason
+        self._fail_pending(EngineCrashed(reason), everything=True)
+        if self.on_failed is not None:
+            self.on_failed(reason)
+
+    def _fail_pending(self, exc: EngineError, everything: bool) -> None:
+        """Fail the streams that produced tokens (every request with `everything`); the rest (streams not
+        started yet, and calls, which are idempotent) wait to be sent to the restarted worker."""
+        for p in list(self._pending.values()):
+            if everything or p.started:
+                if p.queue is not None:
+                    p.queue.put_nowait(exc)
+                elif p.future is not None and not p.future.done():
+                    p.future.set_exception(exc)
+            else:
+                p.sent = False

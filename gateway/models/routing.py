@@ -1,0 +1,145 @@
+"""Several workers of one model behind one `Engine`: least-loaded first, with prefix affinity.
+
+A conversation's follow-up turns repeat its earlier turns, so the worker that served the first
+turn still holds that prefix in its KV cache (llama.cpp reuses the longest common prefix): sending
+the next turn there skips most of the prefill.  The affinity key is the conversation's start — the
+system prompt and the first user turn — which every later turn of it shares.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from engines.base import (
+    Engine,
+    EngineCrashed,
+    EngineError,
+    EngineHealth,
+    EngineInfo,
+    GenerationRequest,
+    ModelLoadError,
+    TokenEvent,
+)
+
+log = logging.getLogger(__name__)
+AFFINITY_ENTRIES = 4096  # conversations remembered (least recently used forgotten first)
+PROMPT_KEY_CHARS = 512  # raw prompts: the key is this much of the start
+
+
+def affinity_key(request: GenerationRequest) -> str | None:
+    """What the request shares with the other turns of its conversation (None: nothing to keep)."""
+    if request.messages:
+        head: list[str] = []
+        for m in request.messages:
+            head.append(f"{m.role}\x00{m.content}")
+            if m.role == "user":
+                break
+        text = "\x01".join(head)
+    elif request.prompt:
+        text = request.prompt[:PROMPT_KEY_CHARS]
+    else:
+        return None
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+def _load(engine: Engine) -> int:
+    h = engine.health()
+    return h.running + h.waiting
+
+
+class WorkerGroup:
+    """The workers of one model as one engine."""
+
+    def __init__(self, members: list[Engine]) -> None:
+        if not members:
+            raise ValueError("a worker group needs at least one worker")
+        self.members = members
+        first = members[0].info
+        self.info = EngineInfo(first.runtime, first.backend, first.device, first.version, first.context_length,
+                               sum(m.info.parallel for m in members))
+        self._affinity: OrderedDict[str, Engine] = OrderedDict()
+        self.affinity_hits = 0
+        self.affinity_misses = 0
+        self.served: dict[int, int] = {}  # member index -> requests routed to it
+
+    async def load(self) -> None:
+        results = await asyncio.gather(*(m.load() for m in self.members), return_exceptions=True)
+        failed = [(m, r) for m, r in zip(self.members, results, strict=True) if isinstance(r, BaseException)]
+        for m, r in failed:
+            log.warning("%s is not available: %s", getattr(getattr(m, "connection", None), "what", "a worker"), r)
+        if len(failed) == len(self.members):
+            raise ModelLoadError("no worker could be reached: " + "; ".join(str(r) for _, r in failed))
+        first = next(m for m, r in zip(self.members, results, strict=True) if not isinstance(r, BaseException))
+        i = first.info
+        self.info = EngineInfo(i.runtime, i.backend, i.device, i.version, i.context_length,
+                               sum(m.info.parallel for m in self.members))
+
+    def pick(self, key: str | None) -> Engine:
+        """The worker for a request: its conversation's worker while that one has room (or is no busier
+        than the least-loaded one), else the least-loaded worker."""
+        live = [m for m in self.members if m.health().ready]
+        if not live:
+            raise EngineCrashed("no worker of this model is reachable now")
+        best = min(live, key=_load)
+        if key is not None:
+            mine = self._affinity.get(key)
+            if mine is not None and mine in live and (_load(mine) < mine.info.parallel or _load(mine) <= _load(best)):
+                best = mine
+                self.affinity_hits += 1
+            elif mine is not None:
+                self.affinity_misses += 1
+            self._affinity[key] = best
+            self._affinity.move_to_end(key)
+            while len(self._affinity) > AFFINITY_ENTRIES:
+                self._affinity.popitem(last=False)
+        index = self.members.index(best)
+        self.served[index] = self.served.get(index, 0) + 1
+        return best
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        engine = self.pick(affinity_key(request))
+        stream = engine.generate(request)
+        try:
+            async for event in stream:
+                yield event
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
+
+    async def tokenize(self, text: str) -> list[int]:
+        return await self.pick(None).tokenize(text)
+
+    async def logits(self, token_ids: list[int]) -> npt.NDArray[np.float32]:
+        return await self.pick(None).logits(token_ids)
+
+    async def embed(self, inputs: list[list[int]]) -> npt.NDArray[np.float32]:
+        return await self.pick(None).embed(inputs)
+
+    def health(self) -> EngineHealth:
+        hs = [m.health() for m in self.members]
+        ready = [h for h in hs if h.ready]
+        detail = "" if len(ready) == len(hs) else f"{len(ready)} of {len(hs)} workers ready"
+        return EngineHealth(ready=bool(ready), detail=detail, running=sum(h.running for h in hs),
+                            waiting=sum(h.waiting for h in hs), busy_seconds=max((h.busy_seconds for h in hs), default=0.0))
+
+    def worker_status(self) -> dict[str, Any]:
+        members = []
+        for i, m in enumerate(self.members):
+            status = getattr(m, "worker_status", None)
+            entry: dict[str, Any] = status() if status is not None else {}
+            entry.update(ready=m.health().ready, routed=self.served.get(i, 0))
+            members.append(entry)
+        return {"workers": members, "affinity_hits": self.affinity_hits, "affinity_misses": self.affinity_misses}
+
+    async def close(self) -> None:
+        results = await asyncio.gather(*(m.close() for m in self.members), return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException) and not isinstance(r, EngineError):
+                log.warning("closing a worker failed: %s", r)

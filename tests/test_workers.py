@@ -1,0 +1,204 @@
+"""Engines in supervised worker processes, with the real model: crashes, hangs, retries, fallback,
+and no orphans.  The gateway runs as a real process (`gateway serve`), as users run it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from engines.base import EngineConfig, EngineCrashed, EngineInfo, GenerationRequest, SamplingParams
+from engines.worker_client import LocalWorker, Supervision, WorkerEngine
+from tests.conftest import MODEL
+from tests.test_production import Gateway, Stream, _chat, _is_envelope
+
+
+def _worker(url: str) -> dict[str, Any]:
+    worker: dict[str, Any] = httpx.get(f"{url}/health", timeout=10).json()["models"][MODEL]["worker"]
+    return worker
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` is a live process (a zombie counts as gone)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _wait_gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _ready_again(url: str, old_pid: int, timeout: float = 60) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        w = _worker(url)
+        if w["pid"] != old_pid and httpx.get(f"{url}/health", timeout=10).json()["models"][MODEL]["ready"]:
+            return w
+        time.sleep(0.1)
+    raise AssertionError("the worker was not restarted")
+
+
+@pytest.fixture(scope="module")
+def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    g = Gateway(tmp_path_factory.mktemp("workers"), "--parallel", "2",
+                env={"GATEWAY_WORKER_HEARTBEAT_TIMEOUT": "1", "GATEWAY_WORKER_MAX_CRASHES": "100"})
+    yield g
+    g.stop()
+
+
+def test_the_engine_runs_in_a_worker_process_of_the_gateway(gw: Gateway) -> None:
+    r = _chat(gw.url)
+    assert r.status_code == 200 and r.headers["x-engine"] == "llamacpp/cpu"
+    w = _worker(gw.url)
+    assert w["pid"] != gw.proc.pid and w["where"] == "local worker" and w["rss_bytes"] > 10 << 20
+    cmdline = Path(f"/proc/{w['pid']}/cmdline").read_bytes().split(b"\0")
+    assert b"engines.worker" in cmdline
+    status = Path(f"/proc/{w['pid']}/status").read_text()
+    assert f"PPid:\t{gw.proc.pid}\n" in status
+
+
+@pytest.mark.parametrize("sig", [signal.SIGSEGV, signal.SIGKILL])
+def test_a_worker_killed_mid_stream_ends_the_stream_with_an_error_frame(gw: Gateway, sig: int) -> None:
+    before = _worker(gw.url)
+    stream = Stream(gw.url, max_tokens=1500)
+    deadline = time.monotonic() + 60
+    while len(stream.frames) < 5 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(stream.frames) >= 5, "the stream did not start"
+    os.kill(before["pid"], sig)
+    killed = time.monotonic()
+    stream.wait(timeout=30)
+    assert time.monotonic() - killed < 2.0, "the client learnt of the crash too late"
+    assert stream.status == 200 and stream.frames[-1] == "[DONE]"
+    err = json.loads(stream.frames[-2])
+    assert _is_envelope(err, "engine_failed"), err
+    assert signal.Signals(sig).name in err["error"]["message"]
+    after = _ready_again(gw.url, before["pid"])
+    assert after["restarts"] == before["restarts"] + 1 and signal.Signals(sig).name in after["last_crash"]
+    r = _chat(gw.url)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
+    assert gw.proc.poll() is None
+
+
+def test_a_non_streaming_request_cut_by_a_crash_gets_502(gw: Gateway) -> None:
+    before = _worker(gw.url)
+    import threading
+
+    result: dict[str, httpx.Response] = {}
+    t = threading.Thread(target=lambda: result.setdefault("r", _chat(gw.url, max_tokens=1500, ignore_eos=True)))
+    t.start()
+    deadline = time.monotonic() + 30
+    while _worker(gw.url).get("pid") == before["pid"] and time.monotonic() < deadline:
+        health = httpx.get(f"{gw.url}/health", timeout=10).json()["models"][MODEL]
+        if health["running"] >= 1:
+            time.sleep(0.5)  # well into the generation
+            break
+        time.sleep(0.02)
+    os.kill(before["pid"], signal.SIGKILL)
+    t.join(30)
+    r = result["r"]
+    assert r.status_code == 502 and _is_envelope(r.json(), "engine_failed")
+    _ready_again(gw.url, before["pid"])
+
+
+def test_a_hung_worker_is_killed_by_the_watchdog(gw: Gateway) -> None:
+    before = _worker(gw.url)
+    stream = Stream(gw.url, max_tokens=1500)
+    deadline = time.monotonic() + 60
+    while len(stream.frames) < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    os.kill(before["pid"], signal.SIGSTOP)  # no more heartbeats, and no more tokens
+    stopped = time.monotonic()
+    stream.wait(timeout=30)
+    # Heartbeat timeout 1 s (set for this gateway) plus one heartbeat interval.
+    assert time.monotonic() - stopped < 3.0
+    err = json.loads(stream.frames[-2])
+    assert _is_envelope(err, "engine_failed") and "stopped answering heartbeats" in err["error"]["message"]
+    assert _wait_gone(before["pid"], 5), "the hung worker was not killed"
+    _ready_again(gw.url, before["pid"])
+    assert _chat(gw.url).status_code == 200
+
+
+def test_requests_that_had_not_started_are_retried_on_the_restarted_worker(gw: Gateway) -> None:
+    before = _worker(gw.url)
+    # Two streams fill both sequences; the third waits for one, so it has produced nothing yet.
+    running = [Stream(gw.url, max_tokens=1500) for _ in range(2)]
+    deadline = time.monotonic() + 60
+    while any(len(s.frames) < 3 for s in running) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    queued = Stream(gw.url, max_tokens=8)
+    time.sleep(0.5)
+    assert not queued.frames, "the third request should be waiting for a sequence"
+    os.kill(before["pid"], signal.SIGKILL)
+    for s in running:
+        s.wait(30)
+        assert _is_envelope(json.loads(s.frames[-2]), "engine_failed")
+    queued.wait(60)
+    chunks = queued.chunks()
+    assert queued.frames[-1] == "[DONE]" and all("error" not in c for c in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_worker_crashes_are_counted(gw: Gateway) -> None:
+    text = httpx.get(f"{gw.url}/metrics", timeout=10).text
+    line = next(ln for ln in text.splitlines() if ln.startswith("gateway_worker_crashes_total{"))
+    assert float(line.rsplit(" ", 1)[1]) >= 4  # the tests above, in this module's order
+
+
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
+def test_no_worker_outlives_the_gateway(tmp_path: Path, how: str) -> None:
+    g = Gateway(tmp_path)
+    pid = _worker(g.url)["pid"]
+    try:
+        g.signal(getattr(signal, how))
+        g.proc.wait(30)
+        assert _wait_gone(pid, 5), f"worker {pid} outlived the gateway ({how})"
+    finally:
+        g.stop()
+
+
+# --- the watchdog on a step that never returns (a stand-in runtime: tests/stuck_engine.py) ----------
+
+
+async def test_a_stuck_engine_step_is_killed_by_the_watchdog() -> None:
+    conn = LocalWorker("stuck", EngineConfig("unused"), plugins=("tests.stuck_engine",))
+    engine = WorkerEngine(conn, EngineInfo("stuck", "cpu", "cpu"),
+                          Supervision(heartbeat_s=0.2, step_timeout_s=1.0, max_crashes=1))
+    failed: list[str] = []
+    engine.on_failed = failed.append
+    await engine.load()
+    pid = engine.pid
+    assert pid is not None
+    req = GenerationRequest("stuck", SamplingParams(max_tokens=4), prompt="x")
+    got: list[str] = []
+    t0 = time.monotonic()
+    with pytest.raises(EngineCrashed, match="stuck in one engine step"):
+        async for ev in engine.generate(req):
+            got.append(ev.text)
+    assert got == ["first"] and 1.0 < time.monotonic() - t0 < 4.0
+    assert _wait_gone(pid, 5)
+    assert failed and "stuck in one engine step" in failed[0]  # max_crashes=1: it gave up
+    with pytest.raises(EngineCrashed):
+        async for _ in engine.generate(req):
+            pass
+    await engine.close()
+
+
+def test_a_token_id_beyond_64_bits_is_a_400_not_a_500(gw: Gateway) -> None:
+    r = httpx.post(f"{gw.url}/v1/embeddings", timeout=30, json={"model": MODEL, "input": [[2**70]]})
+    assert r.status_code == 400 and _is_envelope(r.json()), r.text
