@@ -2,9 +2,10 @@
 # Set up with the test dependencies (idempotent, cached), lint, and run the whole test suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# The Vulkan build: CI serves through it on Mesa's lavapipe (a software Vulkan device), and the
-# same build runs the CPU engine for every other test.
-bash scripts/setup.sh --dev --backend vulkan
+# The Vulkan build (installed as the package): CI serves through it on Mesa's lavapipe (a software
+# Vulkan device). The CPU-only build side by side: CPU engines run on it, each in its own worker
+# process, so the two builds serve at once (tests/test_builds.py).
+bash scripts/setup.sh --dev --backend vulkan,cpu
 sudo=""; [ "$(id -u)" = 0 ] || sudo="sudo"
 if ! ls /usr/share/vulkan/icd.d/lvp_icd*.json >/dev/null 2>&1 || ! command -v cc >/dev/null; then
   $sudo apt-get update -qq

@@ -18,6 +18,16 @@ from tests.test_production import Gateway
 ON_CPU, ON_VULKAN = "smol-on-cpu-build", "smol-on-vulkan-build"
 
 
+def _vulkan_host_or_skip() -> None:
+    """This host's Vulkan build and a Vulkan device (lavapipe in CI), or a skip (a failure in CI)."""
+    host = probe_host()
+    if not host.llamacpp.has("Vulkan") or not host.vulkan.devices:
+        why = f"needs the Vulkan build and a Vulkan device (lavapipe): {host.vulkan.reason or 'no Vulkan build'}"
+        if os.environ.get("CI"):
+            pytest.fail(why)
+        pytest.skip(why)
+
+
 def _cpu_build() -> str:
     host = probe_host()
     cpu_only = [b for b in host.llamacpp_builds if b.installed and b.backends == ("CPU",)]

@@ -202,3 +202,31 @@ async def test_a_stuck_engine_step_is_killed_by_the_watchdog() -> None:
 def test_a_token_id_beyond_64_bits_is_a_400_not_a_500(gw: Gateway) -> None:
     r = httpx.post(f"{gw.url}/v1/embeddings", timeout=30, json={"model": MODEL, "input": [[2**70]]})
     assert r.status_code == 400 and _is_envelope(r.json()), r.text
+
+
+def test_repeated_crashes_fall_back_to_the_next_candidate(tmp_path: Path) -> None:
+    from tests.test_builds import _vulkan_host_or_skip
+
+    _vulkan_host_or_skip()
+    # auto with --device llvmpipe: the plan is Vulkan on lavapipe, then the CPU.
+    g = Gateway(tmp_path, "--engine", "auto", "--device", "llvmpipe", "--parallel", "1",
+                env={"GATEWAY_WORKER_MAX_CRASHES": "2"})
+    try:
+        r = _chat(g.url)
+        assert r.status_code == 200 and r.headers["x-engine"] == "llamacpp/vulkan"
+        first = _worker(g.url)["pid"]
+        os.kill(first, signal.SIGSEGV)
+        second = _ready_again(g.url, first, timeout=120)["pid"]
+        os.kill(second, signal.SIGSEGV)  # the second crash within the window: give up on Vulkan
+        assert _wait_gone(second, 5)
+        r = _chat(g.url)
+        assert r.status_code == 200 and r.headers["x-engine"] == "llamacpp/cpu"
+        reason = r.headers["x-fallback-reason"]
+        assert "llamacpp/vulkan" in reason and "SIGSEGV" in reason and "2 crashes" in reason, reason
+        health = httpx.get(f"{g.url}/health", timeout=10).json()["models"][MODEL]
+        assert health["engine"] == "llamacpp/cpu" and "SIGSEGV" in health["fallback_reason"]
+        metrics = httpx.get(f"{g.url}/metrics", timeout=10).text
+        assert 'reason="worker_crashed"' in metrics
+        assert "worker crashed" in g.log() or "giving up" in g.log() or "excluded" in g.log()
+    finally:
+        g.stop()
