@@ -102,6 +102,7 @@ class CandidateOut(BaseModel):
     device_key: str
     check: CheckOut | None  # the cached functional check; None when not checked yet
     serving: bool  # this candidate serves the model now
+    build: str  # llama.cpp: the side-by-side build's folder that serves it; "" for the installed package
 
 
 class SkipOut(BaseModel):
@@ -205,7 +206,7 @@ async def devices(request: Request) -> DevicesResponse:
             if check is not None:
                 checks[f"{spec.id}|{c.label}|{c.device_key}"] = check.model_dump()
             cands.append(CandidateOut(runtime=c.runtime, engine=c.backend, device=c.device, device_key=c.device_key,
-                                      check=check, serving=serving.get(spec.id) == c))
+                                      check=check, serving=serving.get(spec.id) == c, build=c.lib_path))
         out[spec.id] = PlanOut(candidates=cands, skipped=[SkipOut(what=s.what, why=s.why, kind=s.kind) for s in p.skipped])
     host = manager.host
     return DevicesResponse(

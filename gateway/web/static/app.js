@@ -31,6 +31,8 @@ function renderDevices(d) {
     ...[["Metal", host.metal], ["DirectML", host.directml], ["CoreML", host.coreml]]
       .map(([name, rt]) => `${name}: ${rt.available ? `available: ${rt.detail}` : rt.reason}`),
     ll.installed ? `llama.cpp: llama-cpp-python ${ll.version}, backends ${ll.backends.join(", ") || "–"}` : `llama.cpp: ${ll.error}`,
+    ...(host.llamacpp_builds || []).map((b) => `llama.cpp side-by-side build ${b.lib_path}: ` +
+      (b.installed ? `backends ${b.backends.join(", ") || "–"}` : b.error || "unusable")),
     `ONNX Runtime: ${ort.packages.map(([p, v]) => `${p} ${v}`).join(", ") || "not installed"}` +
       (ort.providers.length ? `; providers ${ort.providers.join(", ")}` : ""),
   ];
@@ -50,14 +52,23 @@ function renderDevices(d) {
     h("h3", {}, `Plan for ${model}`),
     p.error ? h("p", { class: "error" }, `none: ${p.error}`) : null,
     h("ol", {}, ...p.candidates.map((c) => h("li", { class: c.serving ? "serving" : "" },
-      h("strong", {}, `${c.runtime}/${c.engine}`), ` on ${c.device}${c.device_key ? ` [${c.device_key}]` : ""}: `,
+      h("strong", {}, `${c.runtime}/${c.engine}`),
+      ` on ${c.device}${c.device_key ? ` [${c.device_key}]` : ""}${c.build ? ` (build ${c.build})` : ""}: `,
       !c.check ? "not checked yet" : c.check.ok ? `check ok${c.check.tok_s ? `, ${Math.round(c.check.tok_s)} tok/s measured` : ""}`
         : h("span", { class: "error" }, `check failed: ${c.check.reason}`),
       c.serving ? h("span", { class: "badge" }, "serving") : null))),
-    p.skipped.length ? h("ul", { class: "skipped" }, ...p.skipped.map((s) =>
-      h("li", {}, `${s.what}: ${s.why}`, s.kind === "unusable" ? h("span", { class: "badge warn" }, "fallback") : null))) : null,
+    skips(p.skipped.filter((s) => s.kind === "unusable"), "fallback"),
+    // Engines this host simply lacks are not news: folded away.
+    p.skipped.some((s) => s.kind !== "unusable") ? h("details", {},
+      h("summary", {}, `${p.skipped.filter((s) => s.kind !== "unusable").length} engines not available on this host`),
+      skips(p.skipped.filter((s) => s.kind !== "unusable"))) : null,
   )));
   $("#devices-text").textContent = d.text;
+}
+
+function skips(list, badge) {
+  return list.length ? h("ul", { class: "skipped" }, ...list.map((s) =>
+    h("li", {}, `${s.what}: ${s.why}`, badge ? h("span", { class: "badge warn" }, badge) : null))) : null;
 }
 
 async function loadDevices() {
