@@ -56,6 +56,9 @@ def main() -> int:
     ap.add_argument("--backend", default="cpu", help="cpu, vulkan or cuda: the gateway's --engine and llama-server's build")
     ap.add_argument("--server-bin", default=None, help="an existing llama-server build's bin dir")
     ap.add_argument("--no-llama-server", action="store_true")
+    ap.add_argument("--in-process-lib", default=None,
+                    help="LLAMA_CPP_LIB_PATH for the in-process gateway: one process loads one build, so a "
+                         "side-by-side build (e.g. CUDA next to an installed Vulkan package) must be named")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -71,6 +74,8 @@ def main() -> int:
     for name, workers in (("gateway (workers)", "1"), ("gateway (in-process)", "0")):
         port = _port()
         env = {**os.environ, "GATEWAY_LOG_LEVEL": "warning", "GATEWAY_WORKERS": workers}
+        if workers == "0" and args.in_process_lib:
+            env["LLAMA_CPP_LIB_PATH"] = args.in_process_lib
         servers[name] = (subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--port", str(port),
                                            "--parallel", str(np_), "--engine", args.backend], cwd=ROOT, env=env), port)
     bin_dir = ""

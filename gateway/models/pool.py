@@ -260,7 +260,7 @@ class ModelManager:
             members.append(WorkerEngine(
                 RemoteWorker(host, port, token, context),
                 EngineInfo("remote", "remote", w.url),
-                self._supervision(),
+                supervision(self.settings),
                 on_crash=lambda _why, url=w.url: self.metrics.worker_crashes.labels(spec.id, "remote", url).inc(),
             ))
         group = WorkerGroup(members)
@@ -276,35 +276,13 @@ class ModelManager:
         log.info("serving %s on %d remote worker(s): %s", spec.id, len(members), where)
         return entry
 
-    def _supervision(self) -> Supervision:
-        s = self.settings
-        return Supervision(heartbeat_timeout_s=s.worker_heartbeat_timeout, step_timeout_s=s.worker_step_timeout,
-                           max_crashes=s.worker_max_crashes, crash_window_s=s.worker_crash_window,
-                           load_timeout_s=s.check_timeout)
-
     def _new_engine(self, spec: ModelSpec, cand: Candidate, config: EngineConfig) -> Engine:
         if self._factory is not None:
             return self._factory(cand.runtime, config)
-        if not self.settings.workers:
-            return create_engine(cand.runtime, config)
-        s = self.settings
         labels = (spec.id, cand.label, cand.device)
-        return WorkerEngine(
-            LocalWorker(cand.runtime, config, env=self.worker_env(cand), plugins=s.worker_plugins,
-                        log_level=s.log_level, load_timeout_s=s.check_timeout),
-            EngineInfo(cand.runtime, cand.backend, cand.device, context_length=config.context_length,
-                       parallel=config.parallel),
-            self._supervision(),
-            on_crash=lambda _why: self.metrics.worker_crashes.labels(*labels).inc(),
-            on_failed=lambda why: self.exclude(spec.id, cand, why, cause="worker_crashed"),
-        )
-
-    def worker_env(self, cand: Candidate) -> dict[str, str]:
-        """The environment of a worker serving `cand`: Vulkan device visibility, and its llama.cpp build."""
-        env = dict(self.env)
-        if cand.lib_path:
-            env["LLAMA_CPP_LIB_PATH"] = cand.lib_path
-        return env
+        return local_engine(cand, config, self.settings, self.host,
+                            on_crash=lambda _why: self.metrics.worker_crashes.labels(*labels).inc(),
+                            on_failed=lambda why: self.exclude(spec.id, cand, why, cause="worker_crashed"))
 
     def _config(self, spec: ModelSpec, cand: Candidate, path: str) -> EngineConfig:
         return engine_config(spec, cand, path, self.settings)
@@ -360,6 +338,36 @@ class ModelManager:
         while self._loaded:
             _, entry = self._loaded.popitem()
             await entry.engine.close()
+
+
+def supervision(settings: Settings) -> Supervision:
+    s = settings
+    return Supervision(heartbeat_timeout_s=s.worker_heartbeat_timeout, step_timeout_s=s.worker_step_timeout,
+                       max_crashes=s.worker_max_crashes, crash_window_s=s.worker_crash_window,
+                       load_timeout_s=s.check_timeout)
+
+
+def worker_env(host: HostCapabilities, cand: Candidate) -> dict[str, str]:
+    """The environment of a worker serving `cand`: Vulkan device visibility, and its llama.cpp build."""
+    env = vulkan_visible_env(host.vulkan)
+    if cand.lib_path:
+        env["LLAMA_CPP_LIB_PATH"] = cand.lib_path
+    return env
+
+
+def local_engine(cand: Candidate, config: EngineConfig, settings: Settings, host: HostCapabilities,
+                 on_crash: Callable[[str], None] | None = None,
+                 on_failed: Callable[[str], None] | None = None) -> Engine:
+    """`cand` with `config`: in a supervised worker process (settings.workers), else in this process."""
+    if not settings.workers:
+        return create_engine(cand.runtime, config)
+    return WorkerEngine(
+        LocalWorker(cand.runtime, config, env=worker_env(host, cand), plugins=settings.worker_plugins,
+                    log_level=settings.log_level, load_timeout_s=settings.check_timeout),
+        EngineInfo(cand.runtime, cand.backend, cand.device, context_length=config.context_length,
+                   parallel=config.parallel),
+        supervision(settings), on_crash=on_crash, on_failed=on_failed,
+    )
 
 
 def engine_config(spec: ModelSpec, cand: Candidate, path: str, settings: Settings) -> EngineConfig:

@@ -19,17 +19,16 @@ import logging
 import math
 import os
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from engines.base import Engine, EngineError, GenerationRequest, SamplingParams
-from engines.registry import create_engine
 from gateway.host.hardware import HostCapabilities, probe_host, vulkan_visible_env
 from gateway.host.selection import Preference, SelectionError, plan
-from gateway.models.pool import engine_config
+from gateway.models.pool import engine_config, local_engine
 from gateway.models.registry import ModelSpec, ModelUnavailable, ParityTolerance, Registry
 from gateway.settings import Settings
 
@@ -393,7 +392,10 @@ async def open_engine(
     (to compare another quantisation of the same model).  Raises ParityError.
     """
     host = host if host is not None else await asyncio.to_thread(probe_host)
-    os.environ.update(vulkan_visible_env(host.vulkan))  # before the first Vulkan load
+    if not settings.workers:
+        # One process loads one llama.cpp build; side-by-side builds need worker processes.
+        host = replace(host, llamacpp_builds=())
+        os.environ.update(vulkan_visible_env(host.vulkan))  # before the first Vulkan load
     try:
         the_plan = plan(spec, host, Preference(engine, runtime, settings.device), registry.formats(spec))
     except SelectionError as exc:
@@ -403,7 +405,7 @@ async def open_engine(
         path = model_path or str(await asyncio.to_thread(registry.resolve, spec, cand.format))
     except ModelUnavailable as exc:
         raise ParityError(str(exc)) from exc
-    eng = create_engine(cand.runtime, engine_config(spec, cand, path, settings))
+    eng = local_engine(cand, engine_config(spec, cand, path, settings), settings, host)
     try:
         await eng.load()
     except EngineError as exc:

