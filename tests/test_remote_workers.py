@@ -5,8 +5,10 @@ refused; a lost worker leaves the others serving."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -19,7 +21,7 @@ import httpx
 import pytest
 import yaml
 
-from engines.base import EngineInfo, ModelLoadError
+from engines.base import EngineInfo, GenerationRequest, ModelLoadError, SamplingParams
 from engines.worker_client import RemoteWorker, Supervision, WorkerEngine
 from tests.conftest import ROOT, free_port
 from tests.test_production import Gateway
@@ -29,14 +31,14 @@ REMOTE = "smol-remote"
 
 
 class Worker:
-    def __init__(self, tmp: Path, token_file: Path) -> None:
+    def __init__(self, tmp: Path, token_file: Path, *extra: str) -> None:
         self.port = free_port()
         self.log_path = tmp / f"worker-{self.port}.log"
         self._log = self.log_path.open("w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "gateway.cli", "worker", "--listen", f"127.0.0.1:{self.port}",
              "--token-file", str(token_file), "--engine", "cpu", "--parallel", "2", "--threads", "1",
-             "--config", str(ROOT / "models.yaml")],
+             "--config", str(ROOT / "models.yaml"), *extra],
             cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT)
 
     def wait_listening(self, timeout: float = 300) -> None:
@@ -164,3 +166,32 @@ def test_a_lost_worker_leaves_the_other_serving(cluster: tuple[Gateway, list[Wor
     st = _status(gw.url)
     assert [w["ready"] for w in st["worker"]["workers"]] == [True, False]
     assert st["ready"]
+
+
+async def test_a_worker_over_tls(tmp_path: Path) -> None:
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.fail("openssl is needed to make the test certificate (Debian: apt-get install openssl)")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    worker = Worker(tmp_path, token_file, "--tls-cert", str(cert), "--tls-key", str(key))
+    try:
+        worker.wait_listening()
+        trusted = ssl.create_default_context(cafile=str(cert))
+        engine = WorkerEngine(RemoteWorker("127.0.0.1", worker.port, TOKEN, trusted), EngineInfo("r", "r", "x"))
+        await engine.load()
+        req = GenerationRequest("tls", SamplingParams(temperature=0, max_tokens=4), prompt="Hello")
+        tokens = [t async for ev in engine.generate(req) for t in ev.token_ids]
+        assert len(tokens) == 4
+        await engine.close()
+        # A client that does not trust the worker's certificate does not get to talk to it.
+        untrusting = WorkerEngine(RemoteWorker("127.0.0.1", worker.port, TOKEN, ssl.create_default_context()),
+                                  EngineInfo("r", "r", "x"))
+        with pytest.raises(ModelLoadError, match="CERTIFICATE_VERIFY_FAILED|certificate verify failed"):
+            await untrusting.load()
+    finally:
+        worker.stop()
