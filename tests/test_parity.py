@@ -89,6 +89,9 @@ def test_tolerance_table_and_model_override() -> None:
     assert tolerance_for("cpu", "vulkan", "f16").max_abs_logit == 1e-2
     quant = tolerance_for("cpu", "vulkan", "quant")
     assert quant.max_abs_logit is None and quant.max_mean_kl is not None
+    # Two GPU builds against each other: the row the H100's Vulkan-vs-CUDA run set, either way round.
+    gpu = tolerance_for("cuda", "vulkan", "quant")
+    assert gpu == tolerance_for("vulkan", "cuda", "quant") and gpu.max_mean_kl == 0.08
     tol = tolerance_for("cpu", "vulkan", "quant", ParityTolerance(max_mean_kl=0.5))
     assert tol.max_mean_kl == 0.5 and tol.min_top1 == quant.min_top1
     scores = Scores(10, mean_kl=0.6, max_kl=3.0, top1=1.0, topk_overlap=1.0, max_abs_logit=0.1,

@@ -68,6 +68,13 @@ GPU_VS_CPU_QUANT = ParityTolerance(max_mean_kl=0.1, max_kl=2.0, min_top1=0.5, ma
 # 2.195.
 CROSS_RUNTIME_QUANT = ParityTolerance(max_mean_kl=0.02, max_kl=0.5, min_top1=0.8, max_ppl_ratio=1.05)
 
+# Two GPU builds against each other (both fp16 accumulation, different kernels): on the H100, the
+# Vulkan build against the CUDA build over 6 prompts x 32 tokens measured mean KL 0.024 (worst
+# prompt 0.041), max KL 0.425, top-1 0.911 (worst prompt 0.81) and perplexity ratio 1.05 at worst:
+# further apart than either is from the CPU (Vulkan-CPU mean KL 0.0055, CUDA-CPU 0.024). The limits
+# leave about 2x room over the worst prompt; Q4_0-for-Q4_1 (mean KL 0.40) stays far outside.
+GPU_VS_GPU_QUANT = ParityTolerance(max_mean_kl=0.08, max_kl=1.0, min_top1=0.7, max_ppl_ratio=1.1)
+
 TOLERANCES: tuple[tuple[tuple[str, str, str], ParityTolerance], ...] = (
     (("cpu", "cpu", "quant"), ParityTolerance(max_mean_kl=1e-6, max_kl=1e-5, min_top1=1.0, max_ppl_ratio=1.0001)),
     (("cpu", "cpu", "*"), ParityTolerance(max_abs_logit=1e-5, min_top1=1.0)),
@@ -75,6 +82,8 @@ TOLERANCES: tuple[tuple[tuple[str, str, str], ParityTolerance], ...] = (
     (("ortgenai/cpu", "llamacpp/cpu", "quant"), CROSS_RUNTIME_QUANT),
     (("cpu", "vulkan", "quant"), GPU_VS_CPU_QUANT),
     (("cpu", "cuda", "quant"), GPU_VS_CPU_QUANT),
+    (("cuda", "vulkan", "quant"), GPU_VS_GPU_QUANT),
+    (("vulkan", "cuda", "quant"), GPU_VS_GPU_QUANT),
     (("*", "*", "quant"), ParityTolerance(max_mean_kl=5e-3, max_kl=0.1, min_top1=0.95, max_ppl_ratio=1.02)),
     (("*", "*", "f16"), ParityTolerance(max_abs_logit=1e-2, min_top1=0.99)),
     (("*", "*", "*"), ParityTolerance(max_abs_logit=1e-4, min_top1=0.99)),
