@@ -13,7 +13,7 @@
 #   scripts/h100-builds.sh stash DIR    keep DIR's parts (and install DIR/whl)
 #   scripts/h100-builds.sh assemble     join the parts; the CUDA build side by side once built
 #   scripts/h100-builds.sh wait         wait for the build (up to 9 minutes)
-#   scripts/h100-builds.sh devices|bench|fallback|parity   measurements -> $OUT
+#   scripts/h100-builds.sh devices|bench|fallback|parity|probe8   measurements -> $OUT
 set -uo pipefail
 W=/tmp/h15
 mkdir -p "$W/site" "$W/stash"
@@ -98,6 +98,23 @@ fallback)
   # And with CUDA hidden at start-up: auto picks Vulkan on the same card, with the reason.
   CUDA_VISIBLE_DEVICES= python3 -m gateway.cli devices > "$out/devices-no-cuda.txt" 2>&1
   cat "$out/fallback.txt"; grep -A4 "^Plan" "$out/devices-no-cuda.txt"
+  ;;
+probe8)
+  # The 8-stream dip (issue 15): decode steps of exactly 8 sequences, repeated, with and without CUDA
+  # graphs, next to 7, 9 and 16 streams.
+  for variant in default no-graphs; do
+    env=(); [ "$variant" = no-graphs ] && env=(GGML_CUDA_DISABLE_GRAPHS=1)
+    env "${env[@]}" GATEWAY_LOG_LEVEL=warning python3 -m gateway.cli serve --engine "${2:-cuda}" --parallel 16 \
+      --port 18082 > "$out/probe8-$variant.log" 2>&1 &
+    pid=$!
+    for _ in $(seq 1 120); do curl -sf localhost:18082/health > /dev/null && break; sleep 1; done
+    for c in 8 8 8 9 7 16 8 1 8; do
+      python3 -m gateway.cli bench --url http://127.0.0.1:18082 --concurrency $c --num-prompts $((c * 3)) \
+        --input-len 128 --output-len 128 --quiet --json "$out/probe.json" > /dev/null 2>&1
+      python3 -c "import json; r = json.load(open('$out/probe.json')); print('$variant', 'c=$c', round(r['output_token_throughput']), 'tok/s, itl p50', round(r['itl']['p50'] * 1e3, 1), 'ms')"
+    done | tee -a "$out/probe8.txt"
+    kill -TERM $pid; wait $pid
+  done
   ;;
 parity)
   for pair in "vulkan cuda" "cuda cpu" "vulkan cpu"; do
