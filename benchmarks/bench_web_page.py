@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -98,6 +99,7 @@ def main() -> int:
         print("needs Debian's chromium (apt-get install --no-install-recommends chromium)", file=sys.stderr)
         return 2
     url = f"http://127.0.0.1:{args.port}"
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # stop the gateway below on `timeout` / kill too
     proc = serve(args.port, 4, [])
     out = Path(f"/tmp/bench-web-page-{args.port}.json")
     rows: dict[str, list[dict[str, Any]]] = {"no page": [], "page open": []}
@@ -115,6 +117,7 @@ def main() -> int:
                     page.goto(url)
                     page.wait_for_selector("#chart-ttft[data-points]")
                     page.evaluate("performance.setResourceTimingBufferSize(100000)")
+                    page.wait_for_timeout(3000)  # the browser's own start-up work is not the page's cost
                     t0 = time.monotonic()
                     r = bench(url, proc.pid, args, out)
                     polls = page.evaluate("performance.getEntriesByType('resource')"

@@ -27,6 +27,7 @@ from schemathesis.checks import (
     response_schema_conformance,
     status_code_conformance,
 )
+from schemathesis.config import SchemathesisConfig
 
 from gateway.api.protocol import ChatCompletionChunk, Completion, ErrorResponse
 from tests.conftest import MODEL
@@ -36,7 +37,10 @@ MAX_TOKENS = 4
 
 @pytest.fixture(scope="session")
 def api_schema(gateway_url: str) -> Any:
-    return schemathesis.openapi.from_url(f"{gateway_url}/openapi.json")
+    # Whole streams: schemathesis stops reading an event stream after 20 events by default, and
+    # n=16 choices of MAX_TOKENS tokens send about 100.
+    config = SchemathesisConfig.from_dict({"max-stream-events": 1000})
+    return schemathesis.openapi.from_url(f"{gateway_url}/openapi.json", config=config)
 
 
 def _is_envelope(body: Any) -> bool:

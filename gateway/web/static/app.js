@@ -161,9 +161,9 @@ function renderLive(s) {
     series: [{ name: "p50", cls: "s1", points: series("ttft_p50_s") }, { name: "p95", cls: "s2", points: series("ttft_p95_s") }] });
   lineChart($("#chart-itl"), { now, span, format: ms, threshold: { value: slo.tpot_s, label: `SLO ${ms(slo.tpot_s)}/token` },
     series: [{ name: "p50", cls: "s1", points: series("itl_p50_s") }, { name: "p95", cls: "s2", points: series("itl_p95_s") }] });
-  lineChart($("#chart-tps"), { now, span, format: (v) => v.toFixed(v < 10 ? 1 : 0), threshold: null,
+  lineChart($("#chart-tps"), { now, span, format: (v) => v.toFixed(v < 10 ? 1 : 0), threshold: null, floor: 10,
     series: [{ name: "tokens/s", cls: "s1", points: series("tokens_per_s") }] });
-  lineChart($("#chart-queue"), { now, span, format: (v) => v.toFixed(v < 10 && v % 1 ? 1 : 0), threshold: null,
+  lineChart($("#chart-queue"), { now, span, format: (v) => v.toFixed(v < 10 && v % 1 ? 1 : 0), threshold: null, floor: 2,
     series: [{ name: "running", cls: "s1", points: series("running") }, { name: "waiting", cls: "s2", points: series("waiting") },
              { name: "429s", cls: "s3", points: series("rejected_429") }] });
 }

@@ -12,12 +12,12 @@ function node(tag, attrs, text) {
 }
 
 // series: [{name, cls, points: [[t, value|null], ...]}]; now and span in seconds;
-// threshold: {value, label} or null; format: value -> text.
-export function lineChart(svg, { series, now, span, threshold, format }) {
+// threshold: {value, label} or null; format: value -> text; floor: the least top of the y axis.
+export function lineChart(svg, { series, now, span, threshold, format, floor = 1e-9 }) {
   const x0 = now - span;
   const shown = series.map((s) => ({ ...s, points: s.points.filter(([t]) => t >= x0) }));
   const values = shown.flatMap((s) => s.points.map(([, v]) => v)).filter((v) => v !== null);
-  const top = Math.max(...values, threshold ? threshold.value : 0, 1e-9) * 1.12;
+  const top = Math.max(...values, threshold ? threshold.value : 0, floor) * 1.12;
   const x = (t) => LEFT + ((t - x0) / span) * (W - LEFT - RIGHT);
   const y = (v) => TOP + (1 - v / top) * (H - TOP - BOTTOM);
 
