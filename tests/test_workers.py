@@ -13,10 +13,11 @@ from typing import Any
 
 import httpx
 import pytest
+import yaml
 
 from engines.base import EngineConfig, EngineCrashed, EngineInfo, GenerationRequest, SamplingParams
 from engines.worker_client import LocalWorker, Supervision, WorkerEngine
-from tests.conftest import MODEL
+from tests.conftest import MODEL, ROOT
 from tests.test_production import Gateway, Stream, _chat, _is_envelope
 
 
@@ -208,9 +209,14 @@ def test_repeated_crashes_fall_back_to_the_next_candidate(tmp_path: Path) -> Non
     from tests.test_builds import _vulkan_host_or_skip
 
     _vulkan_host_or_skip()
-    # auto with --device llvmpipe: the plan is Vulkan on lavapipe, then the CPU.
+    # auto with --device llvmpipe: the plan is Vulkan on lavapipe, then the CPU. Its own cache
+    # folder: giving up on Vulkan is recorded in the functional-check cache, which must not reach
+    # the other tests (or the next run on this machine).
+    cfg = yaml.safe_load((ROOT / "models.yaml").read_text())
+    cfg["cache_dir"] = str(tmp_path / "cache")
+    (tmp_path / "models.yaml").write_text(yaml.safe_dump(cfg))
     g = Gateway(tmp_path, "--engine", "auto", "--device", "llvmpipe", "--parallel", "1",
-                env={"GATEWAY_WORKER_MAX_CRASHES": "2"})
+                "--config", str(tmp_path / "models.yaml"), env={"GATEWAY_WORKER_MAX_CRASHES": "2"})
     try:
         r = _chat(g.url)
         assert r.status_code == 200 and r.headers["x-engine"] == "llamacpp/vulkan"

@@ -31,6 +31,10 @@ EngineFactory = Callable[[str, EngineConfig], Engine]
 Checker = Callable[[str, EngineConfig], CheckResult]
 
 
+class ModelBusy(Exception):
+    """The model has requests running or waiting, so it cannot be unloaded now."""
+
+
 @dataclass
 class Loaded:
     spec: ModelSpec
@@ -318,6 +322,21 @@ class ModelManager:
         while not _idle(engine) and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
         await engine.close()
+
+    async def unload(self, model_id: str) -> bool:
+        """Unload `model_id` now (False: it was not loaded). Raises ModelBusy while it has requests
+        running or waiting; waits for a load in progress to end first (the model's own lock)."""
+        async with self._locks.setdefault(model_id, asyncio.Lock()):
+            entry = self._loaded.get(model_id)
+            if entry is None:
+                return False
+            h = entry.engine.health()
+            if h.running or h.waiting:
+                raise ModelBusy(f"model {model_id!r} has {h.running + h.waiting} request(s) running or waiting")
+            del self._loaded[model_id]
+        log.info("unloading %s (asked to)", model_id)
+        await entry.engine.close()
+        return True
 
     async def _make_room(self) -> None:
         """Unload least recently used idle models until one more fits."""

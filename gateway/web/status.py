@@ -18,7 +18,7 @@ from gateway.host.functional_check import fingerprint
 from gateway.host.hardware import EP_MATRIX
 from gateway.host.selection import Candidate, Plan, SelectionError
 from gateway.metrics import SLO_E2E_S, SLO_TPOT_S, SLO_TTFT_S
-from gateway.models.pool import ModelManager, engine_config, fingerprint_parts
+from gateway.models.pool import ModelBusy, ModelManager, engine_config, fingerprint_parts
 from gateway.models.registry import ModelSpec
 from gateway.web.live import HISTORY_S, RATE_WINDOW_S, SAMPLE_S, WINDOW_S, LiveStats, Point, Totals
 
@@ -245,7 +245,8 @@ async def unload(model_id: str, request: Request) -> ModelStatus:
         if busy:
             raise APIError(409, f"model {spec.id!r} has {busy} request(s) running or waiting; unload it when idle",
                            code="model_busy")
-        # ModelManager has no public unload yet: this is what its LRU eviction (_make_room) does.
-        manager._loaded.pop(spec.id, None)
-        await entry.engine.close()
+        try:
+            await manager.unload(spec.id)
+        except ModelBusy as exc:
+            raise APIError(409, f"{exc}; unload it when idle", code="model_busy") from exc
     return _model(request, spec)
