@@ -27,13 +27,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks.bench_vs_llama_server import MODEL, _bench, _port, _wait  # noqa: E402
-
-
-def _rss(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
+from engines.worker_client import rss_bytes  # noqa: E402
 
 
 def _build_id() -> str:
@@ -105,7 +99,7 @@ def main() -> int:
                     results[name][c].append(res)
                     print(f"round {r} {name:<22} c={c:<3} {res['output_token_throughput']:8.1f} tok/s", file=sys.stderr)
         for name, (proc, port) in servers.items():
-            memory[name] = {"server": _rss(proc.pid)}
+            memory[name] = {"server": rss_bytes(proc.pid) or 0}
             if name.startswith("gateway"):
                 health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).json()["models"][MODEL]
                 if "worker" in health:

@@ -10,7 +10,7 @@ from pathlib import Path
 from gateway.host.functional_check import CheckCache
 from gateway.host.hardware import probe_host
 from gateway.host.selection import Preference, SelectionError, plan
-from gateway.models.registry import RegistryError, load_registry
+from gateway.models.registry import ModelSpec, Registry, RegistryError, load_registry
 from gateway.settings import ENGINE_CHOICES, Settings, parse_size, split_list
 
 log = logging.getLogger("gateway")
@@ -98,19 +98,28 @@ def _models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _registry_and_spec(config: str, model: str | None) -> tuple[Registry, ModelSpec] | None:
+    """models.yaml and the named (or default) model in it; None after printing why not."""
+    try:
+        registry = load_registry(config)
+    except RegistryError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return None
+    spec = registry.get(model or registry.default)
+    if spec is None:
+        print(f"error: unknown model {model!r}; known: {', '.join(registry.models)}", file=sys.stderr)
+        return None
+    return registry, spec
+
+
 def _convert(args: argparse.Namespace) -> int:
     from gateway.models.convert import ConversionError, convert
     from gateway.models.registry import ModelUnavailable
 
-    try:
-        registry = load_registry(args.config or Settings.from_env().config)
-    except RegistryError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    found = _registry_and_spec(args.config or Settings.from_env().config, args.model)
+    if found is None:
         return 2
-    spec = registry.get(args.model or registry.default)
-    if spec is None:
-        print(f"error: unknown model {args.model!r}; known: {', '.join(registry.models)}", file=sys.stderr)
-        return 2
+    registry, spec = found
     logging.basicConfig(level="WARNING", format="%(levelname)s %(name)s: %(message)s")
     try:
         out = convert(registry, spec, args.to, args.precision, args.provider,
@@ -150,15 +159,10 @@ def _worker(args: argparse.Namespace) -> int:
                                  device=args.device, parallel=args.parallel, threads=args.threads, workers=False,
                                  isolate_check=False)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        registry = load_registry(settings.config)
-    except RegistryError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    found = _registry_and_spec(settings.config, settings.model)
+    if found is None:
         return 2
-    spec = registry.get(settings.model or registry.default)
-    if spec is None:
-        print(f"error: unknown model {settings.model!r}; known: {', '.join(registry.models)}", file=sys.stderr)
-        return 2
+    registry, spec = found
 
     async def run() -> None:
         manager = ModelManager(registry, settings)

@@ -62,9 +62,7 @@ class WorkerGroup:
         if not members:
             raise ValueError("a worker group needs at least one worker")
         self.members = members
-        first = members[0].info
-        self.info = EngineInfo(first.runtime, first.backend, first.device, first.version, first.context_length,
-                               sum(m.info.parallel for m in members))
+        self.info = self._info(members[0])
         self._affinity: OrderedDict[str, Engine] = OrderedDict()
         self.affinity_hits = 0
         self.affinity_misses = 0
@@ -77,10 +75,14 @@ class WorkerGroup:
             log.warning("%s is not available: %s", getattr(getattr(m, "connection", None), "what", "a worker"), r)
         if len(failed) == len(self.members):
             raise ModelLoadError("no worker could be reached: " + "; ".join(str(r) for _, r in failed))
-        first = next(m for m, r in zip(self.members, results, strict=True) if not isinstance(r, BaseException))
+        self.info = self._info(next(m for m, r in zip(self.members, results, strict=True)
+                                     if not isinstance(r, BaseException)))
+
+    def _info(self, first: Engine) -> EngineInfo:
+        """The group as one engine: the (first reachable) worker's engine, with every worker's sequences."""
         i = first.info
-        self.info = EngineInfo(i.runtime, i.backend, i.device, i.version, i.context_length,
-                               sum(m.info.parallel for m in self.members))
+        return EngineInfo(i.runtime, i.backend, i.device, i.version, i.context_length,
+                          sum(m.info.parallel for m in self.members))
 
     def pick(self, key: str | None) -> Engine:
         """The worker for a request: its conversation's worker while that one has room (or is no busier
