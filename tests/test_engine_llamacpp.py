@@ -123,3 +123,27 @@ async def test_a_running_streams_prefix_is_copied_to_a_new_request() -> None:
     finally:
         await e.close()
         await alone.close()
+
+
+async def test_requests_take_the_lowest_free_sequence_ids() -> None:
+    """llama.cpp attends over the KV streams from the lowest to the highest sequence id of a step, so
+    new requests must pack into the low ids even when a higher slot holds a longer cached prefix."""
+    e = await _engine("smollm2-135m-instruct", parallel=4)
+    try:
+        # Fill all four slots, each with its own cached prompt.
+        tail = " is a word that starts this prompt, which goes on for a while so that it is long enough"
+        await asyncio.gather(*(_run(e, _req(w + tail, max_tokens=2))
+                               for w in ("Apple", "Banana", "Cherry", "Damson")))
+        cached = {s.seq_id: list(s.cached) for s in e._sched._slots}
+        # Two requests whose prompts share a long prefix with slots 2 and 3: they still run on 0 and 1.
+        seen: set[int] = set()
+
+        async def one(prompt: str) -> None:
+            async for _ in e.generate(_req(prompt, max_tokens=3)):
+                seen.update(s.seq_id for s in e._sched._slots if s.job is not None)
+
+        await asyncio.gather(one("Cherry" + tail + ", again"), one("Damson" + tail + ", again"))
+        assert seen == {0, 1}, (seen, {k: len(v) for k, v in cached.items()})
+        assert e._sched.prefix_copies >= 2  # their prefixes came by copy from slots 2 and 3
+    finally:
+        await e.close()
