@@ -21,7 +21,7 @@ from gateway.api.serving import ChatService, CompletionService
 from gateway.host.functional_check import CheckResult, run_isolated
 from gateway.host.hardware import HostCapabilities, probe_host, vulkan_visible_env
 from gateway.metrics import Metrics
-from gateway.models.pool import Checker, EngineFactory, ModelManager
+from gateway.models.pool import Checker, ClusterEngines, EngineFactory, ModelManager
 from gateway.models.registry import Registry, load_registry
 from gateway.parity.shadow import ShadowParity
 from gateway.settings import Settings
@@ -36,10 +36,12 @@ def create_app(
     engine_factory: EngineFactory | None = None,
     host: HostCapabilities | None = None,
     checker: Checker | None = None,
+    cluster: ClusterEngines | None = None,
 ) -> FastAPI:
     """The app. `host` defaults to probing this machine; `checker` to the isolated
     functional check when engines come from the real registry (a test's fake factory runs
-    only the in-process check)."""
+    only the in-process check). `cluster` gives the engines of models served by a Ray cluster
+    (gateway.cluster)."""
     registry = registry or load_registry(settings.config)
     if settings.model:
         if registry.get(settings.model) is None:
@@ -54,7 +56,7 @@ def create_app(
         def checker(runtime: str, config: EngineConfig) -> CheckResult:
             return run_isolated(runtime, config, settings.check_timeout, env)
 
-    manager = ModelManager(registry, settings, engine_factory, metrics, host, checker)
+    manager = ModelManager(registry, settings, engine_factory, metrics, host, checker, cluster)
     admission = Admission(settings.max_queue, settings.max_queue_wait)
     drain = Drain()
 

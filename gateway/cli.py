@@ -45,9 +45,16 @@ def _serve(args: argparse.Namespace) -> int:
         if default is None:
             print(f"error: unknown model {settings.model!r}; known: {', '.join(registry.models)}", file=sys.stderr)
             return 2
-        host = probe_host()
+        host = probe_host() if not args.cluster else None
         if args.recheck:
             CheckCache(Path(registry.cache_dir) / "functional-checks.json").clear()
+        if args.cluster:
+            try:
+                from gateway.cluster.runtime import serve_on_ray
+            except ImportError as exc:
+                print(f"error: --cluster needs Ray Serve: pip install 'llm-gateway[cluster]' ({exc})", file=sys.stderr)
+                return 2
+            return serve_on_ray(settings, registry, args.cluster)
         where = f"{len(default.workers)} remote worker(s)" if default.workers else ""
         if not default.workers:
             the_plan = plan(default, host, Preference(settings.engine, settings.runtime, settings.device),
@@ -196,6 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--recheck", action="store_true", help="forget cached functional-check results")
     s.add_argument("--rank-by-speed", action="store_true",
                    help="where several engines pass on one device, serve on the fastest (32-token decode, cached)")
+    s.add_argument("--cluster", default=None, metavar="ray[://ADDRESS]",
+                   help="serve on a Ray cluster (the `cluster` extra): `ray` joins this host's cluster or starts "
+                        "one; ray://HOST:PORT connects to a remote head. Replicas per model: models.yaml `replicas`")
     s.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=None, help="port (default 8080)")
     s.add_argument("--config", default=None, help="models.yaml path")

@@ -66,6 +66,14 @@ class Metrics:
         self.parity_scored = Counter("gateway_parity_samples_scored", "Requests re-scored on the reference engine.", LABELS, registry=r)
         self.parity_dropped = Counter("gateway_parity_samples_dropped", "Sampled requests not scored, by reason (queue_full, error).", (*LABELS, "reason"), registry=r)
         self.parity_drifted = Gauge("gateway_parity_drifted", "1 while the engine's window of samples is outside its parity tolerance.", LABELS, registry=r)
+        self._replica: ReplicaMetrics | None = None
+
+    @property
+    def replica(self) -> ReplicaMetrics:
+        """Per-replica series of a Ray cluster's models (`gateway serve --cluster ray`), made on first use."""
+        if self._replica is None:
+            self._replica = ReplicaMetrics(self.registry)
+        return self._replica
 
     def watch(self, resident: Callable[[], Iterable[tuple[str, str, str, EngineHealth]]]) -> None:
         """Export running/waiting/resident gauges read from the engines at scrape time."""
@@ -76,6 +84,39 @@ class Metrics:
 
     def count_error(self, labels: tuple[str, str, str], outcome: str, status: int) -> None:
         self.requests.labels(*labels, outcome, str(status)).inc()
+
+
+REPLICA_LABELS = ("model", "replica", "node")
+
+
+class ReplicaMetrics:
+    """Where requests ran on a Ray cluster: `replica` is Serve's replica id, `node` its node's address."""
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        self.requests = Counter("gateway_replica_requests", "Finished requests per replica, by finish reason.", (*REPLICA_LABELS, "outcome"), registry=r)
+        self.ttft = Histogram("gateway_replica_time_to_first_token_seconds", "Request sent to the deployment to first token back, per replica.", REPLICA_LABELS, buckets=TTFT_BUCKETS, registry=r)
+        self.tokens = Counter("gateway_replica_generation_tokens", "Tokens generated per replica.", REPLICA_LABELS, registry=r)
+        self.prompt_tokens = Counter("gateway_replica_prompt_tokens", "Prompt tokens per replica.", REPLICA_LABELS, registry=r)
+        self.cached_tokens = Counter("gateway_replica_cached_prompt_tokens", "Prompt tokens found in the replica's KV cache (prefix reuse).", REPLICA_LABELS, registry=r)
+        self.lost = Counter("gateway_replica_lost_requests", "Requests whose replica was lost (node died, process killed), by whether they were retried.", (*REPLICA_LABELS, "retried"), registry=r)
+        self._running: list[Callable[[], Iterable[tuple[str, str, str, int]]]] = []
+        r.register(_ReplicaGauges(self._running))
+
+    def watch(self, running: Callable[[], Iterable[tuple[str, str, str, int]]]) -> None:
+        """Export the running requests per replica read at scrape time: (model, replica, node, running)."""
+        self._running.append(running)
+
+
+class _ReplicaGauges(Collector):
+    def __init__(self, sources: list[Callable[[], Iterable[tuple[str, str, str, int]]]]) -> None:
+        self._sources = sources
+
+    def collect(self) -> Iterable[Metric]:
+        running = GaugeMetricFamily("gateway_replica_requests_running", "Requests running on each replica.", labels=REPLICA_LABELS)
+        for source in self._sources:
+            for model, replica, node, n in source():
+                running.add_metric([model, replica, node], n)
+        yield running
 
 
 class _EngineGauges(Collector):

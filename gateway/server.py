@@ -87,7 +87,9 @@ def run(app: FastAPI, host: str, port: int, log_level: str, drain_timeout: float
     """Serve until a signal and its drain; False if the app failed to start."""
     # Streams end by the drain above, never by sse-starlette's own watch of uvicorn's exit flag,
     # which is only raised once the drain has finished.
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    # The serve lock's stack (asyncio, h11) even where uvloop and httptools are installed (Ray brings them).
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
+                            loop="asyncio", http="h11")
     server = DrainingServer(config, app, drain_timeout)
     server.run()
     return server.started

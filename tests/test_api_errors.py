@@ -105,3 +105,18 @@ def test_completion_bad_input(gateway_url: str) -> None:
 def test_unknown_route_and_method(gateway_url: str) -> None:
     _check(httpx.get(f"{gateway_url}/v1/nothing"), 404)
     _check(httpx.get(f"{gateway_url}/v1/chat/completions"), 405)
+
+
+def test_a_response_message_goes_back_into_the_history_unchanged(gateway_url: str) -> None:
+    """The OpenAI SDK pattern `messages.append(response.choices[0].message)`: our own message
+    object, `refusal: null` and `tool_calls: null` included, is valid input for the next turn."""
+    first = [{"role": "user", "content": "Name a fruit."}]
+    r = httpx.post(f"{gateway_url}/v1/chat/completions", timeout=60,
+                   json={"model": "smollm2-135m-instruct", "messages": first, "max_tokens": 4})
+    assert r.status_code == 200, r.text
+    message = r.json()["choices"][0]["message"]
+    assert "refusal" in message
+    again = httpx.post(f"{gateway_url}/v1/chat/completions", timeout=60, json={
+        "model": "smollm2-135m-instruct", "max_tokens": 4,
+        "messages": [*first, message, {"role": "user", "content": "Another?"}]})
+    assert again.status_code == 200, again.text

@@ -38,6 +38,9 @@ class ChatMessageIn(_Request):
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None  # assistant turns that called tools
     tool_call_id: str | None = None  # tool turns: the call this result answers
+    # An earlier assistant turn's refusal, as our own responses carry it (`refusal: null`): clients
+    # append the response message to the history unchanged. Not shown to the model.
+    refusal: str | None = None
 
     def text(self) -> str:
         if self.content is None:

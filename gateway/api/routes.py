@@ -211,6 +211,9 @@ async def health(request: Request) -> JSONResponse:
         worker_status = getattr(entry.engine, "worker_status", None)
         if worker_status is not None:
             models[entry.spec.id]["worker"] = worker_status()
+        cluster_status = getattr(entry.engine, "cluster_status", None)
+        if cluster_status is not None:
+            models[entry.spec.id]["cluster"] = cluster_status()
     for mid in manager.loading:
         models.setdefault(mid, {"ready": False, "status": "loading"})
     for mid, err in manager.load_errors.items():

@@ -29,6 +29,9 @@ log = logging.getLogger(__name__)
 EngineFactory = Callable[[str, EngineConfig], Engine]
 # (runtime, config) -> CheckResult, run before an engine is trusted (in a child process by default).
 Checker = Callable[[str, EngineConfig], CheckResult]
+# On a cluster: the engine that serves a model from elsewhere (its Ray Serve deployment), or None
+# for a model this process serves itself.
+ClusterEngines = Callable[[ModelSpec, Metrics], Engine | None]
 
 
 class ModelBusy(Exception):
@@ -63,8 +66,10 @@ class ModelManager:
         metrics: Metrics | None = None,
         host: HostCapabilities | None = None,
         checker: Checker | None = None,
+        cluster: ClusterEngines | None = None,
     ) -> None:
         self.registry = registry
+        self._cluster = cluster
         self.settings = settings
         # None: engines run in supervised worker processes (settings.workers) or, with that off, in
         # this process. Tests inject a factory of fake engines.
@@ -118,6 +123,9 @@ class ModelManager:
         try:
             if spec.workers:
                 return await self._load_remote(spec)
+            remote = self._cluster(spec, self.metrics) if self._cluster is not None else None
+            if remote is not None:
+                return await self._load_cluster(spec, remote)
             try:
                 the_plan = self.plan(spec)
             except SelectionError as exc:
@@ -280,6 +288,18 @@ class ModelManager:
         log.info("serving %s on %d remote worker(s): %s", spec.id, len(members), where)
         return entry
 
+    async def _load_cluster(self, spec: ModelSpec, engine: Engine) -> Loaded:
+        """Serve `spec` on its cluster deployment (the replicas own the engines; nothing is loaded here)."""
+        t0 = time.perf_counter()
+        await engine.load()
+        info = engine.info
+        cand = Candidate(info.runtime, info.backend, info.device, "", "ray")
+        entry = Loaded(spec, engine, cand, time.perf_counter() - t0, time.monotonic())
+        self._loaded[spec.id] = entry
+        self.load_errors.pop(spec.id, None)
+        log.info("serving %s on its Ray Serve deployment (%s/%s on %s)", spec.id, info.runtime, info.backend, info.device)
+        return entry
+
     def _new_engine(self, spec: ModelSpec, cand: Candidate, config: EngineConfig) -> Engine:
         if self._factory is not None:
             return self._factory(cand.runtime, config)
@@ -339,13 +359,12 @@ class ModelManager:
         return True
 
     async def _make_room(self) -> None:
-        """Unload least recently used idle models until one more fits."""
-        while len(self._loaded) >= max(1, self.settings.max_resident):
-            victim = next(
-                (k for k, v in self._loaded.items() if _idle(v.engine)), None
-            )
+        """Unload least recently used idle models until one more fits (models served by a cluster's
+        replicas hold nothing here and do not count)."""
+        while len(here := [k for k, v in self._loaded.items() if v.candidate.format != "ray"]) >= max(1, self.settings.max_resident):
+            victim = next((k for k in here if _idle(self._loaded[k].engine)), None)
             if victim is None:
-                log.warning("all %d resident models are busy; loading one more", len(self._loaded))
+                log.warning("all %d resident models are busy; loading one more", len(here))
                 return
             entry = self._loaded.pop(victim)
             log.info("unloading %s (least recently used)", victim)

@@ -134,6 +134,31 @@ class RemoteWorker(_Strict):
         return host.strip("[]"), int(port), scheme == "tls"
 
 
+class Replicas(_Strict):
+    """How many engine replicas serve this model on a Ray cluster (`gateway serve --cluster ray`); a
+    single-host gateway ignores it. Ray Serve's autoscaler keeps the count between `min` and `max`,
+    aiming at `target_ongoing_requests` running or queued requests per replica."""
+
+    min: int = Field(default=1, ge=0, description="replicas kept even when idle (0: scale to zero)")
+    max: int = Field(default=1, ge=1, description="replicas at most")
+    target_ongoing_requests: float = Field(default=2.0, gt=0, description="requests per replica the autoscaler aims at")
+    upscale_delay_s: float = Field(default=10.0, ge=0, description="load must stay high this long before a replica is added")
+    downscale_delay_s: float = Field(default=120.0, ge=0, description="idleness must last this long before one is removed")
+    look_back_period_s: float = Field(default=30.0, gt=10, description="load is averaged over this window (Serve needs it "
+                                      "longer than its 10 s metrics interval)")
+    max_per_node: int | None = Field(default=None, ge=1, description="replicas per node at most (1 spreads them "
+                                     "over hosts, so a lost host costs one replica)")
+    gpus: float | None = Field(default=None, gt=0, le=8, description="GPUs per replica on CUDA (0.25: four replicas "
+                               "share a GPU); 1 when unset")
+    cpus: float = Field(default=1.0, gt=0, description="CPUs Ray reserves per replica")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> Replicas:
+        if self.min > self.max:
+            raise ValueError(f"replicas: min ({self.min}) is above max ({self.max})")
+        return self
+
+
 class ModelSpec(_Strict):
     id: str
     description: str = ""
@@ -160,6 +185,8 @@ class ModelSpec(_Strict):
     parity: ParityTolerance | None = Field(default=None, description="parity tolerances for this model")
     embedding: EmbeddingOptions = EmbeddingOptions()
     embedding_only: bool = Field(default=False, description="serve /v1/embeddings only (an embedding model)")
+    replicas: Replicas | None = Field(default=None, description="replicas on a Ray cluster (--cluster ray); "
+                                      "the default model keeps 1, others scale from 0, when unset")
 
     @model_validator(mode="after")
     def _served_somewhere(self) -> ModelSpec:

@@ -1,0 +1,94 @@
+"""A Ray cluster of two nodes on this machine serving the gateway, driven over stdin/stdout.
+
+Used by tests/test_cluster.py (and benchmarks/bench_cluster.py).  Ray runs here, in its own process,
+so the test process never imports it.  Token authentication is on (RAY_AUTH_MODE=token) with the
+token in RAY_AUTH_TOKEN.
+
+usage: python tests/ray_cluster.py --port PORT --config MODELS_YAML [--nodes N] [--cpus C]
+Prints one JSON object per line: {"ready": ..., "address": GCS address, "nodes": [...]} first, then
+one answer per command read from stdin:
+  kill NODE_ID_PREFIX   SIGKILL that node's raylet and every process of it (a host lost)
+  add                   add a node
+  nodes                 the live nodes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+MARK = "@@cluster "
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--nodes", type=int, default=2)
+    ap.add_argument("--cpus", type=int, default=2, help="logical CPUs per node")
+    args = ap.parse_args()
+
+    # Every node of this cluster lives on this machine: make Ray's own address detection say loopback
+    # too (it otherwise picks the first interface's address for a driver or a node's components).
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    import ray
+    from ray import serve
+    from ray.cluster_utils import Cluster
+
+    from gateway.cluster.app import INGRESS_APP, build_application
+    from gateway.models.registry import load_registry
+    from gateway.settings import Settings
+
+    def say(**kw: object) -> None:
+        # Ray may print to stdout too: answers are the lines that start with MARK.
+        print(MARK + json.dumps(kw), flush=True)
+
+    # Every node on loopback: nothing of this cluster is reachable from another host.
+    node_args = {"num_cpus": args.cpus, "include_dashboard": False, "node_ip_address": "127.0.0.1"}
+    cluster = Cluster(initialize_head=True, head_node_args=node_args)
+    nodes = {cluster.head_node.node_id: cluster.head_node}
+    for _ in range(args.nodes - 1):
+        n = cluster.add_node(**node_args)
+        nodes[n.node_id] = n
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, logging_level=logging.WARNING, _node_ip_address="127.0.0.1",
+             log_to_driver=False)
+    settings = Settings.from_env(config=args.config, host="127.0.0.1", port=args.port)
+    serve.start(http_options={"host": "127.0.0.1", "port": args.port}, proxy_location="HeadOnly")
+    serve.run(build_application(settings, load_registry(args.config)), name=INGRESS_APP, route_prefix="/")
+
+    def alive() -> list[str]:
+        return [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+
+    say(ready=True, address=cluster.address, head=cluster.head_node.node_id, nodes=alive())
+    for line in sys.stdin:
+        cmd, _, arg = line.strip().partition(" ")
+        try:
+            if cmd == "kill":
+                node_id = next(k for k in nodes if k.startswith(arg) and k != cluster.head_node.node_id)
+                cluster.remove_node(nodes.pop(node_id), allow_graceful=False)
+                say(killed=node_id, nodes=alive())
+            elif cmd == "add":
+                n = cluster.add_node(**node_args)
+                nodes[n.node_id] = n
+                cluster.wait_for_nodes()
+                say(added=n.node_id, nodes=alive())
+            elif cmd == "nodes":
+                say(nodes=alive())
+            elif cmd == "quit":
+                break
+            else:
+                say(error=f"unknown command {cmd!r}")
+        except Exception as exc:  # noqa: BLE001 - reported to the driver
+            say(error=f"{type(exc).__name__}: {exc}")
+    serve.shutdown()
+    ray.shutdown()
+    cluster.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
