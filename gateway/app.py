@@ -8,6 +8,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI
 
@@ -69,6 +70,16 @@ def create_app(
         ]
 
     metrics.watch(resident)
+
+    def workers() -> list[tuple[str, str, str, dict[str, Any]]]:
+        out = []
+        for e in manager.loaded():
+            status = getattr(e.engine, "worker_status", None)
+            if status is not None and e.candidate.format not in ("remote", "ray"):
+                out.append((e.spec.id, e.candidate.label, e.candidate.device, status()))
+        return out
+
+    metrics.watch_workers(workers)
 
     shadow = ShadowParity(manager, settings, metrics) if settings.parity_reference and settings.parity_sample > 0 else None
 

@@ -79,11 +79,31 @@ class Metrics:
         """Export running/waiting/resident gauges read from the engines at scrape time."""
         self.registry.register(_EngineGauges(resident))
 
+    def watch_workers(self, workers: Callable[[], Iterable[tuple[str, str, str, dict[str, Any]]]]) -> None:
+        """Export each local engine worker's memory and restarts, read at scrape time from
+        (model, engine, device, worker_status())."""
+        self.registry.register(_WorkerGauges(workers))
+
     def observe(self, model: str, engine: str, device: str, received: float) -> RequestObserver:
         return RequestObserver(self, (model, engine, device), received)
 
     def count_error(self, labels: tuple[str, str, str], outcome: str, status: int) -> None:
         self.requests.labels(*labels, outcome, str(status)).inc()
+
+
+class _WorkerGauges(Collector):
+    def __init__(self, workers: Callable[[], Iterable[tuple[str, str, str, dict[str, Any]]]]) -> None:
+        self._workers = workers
+
+    def collect(self) -> Iterable[Metric]:
+        rss = GaugeMetricFamily("gateway_worker_resident_memory_bytes", "Resident memory of each local engine worker process.", labels=LABELS)
+        restarts = GaugeMetricFamily("gateway_worker_restarts", "Restarts of each engine worker since its model loaded.", labels=LABELS)
+        for model, engine, device, status in self._workers():
+            if status.get("rss_bytes") is not None:
+                rss.add_metric([model, engine, device], status["rss_bytes"])
+            restarts.add_metric([model, engine, device], status.get("restarts", 0))
+        yield rss
+        yield restarts
 
 
 REPLICA_LABELS = ("model", "replica", "node")

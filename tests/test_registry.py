@@ -197,3 +197,17 @@ def test_coreml_compute_units_are_validated_and_reach_the_engine(tmp_path: Path)
     assert cfg.compute_units == "CPU_AND_NE"
     with pytest.raises(RegistryError, match="compute_units"):
         load_registry(_write(tmp_path, "models:\n  - id: m\n    compute_units: GPU\n    formats:\n      gguf: {path: m.gguf}\n"))
+
+
+def test_cluster_replicas_are_checked(tmp_path: Path) -> None:
+    """`replicas:` (for --cluster ray): bounds in order, a look-back window Serve accepts, unknown keys named."""
+    ok = load_registry(_write(tmp_path, "models:\n  - {id: m, formats: {gguf: {path: a}}, "
+                                        "replicas: {min: 0, max: 3, target_ongoing_requests: 2, max_per_node: 1}}\n"))
+    r = ok.models["m"].replicas
+    assert r is not None and (r.min, r.max, r.max_per_node, r.affinity) == (0, 3, 1, True)
+    with pytest.raises(RegistryError, match=r"min \(4\) is above max \(2\)"):
+        load_registry(_write(tmp_path, "models:\n  - {id: m, formats: {gguf: {path: a}}, replicas: {min: 4, max: 2}}\n"))
+    with pytest.raises(RegistryError, match="look_back_period_s"):
+        load_registry(_write(tmp_path, "models:\n  - {id: m, formats: {gguf: {path: a}}, replicas: {look_back_period_s: 5}}\n"))
+    with pytest.raises(RegistryError, match="unknown key 'maximum'"):
+        load_registry(_write(tmp_path, "models:\n  - {id: m, formats: {gguf: {path: a}}, replicas: {maximum: 2}}\n"))

@@ -65,6 +65,8 @@ def actor_options(spec: ModelSpec, registry: Registry, settings: Settings) -> di
 def model_deployment(spec: ModelSpec, registry: Registry, settings: Settings) -> Any:
     r = replicas_of(spec, registry)
     extra: dict[str, Any] = {"max_replicas_per_node": r.max_per_node} if r.max_per_node else {}
+    if r.affinity:
+        extra["request_router_config"] = RequestRouterConfig(request_router_class=AffinityRouter)
     return serve.deployment(ModelReplica).options(
         name=deployment_name(spec.id),
         ray_actor_options=actor_options(spec, registry, settings),
@@ -78,7 +80,6 @@ def model_deployment(spec: ModelSpec, registry: Registry, settings: Settings) ->
             look_back_period_s=r.look_back_period_s,
         ),
         **extra,
-        request_router_config=RequestRouterConfig(request_router_class=AffinityRouter),
         health_check_period_s=5, health_check_timeout_s=60,
         graceful_shutdown_timeout_s=settings.drain_timeout,
     )

@@ -151,6 +151,8 @@ class Replicas(_Strict):
     gpus: float | None = Field(default=None, gt=0, le=8, description="GPUs per replica on CUDA (0.25: four replicas "
                                "share a GPU); 1 when unset")
     cpus: float = Field(default=1.0, gt=0, description="CPUs Ray reserves per replica")
+    affinity: bool = Field(default=True, description="send a conversation's turns to the replica that holds its KV "
+                           "(off: Serve's power-of-two-choices routing)")
 
     @model_validator(mode="after")
     def _bounds(self) -> Replicas:

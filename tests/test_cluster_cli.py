@@ -1,0 +1,54 @@
+"""`gateway serve --cluster ray` on a host with no Ray cluster: it starts a private one (token
+authentication on, loopback only), serves the API through Serve, and on SIGTERM deletes the
+application and stops Ray, leaving no Ray process behind.
+
+Runs after tests/test_cluster.py has stopped its cluster (`--cluster ray` would join a running one).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import ROOT, free_port, wait_for
+
+pytest.importorskip("ray", reason="the `cluster` extra (ray[serve]) is not installed")
+
+
+def _ray_processes(session: str) -> list[str]:
+    out = subprocess.run(["pgrep", "-af", session], capture_output=True, text=True).stdout
+    return [ln for ln in out.splitlines() if "pgrep" not in ln]
+
+
+def test_serve_cluster_ray_starts_and_stops_a_private_cluster(tmp_path: Path) -> None:
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update(GATEWAY_THREADS="1", RAY_TMPDIR=str(tmp_path))
+    log = tmp_path / "serve.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--cluster", "ray", "--port", str(port)],
+                                cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        assert wait_for(f"http://127.0.0.1:{port}/health", 240, alive=lambda: proc.poll() is None), log.read_text()[-3000:]
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=120, json={
+            "model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6})
+        assert r.status_code == 200, r.text
+        health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).json()
+        assert health["models"]["smollm2-135m-instruct"]["cluster"]["replicas"]
+        text = log.read_text()
+        assert "without token authentication" not in text  # the private cluster has it on
+        session_dirs = list(tmp_path.glob("ray/session_*"))
+        assert session_dirs, "Ray did not use RAY_TMPDIR"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(120) == 0, log.read_text()[-3000:]
+        assert not _ray_processes(str(tmp_path)), "Ray processes outlived the gateway"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
