@@ -8,9 +8,11 @@ Runs after tests/test_cluster.py has stopped its cluster (`--cluster ray` would 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import httpx
@@ -29,7 +31,9 @@ def _ray_processes(session: str) -> list[str]:
 def test_serve_cluster_ray_starts_and_stops_a_private_cluster(tmp_path: Path) -> None:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    env.update(GATEWAY_THREADS="1", RAY_TMPDIR=str(tmp_path))
+    # A short directory of its own: Ray's socket paths must stay under 108 bytes.
+    ray_tmp = Path(tempfile.mkdtemp(prefix="rg-", dir="/tmp"))
+    env.update(GATEWAY_THREADS="1", RAY_TMPDIR=str(ray_tmp))
     log = tmp_path / "serve.log"
     with open(log, "w") as f:
         proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--cluster", "ray", "--port", str(port)],
@@ -43,12 +47,13 @@ def test_serve_cluster_ray_starts_and_stops_a_private_cluster(tmp_path: Path) ->
         assert health["models"]["smollm2-135m-instruct"]["cluster"]["replicas"]
         text = log.read_text()
         assert "without token authentication" not in text  # the private cluster has it on
-        session_dirs = list(tmp_path.glob("ray/session_*"))
+        session_dirs = list(ray_tmp.glob("ray/session_*"))
         assert session_dirs, "Ray did not use RAY_TMPDIR"
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(120) == 0, log.read_text()[-3000:]
-        assert not _ray_processes(str(tmp_path)), "Ray processes outlived the gateway"
+        assert not _ray_processes(str(ray_tmp)), "Ray processes outlived the gateway"
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+        shutil.rmtree(ray_tmp, ignore_errors=True)

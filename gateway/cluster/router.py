@@ -5,7 +5,9 @@ turn still holds that prefix in its KV cache.  The ingress sends each request wi
 hash of the conversation's start (the system prompt and the first user turn, see
 `gateway.models.routing.affinity_key`); this router ranks that conversation's replica first and
 every other replica second, so Serve takes the remembered one while it has room and otherwise the
-least-loaded of the rest (Serve probes queue lengths within a rank and picks the shortest).
+least-loaded of the rest (Serve probes queue lengths within a rank and picks the shortest).  A
+remembered replica whose queue is longer than another's by more than SLACK is not preferred: the
+prefill its KV saves is smaller than the wait.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 ENTRIES = 4096  # conversations remembered (least recently used forgotten first)
+SLACK = 1  # requests more in the conversation's replica's queue than in the shortest other one
 
 
 class AffinityRouter(RequestRouter):  # type: ignore[misc]
@@ -33,7 +36,14 @@ class AffinityRouter(RequestRouter):  # type: ignore[misc]
         first = [r for r in candidate_replicas if r.replica_id == mine]
         if not first:
             return [candidate_replicas]
-        return [first, [r for r in candidate_replicas if r.replica_id != mine]]
+        others = [r for r in candidate_replicas if r.replica_id != mine]
+        # Its KV saves a prefill, but not a wait behind a longer queue: keep the conversation's
+        # replica only while its (cached) queue is no longer than the shortest other one + SLACK.
+        own = self._replica_queue_len_cache.get(mine)
+        rest = [q for r in others if (q := self._replica_queue_len_cache.get(r.replica_id)) is not None]
+        if own is not None and rest and own > min(rest) + SLACK:
+            return [candidate_replicas]
+        return [first, others]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         key = _key(pending_request)

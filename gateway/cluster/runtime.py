@@ -1,8 +1,9 @@
 """`gateway serve --cluster ray[://ADDRESS]`: join (or start) Ray, run the application, drain on a signal.
 
 - `ray`: join the Ray cluster this host belongs to (`ray start` ran here, or RAY_ADDRESS names the
-  head); when there is none, start a one-host cluster with token authentication and no dashboard,
-  bound to loopback.
+  head); when there is none, start a one-host cluster with no dashboard, bound to loopback.
+- Token authentication is on (RAY_AUTH_MODE=token; the token from RAY_AUTH_TOKEN or
+  ~/.ray/auth_token, generated for a new local cluster) unless RAY_AUTH_MODE says otherwise.
 - `ray://HOST:PORT`: Ray Client to a remote head.
 
 Ray's ports run code for whoever can reach them; this module refuses nothing, but says so when the
@@ -14,7 +15,10 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
+import tempfile
 import threading
+from pathlib import Path
 
 from gateway.models.registry import Registry
 from gateway.settings import Settings
@@ -22,24 +26,38 @@ from gateway.settings import Settings
 log = logging.getLogger(__name__)
 
 
+def running_cluster() -> str | None:
+    """The GCS address of the Ray cluster this host belongs to: RAY_ADDRESS, or the one `ray start`
+    recorded in Ray's temp directory if it answers; None when there is none."""
+    if os.environ.get("RAY_ADDRESS"):
+        return os.environ["RAY_ADDRESS"]
+    base = Path(os.environ.get("RAY_TMPDIR", tempfile.gettempdir())) / "ray" / "ray_current_cluster"
+    try:
+        address = base.read_text().strip()
+        host, _, port = address.rpartition(":")
+        with socket.create_connection((host, int(port)), timeout=1):
+            return address
+    except (OSError, ValueError):
+        return None
+
+
 def connect(cluster: str) -> bool:
     """Connect this process to Ray; True when it started a new local cluster (to stop on exit)."""
+    # Token authentication unless told otherwise (RAY_AUTH_MODE=disabled joins an open cluster, with
+    # a warning). Ray reads it when it is imported.
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
     import ray
 
     if cluster != "ray" and not cluster.startswith("ray://"):
         raise ValueError(f"--cluster {cluster!r}: expected 'ray' or 'ray://HOST:PORT'")
-    if cluster.startswith("ray://"):
-        ray.init(address=cluster, logging_level=logging.WARNING)
+    address = cluster if cluster.startswith("ray://") else running_cluster()
+    if address is not None:
+        ray.init(address=address, logging_level=logging.WARNING)
         started = False
     else:
-        try:
-            ray.init(address="auto", logging_level=logging.WARNING)
-            started = False
-        except ConnectionError:
-            # No cluster on this host: a private one, authenticated, reachable from loopback only.
-            os.environ.setdefault("RAY_AUTH_MODE", "token")
-            ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", logging_level=logging.WARNING)
-            started = True
+        # No cluster on this host: a private one, reachable from loopback only.
+        ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", logging_level=logging.WARNING)
+        started = True
     if os.environ.get("RAY_AUTH_MODE", "disabled") != "token":
         log.warning("this Ray cluster runs without token authentication (RAY_AUTH_MODE=token on every node "
                     "turns it on): anyone who can reach its ports can run code on its nodes")
@@ -50,6 +68,7 @@ def connect(cluster: str) -> bool:
 
 def serve_on_ray(settings: Settings, registry: Registry, cluster: str) -> int:
     """Run the gateway's Serve application until SIGTERM/SIGINT, then delete it (replicas drain)."""
+    os.environ.setdefault("RAY_AUTH_MODE", "token")  # before Ray is imported: it reads it then
     import ray
     from ray import serve
 
