@@ -81,7 +81,10 @@ def main() -> int:
         servers["llama-server"] = (subprocess.Popen(
             [f"{bin_dir}/llama-server", "-m", model, "--port", str(port), "-np", str(np_),
              "-c", str(spec.context_length * np_), "-t", threads, "-tb", threads, "--log-disable",
-             *(["-ngl", "99"] if args.backend != "cpu" else [])],
+             # llama.cpp's default (-ngl auto) offloads to any GPU the build has: a CPU row must say none.
+             *(["-ngl", "99"] if args.backend != "cpu" else ["-ngl", "0", "--device", "none"])],
+            # Its shared libraries sit beside it (a build copied from another machine keeps them there).
+            env={**os.environ, "LD_LIBRARY_PATH": ":".join(filter(None, (bin_dir, os.environ.get("LD_LIBRARY_PATH"))))},
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), port)
     results: dict[str, dict[int, list[dict[str, Any]]]] = {n: {c: [] for c in conc} for n in servers}
     memory: dict[str, dict[str, int]] = {}

@@ -70,10 +70,18 @@ devices)
   { nvidia-smi -L; python3 -m gateway.cli devices; } > "$out/devices.txt" 2>&1
   cat "$out/devices.txt"
   ;;
+vkserver)
+  # llama-server built here for Vulkan (benchmarks/build-llama-server.sh vulkan), shipped as DIR/vkserver.tar.gz.
+  rm -rf "$W/vkserver" && mkdir -p "$W/vkserver" && tar xzf "$2/vkserver.tar.gz" -C "$W/vkserver"
+  LD_LIBRARY_PATH="$W/vkserver" "$W/vkserver/llama-server" --version 2>&1 | tail -2
+  ;;
 bench)
-  # Workers vs in-process vs llama-server, same CUDA build, alternated (issue 13's table).
-  lib=(); [ "${2:-cuda}" = cuda ] && lib=(--in-process-lib "$W/build/bin")
-  timeout 560 python3 benchmarks/bench_workers.py --backend "${2:-cuda}" --server-bin "$W/build/bin" "${lib[@]}" \
+  # Workers vs in-process vs llama-server, alternated (issue 13's table). cuda and cpu: llama-server
+  # and the in-process gateway on the CUDA build compiled here (cpu: -ngl 0 --device none, i.e. the
+  # same CPU code for both); vulkan: the Vulkan package and a Vulkan llama-server from the same source.
+  server="$W/build/bin"; [ "${2:-cuda}" = vulkan ] && server="$W/vkserver"
+  lib=(); [ "${2:-cuda}" != vulkan ] && lib=(--in-process-lib "$W/build/bin")
+  timeout 560 python3 benchmarks/bench_workers.py --backend "${2:-cuda}" --server-bin "$server" "${lib[@]}" \
     --rounds "${3:-3}" --json "$out/bench-workers-${2:-cuda}.json" > "$out/bench-workers-${2:-cuda}.txt" 2>&1
   tail -n 12 "$out/bench-workers-${2:-cuda}.txt"
   ;;
@@ -125,5 +133,5 @@ parity)
     tail -n 12 "$out/parity-$1-$2.txt"
   done
   ;;
-*) echo "usage: $0 start DIR | stash DIR | assemble | wait | devices | bench [cuda|vulkan] [rounds] | fallback | parity" >&2; exit 2 ;;
+*) echo "usage: $0 start DIR | stash DIR | vkserver DIR | assemble | wait | devices | bench [cuda|vulkan|cpu] [rounds] | fallback | parity" >&2; exit 2 ;;
 esac
