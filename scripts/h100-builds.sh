@@ -75,6 +75,23 @@ vkserver)
   rm -rf "$W/vkserver" && mkdir -p "$W/vkserver" && tar xzf "$2/vkserver.tar.gz" -C "$W/vkserver"
   LD_LIBRARY_PATH="$W/vkserver" "$W/vkserver/llama-server" --version 2>&1 | tail -2
   ;;
+rayparts)
+  # Ray for the cluster benchmark (issue 17): DIR/ray.part-* and cp312 wheels in DIR/whl.
+  cp "$2"/ray.part-* "$W/stash/" 2>/dev/null
+  [ -d "$2/whl" ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$W/site" "$2"/whl/*.whl
+  if [ -e "$W/stash/ray.part-00" ] && [ -e "$W/stash/ray.part-01" ] && [ ! -e "$W/site/ray/__init__.py" ]; then
+    cat "$W"/stash/ray.part-* > "$W/ray-2.60.0-cp312-cp312-manylinux2014_x86_64.whl"
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$W/site" "$W/ray-2.60.0-cp312-cp312-manylinux2014_x86_64.whl"
+  fi
+  python3 -c "import ray, ray.serve; print('ray', ray.__version__)" 2>&1 | tail -1
+  ;;
+replicas)
+  # Several replicas of the small model on one GPU vs one replica with more sequences, on Ray Serve.
+  rm -f ~/.cache/llm-gateway/functional-checks.json
+  timeout 560 python3 benchmarks/bench_cluster.py --skip scale,overhead,affinity --engine cuda \
+    --layouts "${2:-1x16,2x8,4x4}" --rounds "${3:-2}" --output-len 128 > "$out/replicas.txt" 2>&1
+  tail -n 14 "$out/replicas.txt"
+  ;;
 bench)
   # Workers vs in-process vs llama-server, alternated (issue 13's table). cuda and cpu: llama-server
   # and the in-process gateway on the CUDA build compiled here (cpu: -ngl 0 --device none, i.e. the

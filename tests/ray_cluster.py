@@ -29,6 +29,7 @@ def main() -> int:
     ap.add_argument("--config", required=True)
     ap.add_argument("--nodes", type=int, default=2)
     ap.add_argument("--cpus", type=int, default=2, help="logical CPUs per node")
+    ap.add_argument("--gpus", type=int, default=None, help="GPUs per node (Ray detects them when unset)")
     args = ap.parse_args()
 
     # Every node of this cluster lives on this machine: make Ray's own address detection say loopback
@@ -47,7 +48,9 @@ def main() -> int:
         print(MARK + json.dumps(kw), flush=True)
 
     # Every node on loopback: nothing of this cluster is reachable from another host.
-    node_args = {"num_cpus": args.cpus, "include_dashboard": False, "node_ip_address": "127.0.0.1"}
+    node_args: dict[str, object] = {"num_cpus": args.cpus, "include_dashboard": False, "node_ip_address": "127.0.0.1"}
+    if args.gpus is not None:
+        node_args["num_gpus"] = args.gpus
     cluster = Cluster(initialize_head=True, head_node_args=node_args)
     nodes = {cluster.head_node.node_id: cluster.head_node}
     for _ in range(args.nodes - 1):
