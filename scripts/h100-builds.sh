@@ -78,7 +78,7 @@ vkserver)
 rayparts)
   # Ray for the cluster benchmark (issue 17): DIR/ray.part-* and cp312 wheels in DIR/whl.
   cp "$2"/ray.part-* "$W/stash/" 2>/dev/null
-  [ -d "$2/whl" ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$W/site" "$2"/whl/*.whl
+  [ -d "$2/whl" ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$W/site" "$2"/whl/*.whl
   if [ -e "$W/stash/ray.part-00" ] && [ -e "$W/stash/ray.part-01" ] && [ ! -e "$W/site/ray/__init__.py" ]; then
     cat "$W"/stash/ray.part-* > "$W/ray-2.60.0-cp312-cp312-manylinux2014_x86_64.whl"
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$W/site" "$W/ray-2.60.0-cp312-cp312-manylinux2014_x86_64.whl"
