@@ -131,7 +131,9 @@ def create_app(
     install_web(app, resident)
     app.openapi = lambda: openapi_schema(app)  # type: ignore[method-assign]
 
-    app.add_middleware(Guards, policy=policy(settings), drain=drain, metrics=metrics)
+    # Behind Ray Serve's proxy (a cluster ingress) the proxy answers with the request's id itself.
+    the_policy = dataclasses.replace(policy(settings), send_request_id=cluster is None)
+    app.add_middleware(Guards, policy=the_policy, drain=drain, metrics=metrics)
     return app
 
 

@@ -187,6 +187,8 @@ def test_chat_and_stream_through_the_ingress(cluster: Cluster) -> None:
     body = r.json()
     assert body["usage"]["completion_tokens"] > 0 and body["choices"][0]["message"]["content"]
     assert r.headers["x-engine"].startswith("llamacpp/")
+    # One request id: Serve's proxy sends it, the gateway's guards do not repeat it.
+    assert len(r.headers.get_list("x-request-id")) == 1
     events = stream_events(cluster.url, {"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 8,
                                          "temperature": 0})
     assert events[-1] == "[DONE]"

@@ -53,6 +53,7 @@ class Policy:
     allowed_hosts: tuple[str, ...] = ()  # Host names accepted beyond loopback names
     check_host: bool = True  # refuse unknown Host headers (on when bound to loopback)
     max_body: int = 4 * 1024 * 1024  # bytes
+    send_request_id: bool = True  # off behind Ray Serve's proxy, which sends the same x-request-id itself
 
 
 class Drain:
@@ -117,7 +118,7 @@ class Guards:
         path: str = scope["path"]
         method: str = scope["method"]
         origin = headers.get("origin")
-        extra: list[tuple[bytes, bytes]] = [(b"x-request-id", rid.encode())]
+        extra: list[tuple[bytes, bytes]] = [(b"x-request-id", rid.encode())] if self.policy.send_request_id else []
 
         async def refuse(err: APIError, more: list[tuple[bytes, bytes]] | None = None) -> None:
             self.metrics.count_error(("", "", ""), outcome_of(err), err.status)
