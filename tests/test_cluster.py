@@ -165,6 +165,16 @@ def chat(url: str, content: str, max_tokens: int = 16, **kw: Any) -> httpx.Respo
         "temperature": 0, **kw})
 
 
+def burst(url: str, prompt: str, max_tokens: int, timeout: float = 120) -> None:
+    """Four chats at once (`prompt` formatted with 0..3), waiting for all of them."""
+    threads = [threading.Thread(target=chat, args=(url, prompt.format(i)), kwargs={"max_tokens": max_tokens})
+               for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+
+
 def stream_events(url: str, body: dict[str, Any], on_open: threading.Event | None = None) -> list[Any]:
     """Every SSE data payload of one streamed chat ("[DONE]" as a string)."""
     out: list[Any] = []
@@ -225,12 +235,7 @@ def test_load_adds_a_replica_on_the_other_node(cluster: Cluster) -> None:
         t.join(180)
     # Fresh concurrent requests now spread over both replicas (the router takes the shorter queue).
     for _ in range(3):
-        burst = [threading.Thread(target=chat, args=(cluster.url, f"Count to {i}."), kwargs={"max_tokens": 24})
-                 for i in range(4)]
-        for t in burst:
-            t.start()
-        for t in burst:
-            t.join(120)
+        burst(cluster.url, "Count to {}.", 24)
         nodes = {v["node"] for v in cluster.model()["cluster"]["replicas"].values()}
         if len(nodes) == 2:
             break
@@ -274,12 +279,7 @@ def test_a_node_lost_mid_stream(cluster: Cluster) -> None:
     added = cluster.command("add")["added"]
     cluster.wait("the replica rescheduled on the new node", lambda: cluster.running_replicas() == 2, 120)
     for _ in range(6):
-        burst = [threading.Thread(target=chat, args=(cluster.url, f"Name {i} colours."), kwargs={"max_tokens": 24})
-                 for i in range(4)]
-        for t in burst:
-            t.start()
-        for t in burst:
-            t.join(120)
+        burst(cluster.url, "Name {} colours.", 24)
         if any(v["node"].endswith(added[:8]) for v in cluster.model()["cluster"]["replicas"].values()):
             break
     else:
@@ -308,11 +308,7 @@ def test_a_client_that_leaves_frees_its_replica_slots(cluster: Cluster) -> None:
     for e in opened:
         assert e.wait(60)
     t0 = time.monotonic()
-    short = [threading.Thread(target=chat, args=(cluster.url, f"Hello {i}"), kwargs={"max_tokens": 8}) for i in range(4)]
-    for t in short:
-        t.start()
-    for t in short:
-        t.join(60)
+    burst(cluster.url, "Hello {}", 8, timeout=60)
     assert time.monotonic() - t0 < 15
     cluster.wait("no request running", lambda: cluster.model()["running"] == 0, 10)
 

@@ -22,7 +22,7 @@ import numpy as np
 import numpy.typing as npt
 
 from engines import wire
-from engines.base import EngineError, GenerationRequest, TokenEvent
+from engines.base import EngineError, GenerationRequest
 from gateway.metrics import Metrics
 from gateway.models.pool import Loaded, ModelManager
 from gateway.models.registry import Registry, RegistryFile, _default_cache
@@ -143,4 +143,4 @@ class ModelReplica:
         await self.manager.close()
 
 
-__all__ = ["Failed", "ModelReplica", "ReplicaTag", "TokenEvent"]
+__all__ = ["Failed", "ModelReplica", "ReplicaTag"]
