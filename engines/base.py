@@ -113,6 +113,9 @@ class Usage:
     queue_seconds: float = 0.0
     # The prompt as token ids (the generated ids arrive in the events); shadow parity re-scores them.
     prompt_ids: tuple[int, ...] = ()
+    # Speculative decoding: draft tokens proposed for this request, and how many were accepted.
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -159,6 +162,14 @@ class EngineConfig:
     compute_units: str = "ALL"  # CoreML only: ALL, CPU_AND_NE, CPU_AND_GPU, CPU_ONLY
     pooling: str = "mean"  # embeddings: mean, cls or last
     normalize_embeddings: bool = True  # L2-normalise each embedding
+    # llama.cpp: run the sampler chain on the device (only token ids come back) for requests
+    # without a grammar or logprobs. "auto" = on when the model runs on a GPU.
+    device_sampling: str = "auto"
+    # llama.cpp: speculative decoding from n-gram drafts (prompt lookup): the tokens after the
+    # latest earlier occurrence of the text's last `draft_ngram` tokens, up to `draft_max`, are
+    # verified in the same step. 0 = off.
+    draft_ngram: int = 0
+    draft_max: int = 0
 
 
 @dataclass(frozen=True)

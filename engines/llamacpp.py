@@ -152,6 +152,11 @@ class LlamaCppEngine:
         cparams.n_threads = threads
         cparams.n_threads_batch = threads
         cparams.no_perf = True
+        on_device = o.device_sampling == "on" or (o.device_sampling == "auto" and bool(wanted))
+        on_device = on_device and not (o.draft_ngram and o.draft_max)  # drafts are verified on the host
+        if on_device:
+            # One output per sequence and step: lets the device samplers size their buffers.
+            cparams.n_outputs_max_per_seq = 1
         ctx = lc.llama_init_from_model(model, cparams)
         if not ctx:
             lc.llama_model_free(model)
@@ -171,6 +176,9 @@ class LlamaCppEngine:
             max_queue=o.max_queue,
             piece=self.piece,
             is_eog=lambda t: lc.llama_vocab_is_eog(self._vocab, t),
+            device_sampling=on_device,
+            draft_ngram=o.draft_ngram,
+            draft_max=o.draft_max,
         )
         from engines.llamacpp_embed import Embedder
 
@@ -179,6 +187,8 @@ class LlamaCppEngine:
         self.info = replace(
             self.info, context_length=self._n_ctx_seq,
             extra={"precision": self._precision(lc), "embedding_width": str(self._embedder.width),
+                   "sampling": "device" if on_device else "host",
+                   "speculative": f"ngram {o.draft_ngram}, up to {o.draft_max}" if o.draft_ngram and o.draft_max else "off",
                    "tool_format": tool_format},
         )
         log.info(
@@ -287,7 +297,7 @@ class LlamaCppEngine:
     # --- generation ------------------------------------------------------------------------
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
-        from engines.llamacpp_batch import GenJob, build_sampler
+        from engines.llamacpp_batch import GenJob, build_sampler, sampler_key
 
         if self._sched is None:
             raise ModelLoadError("model is not loaded")
@@ -305,7 +315,8 @@ class LlamaCppEngine:
         if sampler is None:
             raise InvalidGenerationRequest(f"llama.cpp could not compile the grammar for {what}", param=what)
         channel = EventChannel()
-        job = GenJob(prompt_ids=prompt, sampling=sp, max_new_tokens=max_new, sampler=sampler, emit=channel.emit)
+        job = GenJob(prompt_ids=prompt, sampling=sp, max_new_tokens=max_new, sampler=sampler, emit=channel.emit,
+                     device_key=None if grammar is not None or sp.logprobs else sampler_key(sp, max_new))
         try:
             self._sched.submit(job)
         except BaseException:

@@ -54,6 +54,9 @@ class GenJob:
     max_new_tokens: int
     sampler: Any  # llama_sampler_p, owned by the job and freed when it leaves the engine
     emit: EmitFn
+    # What the sampler chain is (`sampler_key`), when it can run on the device: None for
+    # grammars and logprobs, which need the full logits on the host.
+    device_key: tuple[Any, ...] | None = None
     submitted: float = field(default_factory=time.perf_counter)
     cancelled: bool = False
 
@@ -97,6 +100,19 @@ class _Slot:
     queue_seconds: float = 0.0
     detok: Detokenizer | None = None
     stopper: StopMatcher | None = None
+    # The sampler chain attached to this sequence for sampling on the device (owned by the slot,
+    # kept across requests with the same `device_key`: attaching one makes llama.cpp re-reserve
+    # its compute graphs), and whether the running job uses it.
+    device_chain: Any = None
+    device_key: tuple[Any, ...] | None = None
+    on_device: bool = False
+    # Speculative decoding: prompt + generated tokens, their n-grams (-> index of the next token),
+    # and this request's draft tokens proposed / accepted.
+    history: list[int] = field(default_factory=list)
+    ngrams: dict[tuple[int, ...], int] | None = None
+    drafted: int = 0
+    accepted: int = 0
+    draft_len: int = 0  # the next draft's length limit: halved on a rejection, doubled on a full accept
 
 
 class BatchScheduler:
@@ -111,8 +127,16 @@ class BatchScheduler:
         max_queue: int,
         piece: Callable[[int], bytes],
         is_eog: Callable[[int], bool],
+        device_sampling: bool = False,
+        draft_ngram: int = 0,
+        draft_max: int = 0,
     ) -> None:
         self._ctx = ctx
+        self._draft_ngram = draft_ngram if draft_max > 0 else 0
+        self._draft_max = draft_max
+        # Drafts are verified on the host, one output at a time (a device chain samples every
+        # output of a step at once, before the first rejection is known).
+        self._device_sampling = device_sampling and not self._draft_ngram
         self._n_vocab = n_vocab
         self._n_batch = n_batch
         self._max_queue = max_queue
@@ -122,6 +146,9 @@ class BatchScheduler:
         self._batch = lc.llama_batch_init(n_batch, 0, 1)
         self._slots = [_Slot(seq_id=i) for i in range(n_parallel)]
         self.prefix_copies = 0  # prompts that took their prefix from another sequence's KV
+        self.device_attaches = 0  # sampler chains attached to a sequence (each costs a graph reserve)
+        self.drafted = 0  # speculative draft tokens proposed, and accepted
+        self.accepted = 0
         self.step_started = 0.0  # perf_counter() when the running step began; 0 between steps
         self._waiting: deque[Job] = deque()
         self._embeds: deque[EmbedJob] = deque()
@@ -265,6 +292,45 @@ class BatchScheduler:
         if isinstance(job, GenJob):
             slot.detok = Detokenizer()
             slot.stopper = StopMatcher(job.sampling.stop)
+            if self._draft_ngram:
+                slot.history = list(job.prompt_ids)
+                slot.ngrams = None
+                slot.drafted = slot.accepted = 0
+                slot.draft_len = self._draft_max
+        self._place_sampler(slot, job)
+
+    def _place_sampler(self, slot: _Slot, job: Job) -> None:
+        """Sample `job` on the device when it can be, else make sure the sequence has no chain."""
+        key = job.device_key if isinstance(job, GenJob) and self._device_sampling else None
+        slot.on_device = False
+        if key is not None and key == slot.device_key:
+            lc.llama_sampler_reset(slot.device_chain)  # same chain, fresh state (penalties, seed)
+            slot.on_device = True
+            return
+        if key is None:
+            if slot.device_chain is not None:
+                lc.llama_set_sampler(self._ctx, slot.seq_id, None)
+                self._drop_device_chain(slot)
+            return
+        assert isinstance(job, GenJob)
+        # A new chain for this sequence: a clone, since a chain can be attached only once and
+        # the job's own copy stays usable on the host.
+        chain = lc.llama_sampler_clone(job.sampler)
+        if lc.llama_set_sampler(self._ctx, slot.seq_id, chain):
+            self._drop_device_chain(slot)
+            slot.device_chain, slot.device_key, slot.on_device = chain, key, True
+            self.device_attaches += 1
+            return
+        # The backend cannot run it (llama.cpp logs why): the host samples, from now on.
+        lc.llama_sampler_free(chain)
+        self._drop_device_chain(slot)
+        self._device_sampling = False
+        log.warning("llama.cpp cannot sample on this device; sampling on the host")
+
+    def _drop_device_chain(self, slot: _Slot) -> None:
+        if slot.device_chain is not None:
+            lc.llama_sampler_free(slot.device_chain)
+        slot.device_chain, slot.device_key, slot.on_device = None, None, False
 
     def _release_cancelled(self) -> None:
         for slot in self._active():
@@ -290,7 +356,8 @@ class BatchScheduler:
     def _step(self) -> None:
         batch = self._batch
         n = 0
-        outputs: list[tuple[_Slot, int]] = []
+        # (slot, index of its first output, draft tokens whose outputs follow it)
+        outputs: list[tuple[_Slot, int, list[int]]] = []
 
         def add(slot: _Slot, token: int, want_logits: bool) -> None:
             nonlocal n
@@ -300,15 +367,18 @@ class BatchScheduler:
             batch.seq_id[n][0] = slot.seq_id
             batch.logits[n] = want_logits
             slot.cached.append(token)
-            if want_logits:
-                outputs.append((slot, n))
             n += 1
 
         active = self._active()
-        # Decoding sequences first: one token each, so running streams never wait for prefill.
+        # Decoding sequences first: one token each (plus its draft), so running streams never
+        # wait for prefill.
         for slot in active:
             if slot.pending is not None:
+                draft = self._draft(slot, self._n_batch - n - 1) if self._draft_ngram else []
+                outputs.append((slot, n, draft))
                 add(slot, slot.pending, True)
+                for t in draft:
+                    add(slot, t, True)
                 slot.pending = None
         for slot in active:
             job = slot.job
@@ -320,6 +390,8 @@ class BatchScheduler:
             score = isinstance(job, ScoreJob)
             for i in range(slot.n_fed, slot.n_fed + take):
                 last = i == len(job.prompt_ids) - 1
+                if score or last:
+                    outputs.append((slot, n, []))
                 add(slot, job.prompt_ids[i], score or last)
             slot.n_fed += take
         if n == 0:
@@ -328,14 +400,77 @@ class BatchScheduler:
         rc = lc.llama_decode(self._ctx, batch)
         if rc != 0:
             reason = "no free KV cache space" if rc == 1 else f"llama_decode returned {rc}"
-            for slot in {s for s, _ in outputs} | set(active):
+            for slot in {s for s, _, _ in outputs} | set(active):
                 self._fail(slot, EngineFailure(f"llama.cpp could not decode: {reason}"))
             return
-        for slot, idx in outputs:
+        for slot, idx, draft in outputs:
             if isinstance(slot.job, ScoreJob):
                 self._collect_logits(slot, idx)
             elif isinstance(slot.job, GenJob):
-                self._sample(slot, idx)
+                if draft:
+                    self._verify(slot, idx, draft)
+                else:
+                    self._sample(slot, idx)
+
+    # --- speculative decoding: n-gram drafts from the sequence's own text ---------------------
+
+    def _draft(self, slot: _Slot, room: int) -> list[int]:
+        """Up to max_draft tokens that followed the latest earlier occurrence of the text's last
+        n-gram (prompt lookup), or none."""
+        job = slot.job
+        assert isinstance(job, GenJob) and slot.pending is not None
+        hist = slot.history
+        if slot.ngrams is None:  # index the prompt once per request
+            slot.ngrams = {}
+            ng = self._draft_ngram
+            for i in range(ng, len(hist)):
+                slot.ngrams[tuple(hist[i - ng : i])] = i
+        start = slot.ngrams.get(tuple(hist[-self._draft_ngram :]))
+        if start is None:
+            return []
+        left = job.max_new_tokens - slot.n_generated  # the draft's tokens plus one sampled after it
+        k = min(slot.draft_len, room, left - 1, len(hist) - start)
+        if k <= 0:
+            return []
+        draft = hist[start : start + k]
+        self.drafted += len(draft)
+        slot.drafted += len(draft)
+        return draft
+
+    def _remember(self, slot: _Slot, token: int) -> None:
+        """Append a generated token to the lookup history and index the n-gram it completes."""
+        hist = slot.history
+        hist.append(token)
+        ng = self._draft_ngram
+        if slot.ngrams is not None and len(hist) > ng:
+            slot.ngrams[tuple(hist[-ng - 1 : -1])] = len(hist) - 1
+
+    def _verify(self, slot: _Slot, idx: int, draft: list[int]) -> None:
+        """Sample each position in turn; keep the draft while it agrees with what was sampled.
+
+        Every emitted token is sampled from the model given the tokens before it, so the output
+        is distributed exactly as without drafts (and equal to it at temperature 0)."""
+        base = len(slot.cached) - len(draft)  # KV length up to and including the decoded pending token
+        accepted = 0
+        for i in range(len(draft) + 1):
+            if not self._sample(slot, idx + i):
+                break  # finished
+            if i < len(draft) and slot.pending == draft[i]:
+                accepted += 1
+                slot.accepted += 1
+                self.accepted += 1
+                slot.pending = None  # already in the KV cache: the next output samples after it
+                continue
+            break
+        # Long drafts while they are accepted, short ones (cheap to verify) after a miss.
+        if accepted == len(draft):
+            slot.draft_len = min(self._draft_max, 2 * slot.draft_len)
+        else:
+            slot.draft_len = max(1, accepted + 1, slot.draft_len // 2)
+        keep = base + accepted
+        if keep < len(slot.cached):
+            lc.llama_memory_seq_rm(self._mem, slot.seq_id, keep, -1)
+            del slot.cached[keep:]
 
     def _logits_row(self, idx: int) -> npt.NDArray[np.float32]:
         ptr = lc.llama_get_logits_ith(self._ctx, idx)
@@ -349,13 +484,21 @@ class BatchScheduler:
             self._finish_slot(slot)
             job.done(np.stack(job.rows))
 
-    def _sample(self, slot: _Slot, idx: int) -> None:
+    def _sample(self, slot: _Slot, idx: int) -> bool:
+        """Sample output `idx` for `slot` and emit it; False when the request finished."""
         job = slot.job
         assert isinstance(job, GenJob) and slot.detok is not None and slot.stopper is not None
         sp = job.sampling
         logprobs: tuple[TokenLogprob, ...] = ()
         raw = self._logits_row(idx).copy() if sp.logprobs else None
-        token = lc.llama_sampler_sample(job.sampler, self._ctx, idx)
+        if slot.on_device:
+            # The device sampled it; the chain on the host records it (penalties' history).
+            token = lc.llama_get_sampled_token_ith(self._ctx, idx)
+            if token == lc.LLAMA_TOKEN_NULL:
+                raise EngineFailure("llama.cpp returned no token from its device sampler")
+            lc.llama_sampler_accept(slot.device_chain, token)
+        else:
+            token = lc.llama_sampler_sample(job.sampler, self._ctx, idx)
         if raw is not None:
             logprobs = (token_logprob(raw, token, sp.top_logprobs, self._piece),)
         slot.n_generated += 1
@@ -371,8 +514,10 @@ class BatchScheduler:
                 finish = "length"
         if finish is None:
             slot.pending = token
+            if self._draft_ngram:
+                self._remember(slot, token)
             job.emit(TokenEvent(text=text, token_ids=(token,), logprobs=logprobs))
-            return
+            return True
         text += slot.stopper.push(slot.detok.flush()) + slot.stopper.flush()
         usage = Usage(
             prompt_tokens=len(job.prompt_ids),
@@ -380,6 +525,8 @@ class BatchScheduler:
             cached_tokens=slot.n_cached_prompt,
             queue_seconds=slot.queue_seconds,
             prompt_ids=tuple(job.prompt_ids),
+            draft_tokens=slot.drafted,
+            accepted_draft_tokens=slot.accepted,
         )
         self._finish_slot(slot)
         job.emit(
@@ -387,6 +534,7 @@ class BatchScheduler:
                 text=text, token_ids=(token,), logprobs=logprobs, finish_reason=finish, usage=usage
             )
         )
+        return False
 
     def _shutdown(self) -> None:
         closed = EngineClosed("the model was unloaded")
@@ -399,6 +547,10 @@ class BatchScheduler:
             ejob.done(closed)
         if self.embedder is not None:
             self.embedder.close()
+        for slot in self._slots:
+            if slot.device_chain is not None:
+                lc.llama_set_sampler(self._ctx, slot.seq_id, None)
+                self._drop_device_chain(slot)
         for job in waiting:
             _free_job(job)
             if isinstance(job, GenJob):
@@ -419,6 +571,16 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
+
+
+def sampler_key(sp: SamplingParams, penalty_window: int) -> tuple[Any, ...]:
+    """What `build_sampler` builds from `sp` without a grammar: equal keys, equal chains."""
+    penalties = (sp.presence_penalty, sp.frequency_penalty, sp.repeat_penalty)
+    return (
+        sp.logit_bias, sp.ignore_eos,
+        (*penalties, penalty_window) if penalties != (0.0, 0.0, 1.0) else None,
+        (sp.temperature,) if sp.temperature <= 0.0 else (sp.temperature, sp.top_k, sp.top_p, sp.min_p, sp.seed),
+    )
 
 
 def build_sampler(

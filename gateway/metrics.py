@@ -55,6 +55,7 @@ class Metrics:
         self.gen_len = Histogram("gateway_request_generation_tokens", "Generated tokens per request.", LABELS, buckets=LENGTH_BUCKETS, registry=r)
         self.prompt_tokens = Counter("gateway_prompt_tokens", "Prompt tokens processed.", LABELS, registry=r)
         self.gen_tokens = Counter("gateway_generation_tokens", "Tokens generated.", LABELS, registry=r)
+        self.draft_tokens = Counter("gateway_speculative_draft_tokens", "Speculative draft tokens verified, by outcome (accepted, rejected).", (*LABELS, "outcome"), registry=r)
         self.requests = Counter("gateway_requests", "Finished requests by outcome (finish reason or error code) and HTTP status.", (*LABELS, "outcome", "status"), registry=r)
         self.fallbacks = Counter("gateway_fallbacks", "Engine candidates skipped, by reason.", ("model", "engine", "reason"), registry=r)
         self.worker_crashes = Counter("gateway_worker_crashes", "Engine worker processes that died or hung (each is restarted or, past the limit, falls back).", LABELS, registry=r)
@@ -191,6 +192,10 @@ class RequestObserver:
             if not self.prompt_tokens:
                 self.prompt_tokens = ev.usage.prompt_tokens
                 self.metrics.queue.labels(*self.labels).observe(ev.usage.queue_seconds + self.admission_wait)
+            if ev.usage.draft_tokens:
+                accepted = ev.usage.accepted_draft_tokens
+                self.metrics.draft_tokens.labels(*self.labels, "accepted").inc(accepted)
+                self.metrics.draft_tokens.labels(*self.labels, "rejected").inc(ev.usage.draft_tokens - accepted)
 
     def finish(self, outcome: str, status: int = 200) -> None:
         if self.done:

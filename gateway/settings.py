@@ -63,6 +63,8 @@ class Settings:
     parity_window: int = 20  # samples per (model, engine) judged together for drift
     parity_queue: int = 16  # samples waiting to be scored; more are dropped (and counted)
     parity_enforce: bool = False  # take a drifting engine out of selection (fall back)
+    # llama.cpp: sample on the device (auto, on, off); overrides models.yaml's `device_sampling`.
+    device_sampling: str | None = None
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides: Any) -> Settings:
@@ -106,8 +108,12 @@ class Settings:
             parity_window=int(e.get("GATEWAY_PARITY_WINDOW", cls.parity_window)),
             parity_queue=int(e.get("GATEWAY_PARITY_QUEUE", cls.parity_queue)),
             parity_enforce=e.get("GATEWAY_PARITY_ENFORCE", "0") in ("1", "true", "yes"),
+            device_sampling=e.get("GATEWAY_DEVICE_SAMPLING") or None,
         )
-        return replace(s, **{k: v for k, v in overrides.items() if v is not None})
+        s = replace(s, **{k: v for k, v in overrides.items() if v is not None})
+        if s.device_sampling not in (None, "auto", "on", "off"):
+            raise ValueError(f"GATEWAY_DEVICE_SAMPLING must be auto, on or off, not {s.device_sampling!r}")
+        return s
 
     def api_keys(self) -> tuple[str, ...]:
         """Every accepted API key: --api-key / GATEWAY_API_KEY (comma-separated) and the key file."""

@@ -147,3 +147,113 @@ async def test_requests_take_the_lowest_free_sequence_ids() -> None:
         assert e._sched.prefix_copies >= 2  # their prefixes came by copy from slots 2 and 3
     finally:
         await e.close()
+
+
+# --- sampling on the device, speculative decoding (issue 15) ----------------------------------
+
+CODE = '''def fibonacci(n):
+    """Return the n-th Fibonacci number."""
+    if n < 2:
+        return n
+    a, b = 0, 1
+    for _ in range(n - 1):
+        a, b = b, a + b
+    return b
+
+
+def factorial(n):
+    """Return n factorial."""
+    result = 1
+    for i in range(2, n + 1):
+        result *= i
+    return result
+'''
+
+# Requests of every kind the two sampling paths must agree on.
+MIXED = [
+    _req("Write a poem about the sea.", max_tokens=40, ignore_eos=True),
+    GenerationRequest("t", SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=7, max_tokens=40),
+                      prompt="Once upon a time"),
+    _req("List colors:", max_tokens=32, repeat_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.2),
+    _req("Say yes", max_tokens=8, logprobs=True, top_logprobs=2),  # needs the host's logits
+    _req("Name a fruit", max_tokens=16, logit_bias=((28, -100.0), (30, 5.0))),
+    _req("Give a JSON object with a name:", max_tokens=24, structured="json_object"),  # a grammar
+    _req("Count to ten:", max_tokens=40, stop=(" 7",)),
+]
+
+
+async def _all(e: LlamaCppEngine, reqs: list[GenerationRequest]) -> list[tuple[list[int], str]]:
+    out = [await _run(e, r) for r in reqs]  # one after another: a chain per kind of request
+    out += await asyncio.gather(*(_run(e, r) for r in reqs[:4]))  # and side by side
+    return out
+
+
+async def test_device_sampling_matches_host_sampling() -> None:
+    """The sampler chains run inside llama.cpp's graph (here on its CPU backend, the same code path as on a
+    GPU): greedy, seeded top-k/top-p/min-p, penalties and logit bias give the host's tokens; grammar and
+    logprobs requests go back to the host on the same sequences."""
+    host = await _engine("smollm2-135m-instruct", parallel=4, device_sampling="off")
+    dev = await _engine("smollm2-135m-instruct", parallel=4, device_sampling="on")
+    try:
+        assert (host.info.extra["sampling"], dev.info.extra["sampling"]) == ("host", "device")
+        expected = await _all(host, MIXED)
+        got = await _all(dev, MIXED)
+        for want, have, req in zip(expected, got, MIXED + MIXED[:4], strict=True):
+            assert have == want, req.sampling
+        assert dev._sched is not None and dev._sched.device_attaches >= 4
+    finally:
+        await host.close()
+        await dev.close()
+
+
+async def test_a_device_sampler_is_reused_by_requests_with_the_same_settings() -> None:
+    """Attaching a chain makes llama.cpp re-reserve its graphs, so a sequence keeps its chain (reset per
+    request) while requests keep the same settings; a request that needs the host detaches it."""
+    e = await _engine("smollm2-135m-instruct", parallel=1, device_sampling="on")
+    try:
+        assert e._sched is not None
+        req = GenerationRequest("t", SamplingParams(temperature=0.9, top_k=40, seed=11, max_tokens=24), prompt="Hello")
+        first = await _run(e, req)
+        assert await _run(e, req) == first  # reset re-seeds: same seed, same text
+        assert await _run(e, req) == first
+        assert e._sched.device_attaches == 1
+        await _run(e, _req("Hello", max_tokens=4, logprobs=True))
+        assert e._sched._slots[0].device_chain is None
+        assert await _run(e, req) == first
+        assert e._sched.device_attaches == 2
+    finally:
+        await e.close()
+
+
+async def test_speculative_decoding_changes_speed_not_text() -> None:
+    """n-gram drafts from the prompt are verified in one batch: on a prompt the model copies from, most
+    draft tokens are accepted, and the output (greedy, seeded sampling, stops, grammars, logprobs, the
+    max_tokens limit) is exactly what plain decoding gives."""
+    copy = _req("# file a.py\n" + CODE + "\n\n# file b.py, a copy of a.py\n" + CODE[:30], max_tokens=120,
+                ignore_eos=True)
+    reqs = [copy, *MIXED, GenerationRequest("t", SamplingParams(temperature=0.7, seed=5, max_tokens=60),
+                                            prompt=CODE + "\n" + CODE[:40]),
+            _req(CODE + "\n" + CODE[:60], max_tokens=33, logprobs=True, top_logprobs=3)]
+    plain = await _engine("smollm2-135m-instruct", parallel=4)
+    spec = await _engine("smollm2-135m-instruct", parallel=4, draft_ngram=3, draft_max=8)
+    try:
+        assert spec.info.extra["speculative"] == "ngram 3, up to 8"
+        events = [ev async for ev in spec.generate(copy)]
+        usage = events[-1].usage
+        assert usage is not None and usage.completion_tokens == 120
+        assert usage.draft_tokens > 0 and usage.accepted_draft_tokens >= usage.draft_tokens // 3, usage
+        # Both engines go through the same requests in the same order: the same prefix-cache states
+        # (a prompt prefilled whole or from the cache can differ in the last bits of its logits).
+        assert [t for ev in events for t in ev.token_ids] == (await _run(plain, copy))[0]
+        expected = await _all(plain, reqs)
+        got = await _all(spec, reqs)
+        for want, have, req in zip(expected, got, reqs + reqs[:4], strict=True):
+            assert have == want, req.sampling
+        assert spec._sched is not None and spec._sched.accepted > 0
+        # The KV cache holds no rejected drafts: the next turn reuses the prefix and still agrees.
+        follow = _req("# file a.py\n" + CODE + "\n\n# file b.py, a copy of a.py\n" + CODE[:30] + expected[0][1][:40],
+                      max_tokens=20)
+        assert await _run(spec, follow) == await _run(plain, follow)
+    finally:
+        await plain.close()
+        await spec.close()

@@ -165,11 +165,18 @@ class PromptTokensDetails(_Response):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(_Response):
+    # Speculative decoding's draft tokens (OpenAI reports predicted outputs the same way).
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
+
+
 class UsageOut(_Response):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class FunctionCallOut(_Response):

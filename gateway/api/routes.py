@@ -208,6 +208,10 @@ async def health(request: Request) -> JSONResponse:
             "waiting": h.waiting + admission.waiting(entry.spec.id),
             "fallback_reason": entry.fallback_reason or None,
         }
+        extra = entry.engine.info.extra
+        for key in ("sampling", "speculative"):  # llama.cpp: where tokens are sampled, draft settings
+            if key in extra:
+                models[entry.spec.id][key] = extra[key]
         worker_status = getattr(entry.engine, "worker_status", None)
         if worker_status is not None:
             models[entry.spec.id]["worker"] = worker_status()

@@ -37,6 +37,7 @@ from gateway.api.protocol import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
+    CompletionTokensDetails,
     Delta,
     FunctionCallOut,
     FunctionDelta,
@@ -118,11 +119,16 @@ def _usage(usages: list[Usage]) -> UsageOut:
     prompt = usages[0].prompt_tokens if usages else 0
     completion = sum(u.completion_tokens for u in usages)
     cached = usages[0].cached_tokens if usages else 0
+    drafted = sum(u.draft_tokens for u in usages)
+    accepted = sum(u.accepted_draft_tokens for u in usages)
     return UsageOut(
         prompt_tokens=prompt,
         completion_tokens=completion,
         total_tokens=prompt + completion,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+        completion_tokens_details=CompletionTokensDetails(
+            accepted_prediction_tokens=accepted, rejected_prediction_tokens=drafted - accepted
+        ) if drafted else None,
     )
 
 

@@ -423,6 +423,9 @@ def engine_config(spec: ModelSpec, cand: Candidate, path: str, settings: Setting
         compute_units=spec.compute_units,
         pooling=spec.embedding.pooling,
         normalize_embeddings=spec.embedding.normalize,
+        device_sampling=settings.device_sampling or spec.device_sampling,
+        draft_ngram=spec.speculative.ngram if spec.speculative else 0,
+        draft_max=spec.speculative.max_draft if spec.speculative else 0,
     )
 
 

@@ -96,6 +96,15 @@ class EmbeddingOptions(_Strict):
     normalize: bool = Field(default=True, description="L2-normalise each vector")
 
 
+class Speculative(_Strict):
+    """Speculative decoding without a draft model: prompt lookup (n-gram) drafts, verified in one batch."""
+
+    type: Literal["ngram"] = "ngram"
+    ngram: int = Field(default=3, ge=1, le=32,
+                       description="tokens that must match the end of the text for a draft to be proposed")
+    max_draft: int = Field(default=16, ge=1, le=64, description="draft tokens verified per step")
+
+
 class ParityTolerance(_Strict):
     """Parity limits (`gateway parity`, shadow parity); unset fields keep the built-in table's value.
 
@@ -187,6 +196,12 @@ class ModelSpec(_Strict):
     parity: ParityTolerance | None = Field(default=None, description="parity tolerances for this model")
     embedding: EmbeddingOptions = EmbeddingOptions()
     embedding_only: bool = Field(default=False, description="serve /v1/embeddings only (an embedding model)")
+    device_sampling: Literal["auto", "on", "off"] = Field(
+        default="auto", description="llama.cpp: sample on the GPU (requests without grammar or logprobs); "
+                                    "auto = on when the model runs on a GPU")
+    speculative: Speculative | None = Field(
+        default=None, description="llama.cpp: speculative decoding with n-gram drafts from the text so far "
+                                  "(helps outputs that copy from the prompt); off when unset")
     replicas: Replicas | None = Field(default=None, description="replicas on a Ray cluster (--cluster ray); "
                                       "the default model keeps 1, others scale from 0, when unset")
 
