@@ -93,6 +93,16 @@ def synthetic_prompts(n: int, input_len: int, seed: int) -> list[str]:
     return [" ".join(rng.choice(words) for _ in range(input_len)) for _ in range(n)]
 
 
+def read_prompts(path: Path) -> list[str]:
+    """One prompt per line; in a .jsonl file each line is a JSON string or {"prompt": ...} (prompts
+    with newlines: code, documents)."""
+    lines = path.read_text().splitlines()
+    if path.suffix != ".jsonl":
+        return lines
+    items = [json.loads(line) for line in lines if line.strip()]
+    return [x["prompt"] if isinstance(x, dict) else str(x) for x in items]
+
+
 def _pct(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -133,13 +143,13 @@ def summarise(results: list[Result], duration: float, slo_ttft: float | None, sl
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    prompts = (Path(args.prompts_file).read_text().splitlines() if args.prompts_file
+    prompts = (read_prompts(Path(args.prompts_file)) if args.prompts_file
                else synthetic_prompts(args.num_prompts, args.input_len, args.seed))
     prompts = [p for p in prompts if p.strip()][: args.num_prompts]
     limits = httpx.Limits(max_connections=max(args.concurrency or 1, 64))
     async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as client:
         # Warm-up prompts are not measured prompts: a server's prompt cache must not flatter the run.
-        warm = synthetic_prompts(args.warmup, args.input_len, args.seed + 1_000_003) if not args.prompts_file else prompts
+        warm = synthetic_prompts(args.warmup, args.input_len, args.seed + 1_000_003)
         for p in warm[: args.warmup]:
             await one_request(client, args.url, args.model, p, args.output_len, not args.no_ignore_eos)
         results: list[Result] = []
@@ -301,7 +311,8 @@ def add_parser(sub: Any) -> None:
     b.add_argument("--num-prompts", type=int, default=32)
     b.add_argument("--input-len", type=int, default=128, help="synthetic prompt length in words (~tokens)")
     b.add_argument("--output-len", type=int, default=64)
-    b.add_argument("--prompts-file", help="one prompt per line instead of synthetic prompts")
+    b.add_argument("--prompts-file", help="one prompt per line instead of synthetic prompts (.jsonl: a JSON string "
+                   "or {\"prompt\": ...} per line)")
     mode = b.add_mutually_exclusive_group()
     mode.add_argument("--concurrency", type=int, default=None, help="fixed number of requests in flight")
     mode.add_argument("--rate", type=float, default=None, help="Poisson arrivals, requests per second")

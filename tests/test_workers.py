@@ -47,9 +47,10 @@ def _wait_gone(pid: int, timeout: float) -> bool:
 def _ready_again(url: str, old_pid: int, timeout: float = 60) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        w = _worker(url)
-        if w["pid"] != old_pid and httpx.get(f"{url}/health", timeout=10).json()["models"][MODEL]["ready"]:
-            return w
+        model = httpx.get(f"{url}/health", timeout=10).json()["models"].get(MODEL, {})  # absent while it reloads
+        w = model.get("worker", {})
+        if w.get("pid", old_pid) != old_pid and model.get("ready"):
+            return dict(w)
         time.sleep(0.1)
     raise AssertionError("the worker was not restarted")
 

@@ -1,0 +1,263 @@
+"""Issue 15's comparison table in one command: the gateway vs llama-server on this host.
+
+    .venv/bin/python benchmarks/bench_speed.py [--backend cpu|cuda|vulkan] [--rounds 4]
+        [--concurrency 1,8,16] [--server-bin DIR] [--speculative 3:16] [--json out.json]
+
+Same llama.cpp (llama-server is built from the sdist of the installed llama-cpp-python,
+benchmarks/build-llama-server.sh, or taken from --server-bin), same model, same parallel sequences
+and context, same closed-loop streaming client (`gateway bench`, 128 + 128 tokens, ignore_eos,
+temperature 0), servers alternated within every round and the order reversed every other round.
+
+Servers:
+  gateway                 the defaults (engine in a worker; sampling on the device on a GPU)
+  gateway, host sampling  GATEWAY_DEVICE_SAMPLING=off (on a GPU; on a CPU: "device sampling", =on):
+                          lever 1 measured on its own
+  llama-server            its defaults
+  llama-server -bs        its backend sampling (experimental, off by default)
+
+With --speculative N:M a second table compares prompt-lookup speculative decoding on prompts whose
+answers copy from them (the repository's own source files, "reformat this code"): the gateway
+with models.yaml `speculative: {ngram: N, max_draft: M}` and llama-server with
+`--spec-type ngram-simple --spec-ngram-simple-size-n N --spec-ngram-simple-size-m M`, each next
+to itself without.  Prints medians [min-max] of every round, TTFT p50 / p95, machine, commit and
+the llama.cpp build.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from benchmarks.bench_vs_llama_server import MODEL, _port, _wait  # noqa: E402
+from benchmarks.bench_workers import _build_id  # noqa: E402
+
+
+def _copy_prompts(n: int, lines: int = 40) -> list[str]:
+    """Prompts whose best answer copies from them: a piece of this repository's code and the start of
+    its copy.  About 500 prompt tokens each."""
+    out: list[str] = []
+    for path in sorted((ROOT / "engines").glob("*.py")) + sorted((ROOT / "gateway").rglob("*.py")):
+        text = path.read_text().splitlines()
+        for start in range(0, len(text) - lines, lines):
+            chunk = "\n".join(text[start : start + lines])
+            if len(chunk) < 1200:
+                continue
+            first = chunk.splitlines()[0]
+            out.append(f"# {path.name}, lines {start + 1}-{start + lines}\n{chunk}\n\n"
+                       f"# The same lines again, unchanged:\n{first}\n")
+            if len(out) == n:
+                return out
+    return out
+
+
+def _bench(url: str, c: int, n: int, args: argparse.Namespace, out: Path, seed: int, prompts: Path | None = None) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "gateway.cli", "bench", "--url", url, "--model", MODEL, "--concurrency", str(c),
+           "--num-prompts", str(n), "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+           "--seed", str(seed), "--quiet", "--json", str(out)]
+    if prompts is not None:
+        cmd += ["--prompts-file", str(prompts)]
+    out.unlink(missing_ok=True)
+    subprocess.run(cmd, check=False, cwd=ROOT, stdout=subprocess.DEVNULL)
+    result: dict[str, Any] = json.loads(out.read_text())
+    if result["failed"]:
+        print(f"{url}: {result['failed']} requests failed: {result['errors']}", file=sys.stderr)
+    return result
+
+
+class Servers:
+    def __init__(self, args: argparse.Namespace, model: str, ctx: int) -> None:
+        self.args, self.model, self.ctx = args, model, ctx
+        self.procs: dict[str, tuple[subprocess.Popen[bytes], int]] = {}
+        self.threads = str(os.cpu_count() or 1)
+
+    def gateway(self, name: str, env: dict[str, str], config: Path | None = None) -> None:
+        port = _port()
+        full = {**os.environ, "GATEWAY_LOG_LEVEL": "warning", **env}
+        if config is not None:
+            full["GATEWAY_CONFIG"] = str(config)
+        self.procs[name] = (subprocess.Popen(
+            [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--parallel", str(self.args.np),
+             "--engine", self.args.backend], cwd=ROOT, env=full), port)
+
+    def llama_server(self, name: str, bin_dir: str, extra: list[str]) -> None:
+        port = _port()
+        gpu = ["-ngl", "99"] if self.args.backend != "cpu" else ["-ngl", "0", "--device", "none"]
+        self.procs[name] = (subprocess.Popen(
+            [f"{bin_dir}/llama-server", "-m", self.model, "--port", str(port), "-np", str(self.args.np),
+             "-c", str(self.ctx * self.args.np), "-t", self.threads, "-tb", self.threads, "--log-disable", *gpu, *extra],
+            env={**os.environ, "LD_LIBRARY_PATH": ":".join(filter(None, (bin_dir, os.environ.get("LD_LIBRARY_PATH"))))},
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), port)
+
+    def wait(self) -> None:
+        for proc, port in self.procs.values():
+            _wait(f"http://127.0.0.1:{port}", proc)
+
+    def url(self, name: str) -> str:
+        return f"http://127.0.0.1:{self.procs[name][1]}"
+
+    def stop(self) -> None:
+        for proc, _ in self.procs.values():
+            proc.terminate()
+        for proc, _ in self.procs.values():
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def _rounds(servers: Servers, names: list[str], conc: list[int], args: argparse.Namespace, tag: str,
+            prompts: Path | None = None) -> dict[str, dict[int, list[dict[str, Any]]]]:
+    results: dict[str, dict[int, list[dict[str, Any]]]] = {n: {c: [] for c in conc} for n in names}
+    tmp = Path(tempfile.gettempdir())
+    for r in range(args.rounds):
+        for c in conc:
+            order = names if r % 2 == 0 else list(reversed(names))
+            n = max(args.min_prompts, c * args.per_stream)
+            for name in order:
+                res = _bench(servers.url(name), c, n, args, tmp / f"bench-speed-{tag}.json", args.seed + 1000 * r + c, prompts)
+                results[name][c].append(res)
+                print(f"{tag} round {r} {name:<24} c={c:<3} {res['output_token_throughput']:8.1f} tok/s "
+                      f"ttft p50 {res['ttft']['p50'] * 1e3:6.1f} ms", file=sys.stderr)
+    return results
+
+
+def _table(results: dict[str, dict[int, list[dict[str, Any]]]], conc: list[int], ratios: list[tuple[str, str]],
+           decode: bool = False) -> list[str]:
+    """Aggregate output tok/s (with --decode: per-stream decode speed, 1 / TPOT p50, instead)."""
+    names = list(results)
+    unit = "decode tok/s per stream" if decode else "tok/s"
+    lines = ["| streams | " + " | ".join(f"{n} {unit}" for n in names) + " | "
+             + " | ".join(f"{a} / {b}" for a, b in ratios) + " | "
+             + " | ".join(f"TTFT p50 / p95 ms {n}" for n in names) + " |",
+             "|---" * (1 + 2 * len(names) + len(ratios)) + "|"]
+    for c in conc:
+        med: dict[str, float] = {}
+        cells, ttft = [], []
+        for n in names:
+            runs = results[n][c]
+            tps = [1 / x["tpot"]["p50"] if decode else x["output_token_throughput"] for x in runs]
+            med[n] = statistics.median(tps)
+            cells.append(f"{med[n]:.1f} [{min(tps):.0f}-{max(tps):.0f}]")
+            ttft.append(f"{statistics.median(x['ttft']['p50'] for x in runs) * 1e3:.0f} / "
+                        f"{statistics.median(x['ttft']['p95'] for x in runs) * 1e3:.0f}")
+        rs = [f"**{med[a] / med[b]:.2f}**" if med.get(b) else "-" for a, b in ratios]
+        lines.append(f"| {c} | " + " | ".join(cells) + " | " + " | ".join(rs) + " | " + " | ".join(ttft) + " |")
+    return lines
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--backend", default="cpu", help="cpu, vulkan or cuda: the gateway's --engine and llama-server's build")
+    ap.add_argument("--concurrency", default="1,8,16")
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--per-stream", type=int, default=3, help="requests per concurrent stream")
+    ap.add_argument("--min-prompts", type=int, default=8)
+    ap.add_argument("--server-bin", default=None, help="an existing llama-server build's bin dir")
+    ap.add_argument("--no-other-sampling", action="store_true",
+                    help="leave out the gateway with the other GATEWAY_DEVICE_SAMPLING (on for cpu, off for a GPU)")
+    ap.add_argument("--no-backend-sampling", action="store_true", help="leave out llama-server --backend-sampling")
+    ap.add_argument("--speculative", default=None, metavar="N:M",
+                    help="also compare n-gram speculative decoding (lookup n-gram N, draft up to M) on copying prompts")
+    ap.add_argument("--spec-concurrency", default="1,4")
+    ap.add_argument("--skip-throughput", action="store_true")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    conc = [int(c) for c in args.concurrency.split(",")]
+    spec_conc = [int(c) for c in args.spec_concurrency.split(",")]
+    args.np = max(conc + (spec_conc if args.speculative else []))
+    from gateway.models.registry import load_registry
+
+    reg = load_registry(ROOT / "models.yaml")
+    spec = reg.models[MODEL]
+    model = str(reg.resolve(spec, "gguf"))
+    bin_dir = args.server_bin or subprocess.run(
+        ["bash", str(ROOT / "benchmarks/build-llama-server.sh"), args.backend], check=True, capture_output=True,
+        text=True).stdout.strip().splitlines()[-1]
+    version = subprocess.run([f"{bin_dir}/llama-server", "--version"], capture_output=True, text=True,
+                             env={**os.environ, "LD_LIBRARY_PATH": bin_dir}).stderr.strip().splitlines()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    report = [f"machine: {platform.machine()} {os.cpu_count()} cores, {platform.platform()}; commit {commit}",
+              f"gateway: {_build_id()}, --engine {args.backend}, workers on",
+              f"llama-server: {bin_dir} ({'; '.join(v for v in version if 'version' in v or 'built' in v)})",
+              f"-np {args.np} and {spec.context_length} tokens per sequence on every server; {args.rounds} rounds "
+              "alternated; medians [min-max] of the rounds", ""]
+    everything: dict[str, Any] = {}
+    work = Path(tempfile.mkdtemp(prefix="bench-speed-"))
+    if not args.skip_throughput:
+        servers = Servers(args, model, spec.context_length)
+        servers.gateway("gateway", {})
+        names = ["gateway"]
+        # The other sampling path next to the default one (host on a CPU, device on a GPU).
+        other = "gateway, device sampling" if args.backend == "cpu" else "gateway, host sampling"
+        if not args.no_other_sampling:
+            servers.gateway(other, {"GATEWAY_DEVICE_SAMPLING": "on" if args.backend == "cpu" else "off"})
+            names.append(other)
+        servers.llama_server("llama-server", bin_dir, [])
+        names.append("llama-server")
+        if not args.no_backend_sampling:
+            servers.llama_server("llama-server -bs", bin_dir, ["--backend-sampling"])
+            names.append("llama-server -bs")
+        try:
+            servers.wait()
+            results = _rounds(servers, names, conc, args, "throughput")
+        finally:
+            servers.stop()
+        everything["throughput"] = results
+        ratios = [("gateway", "llama-server")]
+        if other in names:
+            ratios.append(("gateway", other))
+        if "llama-server -bs" in names:
+            ratios.append(("gateway", "llama-server -bs"))
+        report += [f"Synthetic prompts, {args.input_len} + {args.output_len} tokens, ignore_eos, temperature 0:", "",
+                   *_table(results, conc, ratios), ""]
+    if args.speculative:
+        n, m = (int(x) for x in args.speculative.split(":"))
+        prompts = work / "copy.jsonl"
+        prompts.write_text("\n".join(json.dumps(p) for p in _copy_prompts(max(args.min_prompts, max(spec_conc) * args.per_stream))))
+        data = yaml.safe_load((ROOT / "models.yaml").read_text())
+        next(x for x in data["models"] if x["id"] == MODEL)["speculative"] = {"ngram": n, "max_draft": m}
+        cfg = work / "models.yaml"
+        cfg.write_text(yaml.safe_dump(data))
+        servers = Servers(args, model, spec.context_length)
+        servers.gateway("gateway", {})
+        servers.gateway("gateway, ngram", {}, config=cfg)
+        servers.llama_server("llama-server", bin_dir, [])
+        servers.llama_server("llama-server, ngram", bin_dir, [
+            "--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(n), "--spec-ngram-simple-size-m", str(m)])
+        names = ["gateway", "gateway, ngram", "llama-server", "llama-server, ngram"]
+        try:
+            servers.wait()
+            results = _rounds(servers, names, spec_conc, args, "speculative", prompts)
+        finally:
+            servers.stop()
+        everything["speculative"] = results
+        report += [f"Speculative decoding, prompt lookup (n-gram {n}, drafts up to {m}) on prompts that are copied "
+                   f"({args.output_len} output tokens, ignore_eos, temperature 0):", "",
+                   *_table(results, spec_conc, [("gateway, ngram", "gateway"), ("llama-server, ngram", "llama-server"),
+                                                ("gateway, ngram", "llama-server, ngram")], decode=True), "",
+                   "Aggregate tok/s of the same runs (prefill of the ~500-token prompts included):", "",
+                   *_table(results, spec_conc, [("gateway, ngram", "gateway"), ("llama-server, ngram", "llama-server"),
+                                                ("gateway, ngram", "llama-server, ngram")]), ""]
+    print("\n".join(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(everything, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
