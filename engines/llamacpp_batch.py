@@ -44,6 +44,12 @@ EmitFn = Callable[[TokenEvent | BaseException], None]
 # whole stream (a few MB for a small model), prefill of 16 tokens costs more on any backend.
 MIN_COPY_GAIN = 16
 
+# Seconds an idle sequence keeps its device sampler chain. llama.cpp builds every attached chain
+# into every step's graph (idle ones on a dummy row), so chains left on idle sequences slow down the
+# few that run: on the H100 one stream fell from ~700 to ~600 tok/s after a 16-stream burst. Kept
+# briefly, a busy server reuses them (attaching one costs a graph re-reserve).
+IDLE_DETACH_S = 0.5
+
 
 @dataclass(eq=False)
 class GenJob:
@@ -106,6 +112,7 @@ class _Slot:
     device_chain: Any = None
     device_key: tuple[Any, ...] | None = None
     on_device: bool = False
+    idle_since: float = 0.0  # perf_counter() when the sequence's last request left it
     # Speculative decoding: prompt + generated tokens, their n-grams (-> index of the next token),
     # and this request's draft tokens proposed / accepted.
     history: list[int] = field(default_factory=list)
@@ -204,7 +211,7 @@ class BatchScheduler:
         while True:
             with self._cv:
                 while not self._stopping and not self._waiting and not self._active() and not self._embeds:
-                    self._cv.wait()
+                    self._cv.wait(self._detach_idle())
                 if self._stopping:
                     break
                 self._drop_cancelled_waiting()
@@ -222,6 +229,7 @@ class BatchScheduler:
                     for slot in self._active():
                         self._fail(slot, EngineFailure(f"llama.cpp failed: {exc}"))
             self.step_started = 0.0
+            self._detach_idle()
         self._shutdown()
 
     def _embed(self, job: EmbedJob) -> None:
@@ -342,6 +350,21 @@ class BatchScheduler:
             _free_job(slot.job)
         slot.job = None
         slot.pending = None
+        slot.idle_since = time.perf_counter()
+
+    def _detach_idle(self) -> float | None:
+        """Detach the chains of sequences idle for IDLE_DETACH_S; seconds until the next is due."""
+        now = time.perf_counter()
+        due: float | None = None
+        for slot in self._slots:
+            if slot.job is None and slot.device_chain is not None:
+                left = slot.idle_since + IDLE_DETACH_S - now
+                if left <= 0:
+                    lc.llama_set_sampler(self._ctx, slot.seq_id, None)
+                    self._drop_device_chain(slot)
+                else:
+                    due = left if due is None else min(due, left)
+        return due
 
     def _fail(self, slot: _Slot, exc: BaseException) -> None:
         job = slot.job

@@ -102,6 +102,36 @@ bench)
     --rounds "${3:-3}" --json "$out/bench-workers-${2:-cuda}.json" > "$out/bench-workers-${2:-cuda}.txt" 2>&1
   tail -n 12 "$out/bench-workers-${2:-cuda}.txt"
   ;;
+speed)
+  # Issue 15's table (benchmarks/bench_speed.py): speed BACKEND ROUNDS [more bench_speed.py options],
+  # e.g. `speed cuda 4`, `speed cuda 4 --skip-throughput --speculative 3:16`.
+  rm -f ~/.cache/llm-gateway/functional-checks.json
+  be="${2:-cuda}"; rounds="${3:-4}"; shift 3 2>/dev/null || shift $#
+  server="$W/build/bin"; [ "$be" = vulkan ] && server="$W/vkserver"
+  tag="$be$(echo "$*" | tr -c 'a-z0-9' '-' | sed 's/--*/-/g; s/-$//')"
+  timeout 580 python3 benchmarks/bench_speed.py --backend "$be" --server-bin "$server" --rounds "$rounds" "$@" \
+    --json "$out/speed-$tag.json" > "$out/speed-$tag.txt" 2>&1
+  grep -v "^throughput round\|^speculative round" "$out/speed-$tag.txt" | tail -n 30
+  ;;
+profile)
+  # py-spy on the engine worker during a 16-stream run: profile BACKEND DEVICE_SAMPLING (on|off).
+  rm -f ~/.cache/llm-gateway/functional-checks.json
+  GATEWAY_DEVICE_SAMPLING="${3:-on}" GATEWAY_LOG_LEVEL=warning python3 -m gateway.cli serve --engine "${2:-cuda}" \
+    --parallel 16 --port 18083 > "$out/profile-serve.log" 2>&1 &
+  pid=$!
+  for _ in $(seq 1 120); do curl -sf localhost:18083/health > /dev/null && break; sleep 1; done
+  wpid=$(curl -s localhost:18083/health | python3 -c 'import json,sys; print(json.load(sys.stdin)["models"]["smollm2-135m-instruct"]["worker"]["pid"])')
+  bench() { python3 -m gateway.cli bench --url http://127.0.0.1:18083 --concurrency 16 --num-prompts "$1" \
+    --input-len 128 --output-len 128 --quiet --json "$out/profile-bench.json" > /dev/null 2>&1; }
+  bench 32  # warm
+  bench 160 & b=$!
+  sleep 2
+  "$W/site/bin/py-spy" record -r 250 -d 8 --format raw -p "$wpid" -o "$out/profile-${2:-cuda}-${3:-on}.txt" > /dev/null 2>&1
+  wait $b
+  python3 -c "import json; r = json.load(open('$out/profile-bench.json')); print('${3:-on}', round(r['output_token_throughput']), 'tok/s')"
+  python3 benchmarks/profile_summary.py "$out/profile-${2:-cuda}-${3:-on}.txt" | head -40
+  kill -TERM $pid; wait $pid
+  ;;
 fallback)
   # CUDA -> Vulkan on the same H100 at run time: the CUDA worker crashes twice, the Vulkan build serves.
   GATEWAY_WORKER_MAX_CRASHES=2 python3 -m gateway.cli serve --port 18081 > "$out/fallback-serve.log" 2>&1 &
@@ -150,5 +180,5 @@ parity)
     tail -n 12 "$out/parity-$1-$2.txt"
   done
   ;;
-*) echo "usage: $0 start DIR | stash DIR | vkserver DIR | assemble | wait | devices | bench [cuda|vulkan|cpu] [rounds] | fallback | parity" >&2; exit 2 ;;
+*) echo "usage: $0 start DIR | stash DIR | vkserver DIR | assemble | wait | devices | bench [cuda|vulkan|cpu] [rounds] | speed BACKEND ROUNDS [opts] | profile BACKEND on|off | fallback | parity" >&2; exit 2 ;;
 esac

@@ -11,6 +11,7 @@ import pytest
 
 from engines.base import ChatMessage, ContextLengthExceeded, EngineConfig, GenerationRequest, SamplingParams
 from engines.llamacpp import LlamaCppEngine
+from engines.llamacpp_batch import IDLE_DETACH_S
 from gateway.models.registry import load_registry
 from tests.conftest import ROOT
 
@@ -221,6 +222,12 @@ async def test_a_device_sampler_is_reused_by_requests_with_the_same_settings() -
         assert e._sched._slots[0].device_chain is None
         assert await _run(e, req) == first
         assert e._sched.device_attaches == 2
+        # An idle sequence gives its chain back after IDLE_DETACH_S (llama.cpp builds every attached
+        # chain into every step's graph), even when no request comes to wake the scheduler.
+        await asyncio.sleep(IDLE_DETACH_S + 0.5)
+        assert e._sched._slots[0].device_chain is None
+        assert await _run(e, req) == first
+        assert e._sched.device_attaches == 3
     finally:
         await e.close()
 
