@@ -170,6 +170,7 @@ class EngineConfig:
     # verified in the same step. 0 = off.
     draft_ngram: int = 0
     draft_max: int = 0
+    draft_streams: int = 1  # draft only while at most this many sequences are decoding
 
 
 @dataclass(frozen=True)

@@ -179,6 +179,7 @@ class LlamaCppEngine:
             device_sampling=on_device,
             draft_ngram=o.draft_ngram,
             draft_max=o.draft_max,
+            draft_streams=o.draft_streams,
         )
         from engines.llamacpp_embed import Embedder
 
@@ -188,7 +189,7 @@ class LlamaCppEngine:
             self.info, context_length=self._n_ctx_seq,
             extra={"precision": self._precision(lc), "embedding_width": str(self._embedder.width),
                    "sampling": "device" if on_device else "host",
-                   "speculative": f"ngram {o.draft_ngram}, up to {o.draft_max}" if o.draft_ngram and o.draft_max else "off",
+                   "speculative": f"ngram {o.draft_ngram}, up to {o.draft_max}, at most {o.draft_streams} streams" if o.draft_ngram and o.draft_max else "off",
                    "tool_format": tool_format},
         )
         log.info(

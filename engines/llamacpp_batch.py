@@ -137,10 +137,14 @@ class BatchScheduler:
         device_sampling: bool = False,
         draft_ngram: int = 0,
         draft_max: int = 0,
+        draft_streams: int = 1,
     ) -> None:
         self._ctx = ctx
         self._draft_ngram = draft_ngram if draft_max > 0 else 0
         self._draft_max = draft_max
+        # Verifying drafts costs every sequence of the step (logits of every draft position come
+        # back to the host): worth it only while few sequences are decoding.
+        self._draft_streams = draft_streams
         # Drafts are verified on the host, one output at a time (a device chain samples every
         # output of a step at once, before the first rejection is known).
         self._device_sampling = device_sampling and not self._draft_ngram
@@ -393,11 +397,12 @@ class BatchScheduler:
             n += 1
 
         active = self._active()
+        drafting = bool(self._draft_ngram) and sum(s.pending is not None for s in active) <= self._draft_streams
         # Decoding sequences first: one token each (plus its draft), so running streams never
         # wait for prefill.
         for slot in active:
             if slot.pending is not None:
-                draft = self._draft(slot, self._n_batch - n - 1) if self._draft_ngram else []
+                draft = self._draft(slot, self._n_batch - n - 1) if drafting else []
                 outputs.append((slot, n, draft))
                 add(slot, slot.pending, True)
                 for t in draft:

@@ -109,7 +109,7 @@ speed)
   be="${2:-cuda}"; rounds="${3:-4}"; shift 3 2>/dev/null || shift $#
   server="$W/build/bin"; [ "$be" = vulkan ] && server="$W/vkserver"
   tag="$be$(echo "$*" | tr -c 'a-z0-9' '-' | sed 's/--*/-/g; s/-$//')"
-  timeout 580 python3 benchmarks/bench_speed.py --backend "$be" --server-bin "$server" --rounds "$rounds" "$@" \
+  timeout "${SPEED_TIMEOUT:-580}" python3 benchmarks/bench_speed.py --backend "$be" --server-bin "$server" --rounds "$rounds" "$@" \
     --json "$out/speed-$tag.json" > "$out/speed-$tag.txt" 2>&1
   grep -v "^throughput round\|^speculative round" "$out/speed-$tag.txt" | tail -n 30
   ;;

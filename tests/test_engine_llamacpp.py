@@ -242,9 +242,9 @@ async def test_speculative_decoding_changes_speed_not_text() -> None:
                                             prompt=CODE + "\n" + CODE[:40]),
             _req(CODE + "\n" + CODE[:60], max_tokens=33, logprobs=True, top_logprobs=3)]
     plain = await _engine("smollm2-135m-instruct", parallel=4)
-    spec = await _engine("smollm2-135m-instruct", parallel=4, draft_ngram=3, draft_max=8)
+    spec = await _engine("smollm2-135m-instruct", parallel=4, draft_ngram=3, draft_max=8, draft_streams=4)
     try:
-        assert spec.info.extra["speculative"] == "ngram 3, up to 8"
+        assert spec.info.extra["speculative"] == "ngram 3, up to 8, at most 4 streams"
         events = [ev async for ev in spec.generate(copy)]
         usage = events[-1].usage
         assert usage is not None and usage.completion_tokens == 120
@@ -264,3 +264,20 @@ async def test_speculative_decoding_changes_speed_not_text() -> None:
     finally:
         await plain.close()
         await spec.close()
+
+
+async def test_drafts_stop_when_more_streams_decode_than_allowed() -> None:
+    """Verifying drafts costs the whole step (the logits of every draft position come back), so a
+    model drafts only while at most `draft_streams` sequences are decoding."""
+    copy = _req("# file a.py\n" + CODE + "\n\n# file b.py, a copy of a.py\n" + CODE[:30], max_tokens=60, ignore_eos=True)
+    drafted = {}
+    for streams in (1, 3):
+        e = await _engine("smollm2-135m-instruct", parallel=3, draft_ngram=3, draft_max=8, draft_streams=streams)
+        try:
+            outs = await asyncio.gather(*(_run(e, copy) for _ in range(3)))
+            assert all(len(toks) == 60 for toks, _ in outs)
+            assert e._sched is not None
+            drafted[streams] = e._sched.drafted
+        finally:
+            await e.close()
+    assert drafted[3] > 0 and drafted[1] < drafted[3] / 2, drafted

@@ -42,7 +42,7 @@ def speculative(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 def test_speculative_decoding_reports_its_drafts(speculative: str) -> None:
     health = httpx.get(f"{speculative}/health").json()["models"][MODEL]
-    assert health["speculative"] == "ngram 3, up to 8" and health["sampling"] == "host", health
+    assert health["speculative"] == "ngram 3, up to 8, at most 1 streams" and health["sampling"] == "host", health
     body = {"model": MODEL, "prompt": "# file a.py\n" + CODE + "\n\n# file b.py, a copy of a.py\n" + CODE[:30],
             "max_tokens": 96, "temperature": 0, "ignore_eos": True}
     r = httpx.post(f"{speculative}/v1/completions", json=body, timeout=120)
@@ -75,7 +75,7 @@ def test_speed_options_are_validated() -> None:
     base = {"id": "m", "formats": {"gguf": {"path": "m.gguf"}}}
     assert ModelSpec(**base, device_sampling="on", speculative={"ngram": 2, "max_draft": 4}).speculative is not None
     for bad in ({"device_sampling": "gpu"}, {"speculative": {"ngram": 0}}, {"speculative": {"max_draft": 0}},
-                {"speculative": {"type": "eagle"}}, {"speculative": {"ngram": 3, "draft": 4}}):
+                {"speculative": {"type": "eagle"}}, {"speculative": {"ngram": 3, "draft": 4}}, {"speculative": {"max_streams": 0}}):
         with pytest.raises(ValidationError):
             ModelSpec(**base, **bad)  # type: ignore[arg-type]
     assert Settings.from_env(env={"GATEWAY_DEVICE_SAMPLING": "off"}).device_sampling == "off"

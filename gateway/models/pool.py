@@ -426,6 +426,7 @@ def engine_config(spec: ModelSpec, cand: Candidate, path: str, settings: Setting
         device_sampling=settings.device_sampling or spec.device_sampling,
         draft_ngram=spec.speculative.ngram if spec.speculative else 0,
         draft_max=spec.speculative.max_draft if spec.speculative else 0,
+        draft_streams=spec.speculative.max_streams if spec.speculative else 0,
     )
 
 

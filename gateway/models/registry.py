@@ -103,6 +103,9 @@ class Speculative(_Strict):
     ngram: int = Field(default=3, ge=1, le=32,
                        description="tokens that must match the end of the text for a draft to be proposed")
     max_draft: int = Field(default=16, ge=1, le=64, description="draft tokens verified per step")
+    max_streams: int = Field(default=1, ge=1, le=64,
+                             description="draft only while at most this many sequences are decoding (on the H100 "
+                                         "drafts gained 1.18x at 1 stream and lost 2x at 4)")
 
 
 class ParityTolerance(_Strict):
