@@ -163,7 +163,7 @@ class EngineConfig:
     pooling: str = "mean"  # embeddings: mean, cls or last
     normalize_embeddings: bool = True  # L2-normalise each embedding
     # llama.cpp: run the sampler chain on the device (only token ids come back) for requests
-    # without a grammar or logprobs. "auto" = on when the model runs on a GPU.
+    # without a grammar or logprobs. "auto" = on for CUDA.
     device_sampling: str = "auto"
     # llama.cpp: speculative decoding from n-gram drafts (prompt lookup): the tokens after the
     # latest earlier occurrence of the text's last `draft_ngram` tokens, up to `draft_max`, are

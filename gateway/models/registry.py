@@ -201,7 +201,7 @@ class ModelSpec(_Strict):
     embedding_only: bool = Field(default=False, description="serve /v1/embeddings only (an embedding model)")
     device_sampling: Literal["auto", "on", "off"] = Field(
         default="auto", description="llama.cpp: sample on the GPU (requests without grammar or logprobs); "
-                                    "auto = on when the model runs on a GPU")
+                                    "auto = on for CUDA (Vulkan: opt in, see README)")
     speculative: Speculative | None = Field(
         default=None, description="llama.cpp: speculative decoding with n-gram drafts from the text so far "
                                   "(helps outputs that copy from the prompt); off when unset")
