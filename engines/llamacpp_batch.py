@@ -320,9 +320,7 @@ class BatchScheduler:
             slot.on_device = True
             return
         if key is None:
-            if slot.device_chain is not None:
-                lc.llama_set_sampler(self._ctx, slot.seq_id, None)
-                self._drop_device_chain(slot)
+            self._detach(slot)
             return
         assert isinstance(job, GenJob)
         # A new chain for this sequence: a clone, since a chain can be attached only once and
@@ -338,6 +336,12 @@ class BatchScheduler:
         self._drop_device_chain(slot)
         self._device_sampling = False
         log.warning("llama.cpp cannot sample on this device; sampling on the host")
+
+    def _detach(self, slot: _Slot) -> None:
+        """Take the sequence's chain off the context and free it."""
+        if slot.device_chain is not None:
+            lc.llama_set_sampler(self._ctx, slot.seq_id, None)
+            self._drop_device_chain(slot)
 
     def _drop_device_chain(self, slot: _Slot) -> None:
         if slot.device_chain is not None:
@@ -364,8 +368,7 @@ class BatchScheduler:
             if slot.job is None and slot.device_chain is not None:
                 left = slot.idle_since + IDLE_DETACH_S - now
                 if left <= 0:
-                    lc.llama_set_sampler(self._ctx, slot.seq_id, None)
-                    self._drop_device_chain(slot)
+                    self._detach(slot)
                 else:
                     due = left if due is None else min(due, left)
         return due
@@ -576,9 +579,7 @@ class BatchScheduler:
         if self.embedder is not None:
             self.embedder.close()
         for slot in self._slots:
-            if slot.device_chain is not None:
-                lc.llama_set_sampler(self._ctx, slot.seq_id, None)
-                self._drop_device_chain(slot)
+            self._detach(slot)
         for job in waiting:
             _free_job(job)
             if isinstance(job, GenJob):
