@@ -171,6 +171,12 @@ class EngineConfig:
     draft_ngram: int = 0
     draft_max: int = 0
     draft_streams: int = 1  # draft only while at most this many sequences are decoding
+    # llama.cpp: repack the weights into the CPU's extra buffer types (AMX tiles, interleaved
+    # AVX blocks); False = llama.cpp's --no-repack. A rung of the fallback ladder.
+    repack: bool = True
+    # llama.cpp builds with loadable CPU variants: the variant to load ("" = auto, the fastest
+    # supported non-AMX one; see engines/ggml_backends.py). Applies per process.
+    cpu_variant: str = ""
 
 
 @dataclass(frozen=True)

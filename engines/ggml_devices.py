@@ -14,11 +14,11 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import json
-import os
 import sys
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
+
+from engines.ggml_backends import ensure_loaded, ggml_lib, lib_dir, variants
 
 DEVICE_TYPES = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel", 4: "meta"}
 
@@ -33,26 +33,10 @@ class GgmlDevice:
     memory_total: int
 
 
-def _lib_dir() -> Path:
-    override = os.environ.get("LLAMA_CPP_LIB_PATH")
-    if override:
-        return Path(override)
-    import llama_cpp
-
-    return Path(llama_cpp.__file__).resolve().parent / "lib"
-
-
 def _ggml() -> ctypes.CDLL:
-    """The loaded libggml (loading llama_cpp first so the same copy is used)."""
-    import llama_cpp  # noqa: F401 - loads libllama and, with it, libggml
-
-    d = _lib_dir()
-    for name in ("libggml.so", "libggml.dylib", "ggml.dll"):
-        if (d / name).exists():
-            lib = ctypes.CDLL(str(d / name))
-            break
-    else:
-        raise OSError(f"libggml not found in {d}")
+    """The loaded libggml (the copy libllama uses)."""
+    ensure_loaded()  # a build with loadable backends registers them (and its CPU variant) first
+    lib = ggml_lib()
     vp = ctypes.c_void_p
     sigs: dict[str, tuple[list[Any], Any]] = {
         "ggml_backend_reg_count": ([], ctypes.c_size_t),
@@ -128,15 +112,22 @@ def build_report() -> dict[str, Any]:
         return report
     report["installed"] = True
     report["version"] = getattr(llama_cpp, "__version__", None)
-    lib_dir = _lib_dir()
-    report["lib_dir"] = str(lib_dir)
+    directory = lib_dir()
+    report["lib_dir"] = str(directory)
     # Identifies the build itself: a rebuild or relink of the same version changes it.
     ids = []
-    for lib in sorted(lib_dir.glob("lib*.so*")) + sorted(lib_dir.glob("*.dll")) + sorted(lib_dir.glob("*.dylib")):
+    for lib in sorted(directory.glob("lib*.so*")) + sorted(directory.glob("*.dll")) + sorted(directory.glob("*.dylib")):
         if lib.is_file() and not lib.is_symlink():
             st = lib.stat()
             ids.append(f"{lib.name}:{st.st_size}:{int(st.st_mtime)}")
     report["build_id"] = hashlib.sha256("|".join(ids).encode()).hexdigest()[:16]
+    try:
+        # A build with loadable CPU variants: each with its score on this CPU (0 = unsupported).
+        report["cpu_variants"] = [[v.name, v.score] for v in variants(directory)]
+        report["cpu_variant"] = ensure_loaded()
+    except OSError as exc:
+        report["error"] = f"cannot load the build's backends: {exc}"
+        return report
     try:
         report["backends"] = backends()
         report["devices"] = [asdict(d) for d in devices()]

@@ -117,8 +117,18 @@ class LlamaCppEngine:
         if not os.path.isfile(o.model_path):
             raise ModelLoadError(f"model file not found: {o.model_path}")
         _route_native_logs(lc)
+        from engines.ggml_backends import ensure_loaded
+
+        try:
+            variant = ensure_loaded(o.cpu_variant or None)
+        except OSError as exc:
+            raise ModelLoadError(str(exc)) from exc
+        if o.cpu_variant and variant and o.cpu_variant != variant:
+            raise ModelLoadError(f"CPU variant {o.cpu_variant} was asked for, but this process runs {variant} "
+                                 "(a process loads one; engines in worker processes can each choose)")
         lc.llama_backend_init()
         mparams = lc.llama_model_default_params()
+        mparams.use_extra_bufts = o.repack
         # An explicit device list, even an empty one: llama.cpp would otherwise spread the
         # model over every GPU the build sees, and a "CPU" engine would not be on the CPU.
         from engines.ggml_devices import backends, device_list
@@ -192,7 +202,8 @@ class LlamaCppEngine:
             extra={"precision": self._precision(lc), "embedding_width": str(self._embedder.width),
                    "sampling": "device" if on_device else "host",
                    "speculative": f"ngram {o.draft_ngram}, up to {o.draft_max}, at most {o.draft_streams} streams" if o.draft_ngram and o.draft_max else "off",
-                   "tool_format": tool_format},
+                   "tool_format": tool_format, "repack": "on" if o.repack else "off",
+                   **({"cpu_variant": variant} if variant else {})},
         )
         log.info(
             "llama.cpp loaded %s: backend=%s device=%s ctx/seq=%d parallel=%d vocab=%d",

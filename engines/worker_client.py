@@ -9,7 +9,12 @@ know whether an engine is in-process, in a local worker or on another host.  It 
 - streams that already produced tokens end with `EngineCrashed`; requests that had not started yet
   are sent again to the restarted worker;
 - restarts back off; after `max_crashes` within `crash_window_s` the engine gives up, fails what is
-  left and calls `on_failed(reason)` so its owner can fall back to another candidate.
+  left and calls `on_failed(reason)` so its owner can fall back to another candidate — unless
+  `can_fall_back()` says there is none: then it never stops, restarting with back-off capped at
+  `max_backoff_s` and reporting itself degraded;
+- a SIGKILL from outside (the OOM killer, an operator) is no defect of the engine: the worker is
+  restarted, and the crash is shown but not counted toward giving up;
+- on probation (before its functional check passed) a crash fails the check at once: no restart.
 """
 
 from __future__ import annotations
@@ -58,8 +63,15 @@ class Supervision:
     step_timeout_s: float = 120.0  # one engine step running this long: the device is hung
     max_crashes: int = 3  # crashes within the window before giving up on this engine
     crash_window_s: float = 300.0
-    backoff_s: tuple[float, ...] = (0.5, 2.0, 8.0)  # wait before restart n (the last one repeats)
+    backoff_s: tuple[float, ...] = (0.5, 2.0, 8.0)  # wait before restart n (then doubling, up to max_backoff_s)
     load_timeout_s: float = 600.0
+    max_backoff_s: float = 30.0
+
+    def delay(self, n: int) -> float:
+        """The wait before restart `n` (1-based)."""
+        if n <= len(self.backoff_s):
+            return self.backoff_s[max(0, n - 1)]
+        return min(self.max_backoff_s, self.backoff_s[-1] * 2 ** (n - len(self.backoff_s)))
 
 
 class Connection(Protocol):
@@ -123,13 +135,20 @@ class LocalWorker:
         self.log_level = log_level
         self.load_timeout_s = load_timeout_s
         self.process: asyncio.subprocess.Process | None = None
+        self._we_killed = False
 
     @property
     def pid(self) -> int | None:
         return self.process.pid if self.process else None
 
+    def killed_from_outside(self) -> bool:
+        """The worker died of a SIGKILL that the gateway did not send (OOM killer, `kill -9`)."""
+        p = self.process
+        return p is not None and p.returncode == -signal.SIGKILL and not self._we_killed
+
     async def open(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, wire.Ready]:
         ours, theirs = socket.socketpair()
+        self._we_killed = False
         args = [sys.executable, "-m", "engines.worker", "--fd", str(theirs.fileno()), "--log-level", self.log_level]
         for p in self.plugins:
             args += ["--plugin", p]
@@ -156,6 +175,7 @@ class LocalWorker:
 
     def kill(self) -> None:
         if self.process is not None and self.process.returncode is None:
+            self._we_killed = True
             with contextlib.suppress(ProcessLookupError):
                 self.process.kill()
 
@@ -216,20 +236,32 @@ class _Pending:
     started: bool = False  # a stream that produced an event cannot be retried
     sent: bool = False
     frame: bytes = b""
+    crashes: int = 0  # worker crashes while it was in flight: at POISON_CRASHES it is not resent
+
+
+# A request in flight at this many worker crashes fails instead of being sent again: it may be what
+# crashes the worker (a prompt that takes a broken kernel), and an only engine never gives up.
+POISON_CRASHES = 2
 
 
 class WorkerEngine:
     """An engine in a worker process, behind the `Engine` interface, supervised."""
 
     def __init__(self, connection: Connection, info: EngineInfo, supervision: Supervision | None = None,
-                 on_failed: Callable[[str], None] | None = None, on_crash: Callable[[str], None] | None = None) -> None:
+                 on_failed: Callable[[str], None] | None = None, on_crash: Callable[[str], None] | None = None,
+                 can_fall_back: Callable[[], bool] | None = None, probation: bool = False) -> None:
         self.connection = connection
         self.info = info
         self.supervision = supervision or Supervision()
         self.on_failed = on_failed
         self.on_crash = on_crash
+        self.can_fall_back = can_fall_back
+        self.probation = probation  # until trust(): a crash fails the check instead of restarting
         self.failed: str | None = None  # why this engine gave up (None while it serves)
-        self.crashes: list[tuple[float, str]] = []  # (monotonic time, reason)
+        self.degraded: str | None = None  # kept serving past max_crashes (nothing to fall back to): why
+        self.crashes: list[tuple[float, str]] = []  # (monotonic time, reason), every loss of the worker
+        self._strikes: list[float] = []  # the crashes that count toward giving up (not outside SIGKILLs)
+        self._next_restart = 0.0  # monotonic time of the restart being waited for
         self.restarts = 0
         self._ids = itertools.count(1)
         self._pending: dict[int, _Pending] = {}
@@ -290,21 +322,37 @@ class WorkerEngine:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
+    def trust(self) -> None:
+        """The functional check passed: from now on crashes restart the worker."""
+        self.probation = False
+
     def health(self) -> EngineHealth:
         if self.failed:
             return EngineHealth(ready=False, detail=self.failed)
         outstanding = sum(1 for p in self._pending.values() if p.queue is not None)
         running = min(outstanding, max(1, self.info.parallel))
         busy = self._pong.busy_seconds if self._pong and outstanding else 0.0
-        return EngineHealth(ready=self._connected.is_set(), detail="" if self._connected.is_set() else "restarting",
+        detail = ""
+        if not self._connected.is_set():
+            wait = max(0.0, self._next_restart - time.monotonic())
+            detail = f"restarting (next try in {wait:.0f} s)" if wait >= 1 else "restarting"
+            if self.crashes:
+                detail += f" after: {self.crashes[-1][1]}"
+        return EngineHealth(ready=self._connected.is_set(), detail=detail,
                             running=running, waiting=outstanding - running, busy_seconds=busy)
+
+    def retry_after(self) -> int:
+        """Seconds until the worker should be back (for Retry-After while it restarts)."""
+        return max(1, int(self._next_restart - time.monotonic() + 1)) if not self._connected.is_set() else 0
 
     def worker_status(self) -> dict[str, Any]:
         """For /health: where the worker runs, its pid and memory, and its crashes."""
         out: dict[str, Any] = {"where": self.connection.what, "pid": self.pid, "restarts": self.restarts,
-                               "crashes": len(self.crashes)}
+                               "crashes": len(self.crashes), "counted_crashes": len(self._strikes)}
         if self.crashes:
             out["last_crash"] = self.crashes[-1][1]
+        if self.degraded:
+            out["degraded"] = self.degraded
         if isinstance(self.connection, LocalWorker) and self.pid is not None:
             out["rss_bytes"] = rss_bytes(self.pid)
         return out
@@ -493,20 +541,45 @@ class WorkerEngine:
         self._connected.clear()
         now = time.monotonic()
         reason = f"the {self.connection.what} (pid {self.pid}) {why}"
-        self.crashes = [c for c in self.crashes if now - c[0] < self.supervision.crash_window_s] + [(now, reason)]
-        log.error("%s; %d crash(es) in the last %.0f s", reason, len(self.crashes), self.supervision.crash_window_s)
+        s = self.supervision
+        outside = isinstance(self.connection, LocalWorker) and self.connection.killed_from_outside()
+        if outside:
+            reason += " from outside (not counted as an engine crash)"
+        self.crashes = [c for c in self.crashes if now - c[0] < s.crash_window_s] + [(now, reason)]
+        self._strikes = [t for t in self._strikes if now - t < s.crash_window_s] + ([] if outside else [now])
+        log.error("%s; %d crash(es) counted in the last %.0f s", reason, len(self._strikes), s.crash_window_s)
+        if self.probation:  # the functional check's work crashed it: that is the check's verdict
+            self.failed = f"{reason} during the functional check"
+            self._fail_pending(EngineCrashed(self.failed), everything=True)
+            return
         self._fail_pending(EngineCrashed(f"{reason} while generating"), everything=False)
         if self.on_crash is not None:
             self.on_crash(reason)
-        if len(self.crashes) >= self.supervision.max_crashes:
-            self._give_up(f"{reason}; {len(self.crashes)} crashes within {self.supervision.crash_window_s:.0f} s")
+        if self._out_of_strikes(reason):
             return
         self._spawn(self._restart(reason))
 
+    def _out_of_strikes(self, reason: str) -> bool:
+        """Gives up (True) after max_crashes within the window, if the owner has somewhere to fall back
+        to; with nowhere to go it keeps restarting, degraded."""
+        s = self.supervision
+        if len(self._strikes) < s.max_crashes:
+            return False
+        if self.can_fall_back is not None and not self.can_fall_back():
+            if not self.degraded:
+                log.error("%s: no other engine can serve this model; restarting it for as long as it takes", reason)
+            self.degraded = f"{len(self._strikes)} crashes within {s.crash_window_s:.0f} s, nothing to fall back to"
+            return False
+        self._give_up(f"{reason}; {len(self._strikes)} crashes within {s.crash_window_s:.0f} s")
+        return True
+
     async def _restart(self, reason: str) -> None:
         s = self.supervision
+        attempt = 0
         while True:
-            delay = s.backoff_s[min(len(self.crashes) - 1, len(s.backoff_s) - 1)]
+            attempt += 1
+            delay = s.delay(max(len(self._strikes), attempt))
+            self._next_restart = time.monotonic() + delay
             await asyncio.sleep(delay)
             if self._closed:
                 return
@@ -515,12 +588,14 @@ class WorkerEngine:
             except (EngineError, OSError, TimeoutError, wire.ProtocolError) as exc:
                 now = time.monotonic()
                 self.crashes.append((now, f"the restart failed: {exc}"))
-                if len(self.crashes) >= s.max_crashes:
-                    self._give_up(f"{reason}; the restart failed: {exc}")
+                self._strikes.append(now)
+                if self._out_of_strikes(f"{reason}; the restart failed: {exc}"):
                     return
                 log.warning("%s: the restart failed (%s); trying again", self.connection.what, exc)
                 continue
             self.restarts += 1
+            if self.degraded and len([t for t in self._strikes if time.monotonic() - t < s.crash_window_s]) < s.max_crashes:
+                self.degraded = None
             log.warning("%s restarted (pid %s) after %.1f s", self.connection.what, self.pid, delay)
             return
 
@@ -534,10 +609,16 @@ class WorkerEngine:
         """Fail the streams that produced tokens (every request with `everything`); the rest (streams not
         started yet, and calls, which are idempotent) wait to be sent to the restarted worker."""
         for p in list(self._pending.values()):
-            if everything or p.started:
+            if p.sent and not everything:
+                p.crashes += 1
+            if everything or p.started or p.crashes >= POISON_CRASHES:
+                err = exc
+                if not (everything or p.started):
+                    err = EngineCrashed(f"{exc}; this request was in flight at {p.crashes} crashes in a row, "
+                                        "so it is not sent again")
                 if p.queue is not None:
-                    p.queue.put_nowait(exc)
+                    p.queue.put_nowait(err)
                 elif p.future is not None and not p.future.done():
-                    p.future.set_exception(exc)
+                    p.future.set_exception(err)
             else:
                 p.sent = False

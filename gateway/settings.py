@@ -65,6 +65,13 @@ class Settings:
     parity_enforce: bool = False  # take a drifting engine out of selection (fall back)
     # llama.cpp: sample on the device (auto, on, off); overrides models.yaml's `device_sampling`.
     device_sampling: str | None = None
+    # llama.cpp builds with loadable CPU variants: pin one ("haswell", "icelake", "sapphirerapids" for
+    # AMX …); None = auto, the fastest supported non-AMX variant (engines/ggml_backends.py).
+    cpu_variant: str | None = None
+    # A serving engine that kept crashing is recorded like a failed check, but only this long
+    # (seconds): then it is tried again (its rung of the ladder is retried first).
+    crash_verdict_ttl: float = 1800.0
+    worker_max_backoff: float = 30.0  # the longest wait between restarts of an only engine
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides: Any) -> Settings:
@@ -109,6 +116,9 @@ class Settings:
             parity_queue=int(e.get("GATEWAY_PARITY_QUEUE", cls.parity_queue)),
             parity_enforce=e.get("GATEWAY_PARITY_ENFORCE", "0") in ("1", "true", "yes"),
             device_sampling=e.get("GATEWAY_DEVICE_SAMPLING") or None,
+            cpu_variant=e.get("GATEWAY_CPU_VARIANT") or None,
+            crash_verdict_ttl=float(e.get("GATEWAY_CRASH_VERDICT_TTL", cls.crash_verdict_ttl)),
+            worker_max_backoff=float(e.get("GATEWAY_WORKER_MAX_BACKOFF", cls.worker_max_backoff)),
         )
         s = replace(s, **{k: v for k, v in overrides.items() if v is not None})
         if s.device_sampling not in (None, "auto", "on", "off"):

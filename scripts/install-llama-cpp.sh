@@ -45,14 +45,26 @@ build_one() {
     metal)  flags="-DGGML_METAL=on" ;;
     *) echo "unknown backend '$backend' (expected cpu, vulkan, cuda or metal)" >&2; exit 2 ;;
   esac
-  # GGML_NATIVE (the default) tunes for this CPU only; set GGML_PORTABLE=1 for a wheel
-  # meant to run on another machine.
-  if [ "${GGML_PORTABLE:-0}" = "1" ]; then flags="$flags -DGGML_NATIVE=off"; fi
+  # On x86-64 Linux every build carries its CPU backend as loadable variants (ggml's
+  # GGML_BACKEND_DL + GGML_CPU_ALL_VARIANTS, as llama.cpp's own releases ship it): one wheel runs
+  # on any x86-64 host, and the gateway loads the variant it chooses (engines/ggml_backends.py):
+  # the fastest the CPU supports, except AMX (its kernel segfaults, README "CPUs"), with a lower
+  # one to fall back on. GGML_CPU_VARIANTS (our patch) trims the list to the ones worth their
+  # build time: baseline x86-64, SSE4.2, AVX2, AVX-512, AVX-512 VNNI/VBMI, +BF16, +AMX.
+  # Modules install beside libllama (CMAKE_INSTALL_BINDIR), where the gateway looks for them.
+  # GGML_NATIVE=1 builds for this CPU only, as before.
+  if [ "$(uname -s)-$(uname -m)" = "Linux-x86_64" ] && [ "${GGML_NATIVE:-0}" != "1" ]; then
+    flags="$flags -DGGML_NATIVE=OFF -DGGML_BACKEND_DL=ON -DGGML_CPU_ALL_VARIANTS=ON -DCMAKE_INSTALL_BINDIR=llama_cpp/lib"
+    flags="$flags -DGGML_CPU_VARIANTS=${GGML_CPU_VARIANTS:-x64,sse42,haswell,skylakex,icelake,zen4,sapphirerapids}"
+  fi
   cmake_args="$common $flags ${EXTRA_CMAKE_ARGS:-}"
 
   pyver="$("$python" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')"
-  cpu_sig="$(grep -m1 -E '^flags' /proc/cpuinfo 2>/dev/null | md5sum | cut -c1-8 || echo any)"
-  key="$(printf '%s|%s|%s|%s|%s|%s' "$version" "$backend" "$cmake_args" "$pyver" "$(uname -m)" "$cpu_sig" | sha256sum | cut -c1-16)"
+  # A native build is for this CPU only: its key names the CPU. The patches are part of the key.
+  cpu_sig=any
+  case "$cmake_args" in *GGML_BACKEND_DL=ON*) ;; *) cpu_sig="$(grep -m1 -E '^flags' /proc/cpuinfo 2>/dev/null | md5sum | cut -c1-8 || echo any)" ;; esac
+  patch_sig="$(cat "$root/scripts/patches/llama-cpp-python-$version"/*.patch 2>/dev/null | sha256sum | cut -c1-8)"
+  key="$(printf '%s|%s|%s|%s|%s|%s|%s' "$version" "$backend" "$cmake_args" "$pyver" "$(uname -m)" "$cpu_sig" "$patch_sig" | sha256sum | cut -c1-16)"
   dir="$cache_root/$backend-$version-$key"
 
   if ! ls "$dir"/llama_cpp_python-*.whl >/dev/null 2>&1; then
@@ -68,10 +80,19 @@ build_one() {
       echo "llama-cpp-python==$version" > "$req"   # an explicitly requested other version: unpinned
     fi
     "$python" -m pip install -q --require-hashes -r "$root/requirements/build.txt"
+    # The sdist (hash-checked), unpacked, with our patches (scripts/patches/<package>-<version>/).
+    hashes=""; [ "$version" = "$pinned_version" ] && hashes="--require-hashes"
+    "$python" -m pip download -q --no-deps --no-cache-dir --no-binary :all: $hashes -d "$tmp/sdist" -r "$req"
+    mkdir -p "$tmp/src"
+    tar xzf "$tmp"/sdist/llama_cpp_python-*.tar.gz -C "$tmp/src" --strip-components=1
+    for p in "$root/scripts/patches/llama-cpp-python-$version"/*.patch; do
+      [ -e "$p" ] || continue
+      echo "applying $(basename "$p")" >&2
+      patch -s -p1 -d "$tmp/src" < "$p"
+    done
     CMAKE_ARGS="$cmake_args" CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}" \
-      "$python" -m pip wheel --no-deps --no-cache-dir --no-build-isolation --no-binary llama-cpp-python \
-        -w "$tmp" -r "$req"
-    rm -f "$req"
+      "$python" -m pip wheel --no-deps --no-cache-dir --no-build-isolation -w "$tmp" "$tmp/src"
+    rm -rf "$req" "$tmp/src" "$tmp/sdist"
     rm -rf "$dir"; mv "$tmp" "$dir"
     printf '%s\n' "$cmake_args" > "$dir/CMAKE_ARGS"
   else

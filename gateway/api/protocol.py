@@ -348,9 +348,11 @@ class ErrorResponse(_Response):
 
 
 class HealthResponse(BaseModel):
-    """`GET /health`: 200 when the default model can serve, 503 while loading, failed or draining."""
+    """`GET /health`: 200 when the default model can serve, 503 while loading, failed, draining, or
+    degraded (its engine's worker is restarting after a crash; `Retry-After` says when to ask again)."""
 
-    status: Literal["ok", "loading", "error", "draining"]
+    status: Literal["ok", "loading", "error", "draining", "degraded"]
+    reason: str | None = None  # degraded: why
     default_model: str
     models: dict[str, dict[str, Any]]  # per model: ready, engine, device, running, waiting, reasons
     uptime_s: float

@@ -208,8 +208,11 @@ async def health(request: Request) -> JSONResponse:
             "waiting": h.waiting + admission.waiting(entry.spec.id),
             "fallback_reason": entry.fallback_reason or None,
         }
+        if not h.ready and h.detail:
+            models[entry.spec.id]["detail"] = h.detail
         extra = entry.engine.info.extra
-        for key in ("sampling", "speculative"):  # llama.cpp: where tokens are sampled, draft settings
+        # llama.cpp: where tokens are sampled, draft settings, the CPU variant and weight repacking
+        for key in ("sampling", "speculative", "cpu_variant", "repack"):
             if key in extra:
                 models[entry.spec.id][key] = extra[key]
         worker_status = getattr(entry.engine, "worker_status", None)
@@ -227,9 +230,15 @@ async def health(request: Request) -> JSONResponse:
             models[mid]["failed_candidates"] = [{"candidate": w, "reason": y} for w, y in failures]
     ready = default in models and models[default].get("ready", False)
     status = "ok" if ready else ("loading" if default in manager.loading or request.app.state.preloading else "error")
+    if not ready and manager.is_loaded(default):
+        # Its worker is restarting (after a crash): it will be back, and says when.
+        status = "degraded"
+        body_reason = models[default].get("detail", "restarting")
     if not request.app.state.preload and not ready and default not in manager.load_errors:
         status, ready = "ok", True  # lazy mode: the default model loads on first request
     body = {"status": status, "default_model": default, "models": models, "uptime_s": round(time.time() - request.app.state.started, 1)}
+    if status == "degraded":
+        body["reason"] = body_reason
     if request.app.state.shadow is not None:
         body["parity"] = request.app.state.shadow.status()
     drain = request.app.state.drain
@@ -237,4 +246,9 @@ async def health(request: Request) -> JSONResponse:
         # Load balancers stop sending traffic here; running requests are being finished.
         body.update(status="draining", inflight=drain.inflight)
         return JSONResponse(body, status_code=503, headers={"Retry-After": str(drain.retry_after)})
-    return JSONResponse(body, status_code=200 if ready else 503)
+    headers = {}
+    if status == "degraded":
+        entry = next(e for e in manager.loaded() if e.spec.id == default)
+        retry = getattr(entry.engine, "retry_after", None)
+        headers["Retry-After"] = str(max(1, retry()) if retry is not None else 1)
+    return JSONResponse(body, status_code=200 if ready else 503, headers=headers)

@@ -11,7 +11,7 @@ from typing import Any
 from gateway.host.functional_check import CheckCache, fingerprint, run_isolated
 from gateway.host.hardware import EP_MATRIX, HostCapabilities, probe_host, vulkan_visible_env
 from gateway.host.selection import Plan, Preference, SelectionError, plan
-from gateway.models.pool import engine_config, fingerprint_parts
+from gateway.models.pool import describe, engine_config, fingerprint_parts, ladder, ladder_verdict
 from gateway.models.registry import RegistryError, load_registry
 from gateway.settings import ENGINE_CHOICES, Settings
 
@@ -62,6 +62,8 @@ def render(host: HostCapabilities, plans: dict[str, Plan | str], checks: dict[st
     if b.installed:
         lines.append(f"llama.cpp llama-cpp-python {b.version}, backends: {', '.join(b.backends) or '-'}")
         lines += [f"  {name:<9} {desc} ({kind})" for name, desc, kind in b.devices]
+        if b.cpu_variants:
+            lines.append(f"  {cpu_variants_line(b)}")
         if b.error:
             lines.append(f"  {b.error}")
     else:
@@ -69,6 +71,8 @@ def render(host: HostCapabilities, plans: dict[str, Plan | str], checks: dict[st
     for sb in host.llamacpp_builds:
         state = f"backends: {', '.join(sb.backends) or '-'}" if sb.installed else (sb.error or "unusable")
         lines.append(f"  side-by-side build {sb.lib_path}: {state}")
+        if sb.installed and sb.cpu_variants:
+            lines.append(f"    {cpu_variants_line(sb)}")
     o = host.ort
     pk = ", ".join(f"{p} {v}" for p, v in o.packages) or "none"
     lines.append(f"ONNX Runtime packages: {pk}" + (f" ({o.error})" if o.error and o.packages else ""))
@@ -87,9 +91,28 @@ def render(host: HostCapabilities, plans: dict[str, Plan | str], checks: dict[st
                 state += f", {check['tok_s']:.0f} tok/s measured"
             build = f" (build {cand.lib_path})" if cand.lib_path else ""
             lines.append(f"  {i}. {cand.label} on {cand.device}{f' [{cand.device_key}]' if cand.device_key else ''}{build}: {state}")
+            steps = (check or {}).get("ladder", [])
+            if len(steps) > 1:  # it fell back inside its build: each rung tried, in order
+                lines[-1] += f", after {len(steps) - 1} fallback(s) inside its build:"
+                lines += [f"       {s['how']}: {'ok' if s['ok'] else s['reason']}" for s in steps]
         for s in p.skipped:
             lines.append(f"  - {s.what}: {s.why}" + (" (fallback)" if s.kind == "unusable" else ""))
     return "\n".join(lines)
+
+
+def cpu_variants_line(b: Any) -> str:
+    """The build's CPU variants: which runs by default, which this CPU cannot run."""
+    from engines.ggml_backends import AMX_VARIANTS
+
+    parts = []
+    for name, score in b.cpu_variants:
+        if score <= 0:
+            continue
+        tag = " (loaded by default)" if name == b.cpu_variant else (" (AMX: only when asked for)" if name in AMX_VARIANTS else "")
+        parts.append(name + tag)
+    unsupported = [n for n, sc in b.cpu_variants if sc <= 0]
+    return ("CPU variants: " + ", ".join(parts)
+            + (f"; this CPU cannot run: {', '.join(unsupported)}" if unsupported else ""))
 
 
 def _devices(args: argparse.Namespace) -> int:
@@ -122,15 +145,24 @@ def _devices(args: argparse.Namespace) -> int:
             path = registry.local_path(spec, cand.format)
             if path is None:
                 continue
-            config = engine_config(spec, cand, str(path), settings)
-            key = fingerprint(cand.runtime, config, *fingerprint_parts(host, cand))
-            result = cache.get(key)
-            if result is None and (args.check or args.recheck):
-                result = run_isolated(cand.runtime, config, settings.check_timeout, vulkan_visible_env(host.vulkan))
-                cache.put(key, result, f"{mid} on {cand.label} {cand.device}")
-            if result is not None:
-                checks[f"{mid}|{cand.label}|{cand.device_key}"] = {"ok": result.ok, "reason": result.reason,
-                                                                    "tok_s": result.tok_s}
+            # The fallback ladder: each way to run the candidate, in order, until one passes.
+            rungs = []
+            for config in ladder(cand, engine_config(spec, cand, str(path), settings), host, settings):
+                key = fingerprint(cand.runtime, config, *fingerprint_parts(host, cand))
+                result = cache.get(key)
+                if result is None and (args.check or args.recheck):
+                    env = {**vulkan_visible_env(host.vulkan), **({"LLAMA_CPP_LIB_PATH": cand.lib_path} if cand.lib_path else {})}
+                    result = run_isolated(cand.runtime, config, settings.check_timeout, env)
+                    cache.put(key, result, f"{mid} on {describe(cand, config)}")
+                rungs.append((config, result))
+                if result is None or result.ok:
+                    break
+            verdict = ladder_verdict(cand, rungs)
+            if verdict is not None:
+                checks[f"{mid}|{cand.label}|{cand.device_key}"] = {
+                    "ok": verdict.ok, "reason": verdict.reason, "tok_s": verdict.tok_s,
+                    "ladder": [{"how": describe(cand, c), "ok": r.ok, "reason": r.reason}
+                               for c, r in rungs if r is not None]}
     if args.json:
         out = {
             "host": host.to_dict(),

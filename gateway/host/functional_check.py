@@ -1,8 +1,15 @@
-"""Before an engine is trusted: load the model and generate one token, in a child process.
+"""Before an engine is trusted: load the model and run what requests run, in a child process.
 
-A driver that crashes, hangs or runs out of memory takes the child down, not the gateway;
-the pool then falls back to the next candidate with the reason. Results are cached per
-(model file, runtime build, device, driver), so a host pays for each check once.
+The check (`exercise`) takes the paths real requests take, not one token after "Hello": prompts
+of a few hundred, ~130 and a few tokens (ggml's batched matrix kernels — AMX, repacked weights —
+only run on batches, and a one-token prompt never reaches them), decoding at the engine's
+parallel sequence count, a grammar-constrained request and one with logprobs, then a prompt
+that extends a cached prefix. It costs about a second of prefill on 2 cores for the default model.
+
+A driver that crashes, hangs or runs out of memory takes the child (or the worker) down, not the
+gateway; the pool then tries the next rung of the fallback ladder with the reason. Results are
+cached per (model file, runtime build, CPU variant, repacking, device, driver, CPU), so a host
+pays for each check once.
 
 `python -m gateway.host.functional_check '<json>'` is the child: it prints one JSON line.
 """
@@ -38,6 +45,7 @@ class CheckResult:
     text: str = ""
     cached: bool = False
     tok_s: float | None = None  # measured decode speed (--rank-by-speed), when measured
+    note: str = ""  # a cached failure: when it is tried again
 
 
 SPEED_TOKENS = 32  # tokens decoded to measure an engine's speed
@@ -57,6 +65,55 @@ async def measure_decode(engine: Any, tokens: int = SPEED_TOKENS) -> float:
     if len(stamps) < 2 or stamps[-1] <= stamps[0]:
         raise RuntimeError("too few tokens to measure a decode speed")
     return (len(stamps) - 1) / (stamps[-1] - stamps[0])
+
+
+def _text(items: int) -> str:
+    """A deterministic paragraph of about 16 tokens per item."""
+    return " ".join(f"Item {i}: the quick brown fox jumps over the lazy dog and counts to {i * 7}."
+                    for i in range(1, items + 1))
+
+
+async def _run(engine: Any, req: GenerationRequest) -> str:
+    text, got = "", False
+    async for ev in engine.generate(req):
+        text += ev.text
+        got = got or bool(ev.token_ids) or bool(ev.text)
+    if not got:
+        raise RuntimeError(f"the engine produced no token for the check's {req.request_id} request")
+    return text
+
+
+async def exercise(engine: Any, parallel: int = 1, context_length: int = 2048) -> str:
+    """The functional check's work: the request shapes serving will see, at once. Raises whatever
+    the engine raises; returns the long prompt's text."""
+    from engines.base import InvalidGenerationRequest
+
+    items = max(2, min(24, context_length // 48))  # ~380 tokens with a 2k context; always fits
+    long = _text(items)
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    reqs = [
+        GenerationRequest("check-long", greedy, prompt=long),
+        GenerationRequest("check-logprobs", SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True,
+                                                           logprobs=True, top_logprobs=2), prompt=_text(max(1, items // 3))),
+        GenerationRequest("check-grammar", SamplingParams(temperature=0.0, max_tokens=6, structured="json_object"),
+                          prompt=PROMPT),
+    ]
+    reqs += [GenerationRequest(f"check-{i}", SamplingParams(temperature=0.8, seed=i, max_tokens=4, ignore_eos=True),
+                               prompt=f"{PROMPT} {i}") for i in range(max(1, parallel - len(reqs) + 1))]
+
+    async def one(req: GenerationRequest) -> str:
+        try:
+            return await _run(engine, req)
+        except InvalidGenerationRequest:
+            if req.request_id in ("check-grammar", "check-logprobs"):
+                return ""  # an engine without grammars or logprobs says so per request; not a failure
+            raise
+
+    texts = await asyncio.gather(*(one(r) for r in reqs))
+    # The same long prompt extended: a prefix-cache hit, then a short batch after it.
+    await _run(engine, GenerationRequest("check-prefix", SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
+                                         prompt=long + " " + _text(1)))
+    return texts[0]
 
 
 async def one_token(engine: Any) -> str:
@@ -93,17 +150,25 @@ class CheckCache:
         item = self._read().get(key)
         if not isinstance(item, dict):
             return None
-        if not item.get("ok") and time.time() - item.get("at", 0) > FAILURE_TTL_S:
+        ttl = float(item.get("ttl", FAILURE_TTL_S))
+        age = time.time() - item.get("at", 0)
+        if not item.get("ok") and age > ttl:
             return None
+        note = ""
+        if not item.get("ok") and "ttl" in item:
+            note = f"recorded {age / 60:.0f} min ago, tried again {max(0.0, ttl - age) / 60:.0f} min from now or with --recheck"
         return CheckResult(bool(item.get("ok")), item.get("reason", ""), item.get("seconds", 0.0), "", True,
-                           item.get("tok_s"))
+                           item.get("tok_s"), note)
 
-    def put(self, key: str, result: CheckResult, what: str) -> None:
+    def put(self, key: str, result: CheckResult, what: str, ttl: float | None = None) -> None:
+        """Record `result`; a failure with `ttl` (seconds) expires sooner than a failed check does."""
         data = self._read()
         old = data.get(key)
         before: dict[str, Any] = old if isinstance(old, dict) else {}
         data[key] = {"ok": result.ok, "reason": result.reason, "seconds": round(result.seconds, 2),
                      "at": time.time(), "what": what}
+        if ttl is not None and not result.ok:
+            data[key]["ttl"] = ttl
         tok_s = result.tok_s if result.tok_s is not None else (before.get("tok_s") if result.ok else None)
         if tok_s is not None:  # a passing re-check keeps the speed measured before
             data[key]["tok_s"] = round(tok_s, 1)
@@ -125,7 +190,8 @@ def fingerprint(runtime: str, config: EngineConfig, build: str, driver: str) -> 
         model = f"{config.model_path}:{st.st_size}:{int(st.st_mtime)}"
     except OSError:
         model = config.model_path
-    raw = "|".join((runtime, config.backend, config.device, config.device_key, model, build, driver))
+    raw = "|".join((runtime, config.backend, config.device, config.device_key, model, build, driver,
+                    f"variant={config.cpu_variant}", f"repack={config.repack}"))
     return hashlib.sha256(raw.encode()).hexdigest()[:24]
 
 
@@ -161,7 +227,7 @@ async def _child(runtime: str, config: EngineConfig) -> dict[str, Any]:
     engine = create_engine(runtime, config)
     try:
         await engine.load()
-        text = await one_token(engine)
+        text = await exercise(engine, config.parallel, config.context_length)
         return {"ok": True, "text": text}
     except Exception as exc:  # noqa: BLE001 - the reason is the result
         return {"ok": False, "reason": f"{type(exc).__name__}: {exc}"}

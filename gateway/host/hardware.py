@@ -141,6 +141,10 @@ class LlamaCppBuild:
     error: str | None = None
     build_id: str = ""  # changes with every rebuild of the native libraries
     lib_path: str = ""  # a side-by-side build's folder (LLAMA_CPP_LIB_PATH); "" = the installed package's
+    # A build with loadable CPU variants: (name, score on this CPU; 0 = unsupported), fastest first,
+    # and the one auto picks. Empty for a build with its CPU backend compiled in.
+    cpu_variants: tuple[tuple[str, int], ...] = ()
+    cpu_variant: str = ""
 
     def has(self, backend: str) -> bool:
         return any(b.lower() == backend.lower() for b in self.backends)
@@ -258,6 +262,8 @@ def probe_llamacpp(vulkan: VulkanInfo, lib_path: str = "") -> LlamaCppBuild:
         error=r.get("error"),
         build_id=r.get("build_id", ""),
         lib_path=lib_path,
+        cpu_variants=tuple((str(n), int(sc)) for n, sc in r.get("cpu_variants", [])),
+        cpu_variant=r.get("cpu_variant", "") or "",
     )
 
 

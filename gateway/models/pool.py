@@ -14,10 +14,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engines.base import Engine, EngineConfig, EngineError, EngineInfo, ModelLoadError, ModelNotAvailable
+from engines.ggml_backends import lower
 from engines.registry import create_engine
 from engines.worker_client import LocalWorker, RemoteWorker, Supervision, WorkerEngine
-from gateway.host.functional_check import CheckCache, CheckResult, fingerprint, measure_decode, one_token
-from gateway.host.hardware import HostCapabilities, probe_host, vulkan_visible_env
+from gateway.host.functional_check import (
+    CheckCache,
+    CheckResult,
+    exercise,
+    fingerprint,
+    measure_decode,
+    one_token,
+)
+from gateway.host.hardware import HostCapabilities, LlamaCppBuild, probe_host, vulkan_visible_env
 from gateway.host.selection import Candidate, Plan, Preference, SelectionError, plan
 from gateway.metrics import Metrics
 from gateway.models.registry import ModelSpec, ModelUnavailable, Registry
@@ -48,6 +56,7 @@ class Loaded:
     fallback_reason: str = ""  # why earlier candidates were not used; "" when the first one was
     plan: Plan | None = None
     check_key: str = ""  # its functional-check cache entry
+    config: EngineConfig | None = None  # how it runs (its rung of the fallback ladder)
 
 
 class ModelManager:
@@ -141,36 +150,40 @@ class ModelManager:
             await self._make_room()
             if self.settings.rank_by_speed:
                 the_plan = dataclasses.replace(the_plan, candidates=await self._rank_by_speed(spec, kept))
-            for cand in the_plan.candidates:
+            for ci, cand in enumerate(the_plan.candidates):
                 try:
                     path = await asyncio.to_thread(self.registry.resolve, spec, cand.format)
                 except ModelUnavailable as exc:
                     raise ModelNotAvailable(str(exc)) from exc
-                config = self._config(spec, cand, str(path))
-                t0 = time.perf_counter()
-                engine, why = await self._try(spec, cand, config)
-                if engine is None:
-                    failures.append((f"{cand.label} on {cand.device}", why))
-                    self.metrics.fallbacks.labels(spec.id, cand.label, "check_failed").inc()
-                    log.warning("%s on %s (%s) is not usable, trying the next candidate: %s",
-                                spec.id, cand.label, cand.device, why)
-                    continue
-                dt = time.perf_counter() - t0
-                info = engine.info
-                self.metrics.build.labels(spec.id).info(
-                    {"runtime": info.runtime, "version": info.version, "backend": info.backend, "device": info.device}
-                )
-                reasons = [f"{s.what}: {s.why}" for s in the_plan.unusable(before=cand)]
-                reasons += [f"{r}/{b}: {why}" for (r, b), why in excluded.items()]
-                reasons += [f"{what}: {why}" for what, why in failures]
-                entry = Loaded(spec, engine, cand, dt, time.monotonic(), "; ".join(reasons), the_plan,
-                               fingerprint(cand.runtime, config, *fingerprint_parts(self.host, cand)))
-                level = logging.WARNING if entry.fallback_reason else logging.INFO
-                log.log(level, "serving %s on %s (%s), loaded in %.2fs%s", spec.id, cand.label, cand.device, dt,
-                        f"; fell back because {entry.fallback_reason}" if entry.fallback_reason else "")
-                self._loaded[spec.id] = entry
-                self.load_errors.pop(spec.id, None)
-                return entry
+                rungs = ladder(cand, self._config(spec, cand, str(path)), self.host, self.settings)
+                for ri, config in enumerate(rungs):
+                    # The ladder inside one build first (repacking off, then a lower CPU variant),
+                    # then the next candidate; the last rung of the last candidate never gives up.
+                    last = ci == len(the_plan.candidates) - 1 and ri == len(rungs) - 1
+                    t0 = time.perf_counter()
+                    engine, why = await self._try(spec, cand, config, last)
+                    if engine is None:
+                        failures.append((describe(cand, config), why))
+                        self.metrics.fallbacks.labels(spec.id, cand.label, "check_failed").inc()
+                        log.warning("%s on %s is not usable, trying the next %s: %s", spec.id, describe(cand, config),
+                                    "way to run it" if ri < len(rungs) - 1 else "candidate", why)
+                        continue
+                    dt = time.perf_counter() - t0
+                    info = engine.info
+                    self.metrics.build.labels(spec.id).info(
+                        {"runtime": info.runtime, "version": info.version, "backend": info.backend, "device": info.device}
+                    )
+                    reasons = [f"{s.what}: {s.why}" for s in the_plan.unusable(before=cand)]
+                    reasons += [f"{r}/{b}: {why}" for (r, b), why in excluded.items()]
+                    reasons += [f"{what}: {why}" for what, why in failures]
+                    entry = Loaded(spec, engine, cand, dt, time.monotonic(), "; ".join(reasons), the_plan,
+                                   self._key(cand, config), config)
+                    level = logging.WARNING if entry.fallback_reason else logging.INFO
+                    log.log(level, "serving %s on %s, loaded in %.2fs%s", spec.id, describe(cand, config), dt,
+                            f"; fell back because {entry.fallback_reason}" if entry.fallback_reason else "")
+                    self._loaded[spec.id] = entry
+                    self.load_errors.pop(spec.id, None)
+                    return entry
             raise ModelLoadError(
                 f"model {spec.id!r} could not be loaded: " + "; ".join(f"{w}: {y}" for w, y in failures)
             )
@@ -180,27 +193,35 @@ class ModelManager:
         finally:
             self.loading.discard(spec.id)
 
-    async def _try(self, spec: ModelSpec, cand: Candidate, config: EngineConfig) -> tuple[Engine | None, str]:
-        """Functional check (cached), load, one token. (engine, "") or (None, why)."""
+    def _key(self, cand: Candidate, config: EngineConfig) -> str:
+        return fingerprint(cand.runtime, config, *fingerprint_parts(self.host, cand))
+
+    async def _try(self, spec: ModelSpec, cand: Candidate, config: EngineConfig,
+                   last: bool = True) -> tuple[Engine | None, str]:
+        """Functional check (cached), load, then the check's work (one token when a pass is cached).
+        (engine, "") or (None, why). `last`: no other way to serve the model follows this one."""
         labels = (spec.id, cand.label, cand.device)
-        key = fingerprint(cand.runtime, config, *fingerprint_parts(self.host, cand))
-        what = f"{spec.id} on {cand.label} {cand.device}"
+        key = self._key(cand, config)
+        what = f"{spec.id} on {describe(cand, config)}"
+        cached: CheckResult | None = None
         if self.settings.functional_check:
             cached = self.checks.get(key)
             if cached is not None and not cached.ok:
                 self.metrics.loads.labels(*labels, "failed").inc()
-                return None, f"{cached.reason} (cached functional check; re-run with --recheck)"
+                return None, f"{cached.reason} ({cached.note or 'cached functional check; re-run with --recheck'})"
             if cached is None and self._checker is not None:
                 result = await asyncio.to_thread(self._checker, cand.runtime, config)
                 if not result.ok:
                     self.checks.put(key, result, what)
                     self.metrics.loads.labels(*labels, "failed").inc()
                     return None, result.reason
-        engine = self._new_engine(spec, cand, config)
+                cached = result
+        engine = self._new_engine(spec, cand, config, last)
         try:
             await engine.load()
             if self.settings.functional_check:
-                await asyncio.wait_for(one_token(engine), self.settings.check_timeout)
+                work = one_token(engine) if cached is not None else exercise(engine, config.parallel, config.context_length)
+                await asyncio.wait_for(work, self.settings.check_timeout)
         except (EngineError, RuntimeError, TimeoutError) as exc:
             self.metrics.loads.labels(*labels, "failed").inc()
             await engine.close()
@@ -208,6 +229,9 @@ class ModelManager:
             if self.settings.functional_check:
                 self.checks.put(key, CheckResult(False, why), what)
             return None, why
+        trust = getattr(engine, "trust", None)
+        if trust is not None:
+            trust()  # from now on a crash restarts the worker instead of failing the check
         self.metrics.loads.labels(*labels, "ok").inc()
         if self.settings.functional_check:
             self.checks.put(key, CheckResult(True), what)
@@ -230,8 +254,8 @@ class ModelManager:
                     path = await asyncio.to_thread(self.registry.resolve, spec, cand.format)
                 except ModelUnavailable:
                     continue
-                config = self._config(spec, cand, str(path))
-                key = fingerprint(cand.runtime, config, *fingerprint_parts(self.host, cand))
+                config = ladder(cand, self._config(spec, cand, str(path)), self.host, self.settings)[0]
+                key = self._key(cand, config)
                 cached = self.checks.get(key)
                 if cached is not None and cached.ok and cached.tok_s:
                     speeds[i] = cached.tok_s
@@ -246,7 +270,7 @@ class ModelManager:
                 finally:
                     await engine.close()
                 if i in speeds:
-                    self.checks.put(key, CheckResult(True, tok_s=speeds[i]), f"{spec.id} on {cand.label} {cand.device}")
+                    self.checks.put(key, CheckResult(True, tok_s=speeds[i]), f"{spec.id} on {describe(cand, config)}")
             self.speeds.setdefault(spec.id, {}).update({candidates[i].label: s for i, s in speeds.items()})
             ranked = sorted(positions, key=lambda i: (i not in speeds, -speeds.get(i, 0.0), i))
             for slot, i in zip(positions, ranked, strict=True):
@@ -300,22 +324,41 @@ class ModelManager:
         log.info("serving %s on its Ray Serve deployment (%s/%s on %s)", spec.id, info.runtime, info.backend, info.device)
         return entry
 
-    def _new_engine(self, spec: ModelSpec, cand: Candidate, config: EngineConfig) -> Engine:
+    def _new_engine(self, spec: ModelSpec, cand: Candidate, config: EngineConfig, last: bool = True) -> Engine:
         if self._factory is not None:
             return self._factory(cand.runtime, config)
         labels = (spec.id, cand.label, cand.device)
+        key = self._key(cand, config)
         return local_engine(cand, config, self.settings, self.host,
                             on_crash=lambda _why: self.metrics.worker_crashes.labels(*labels).inc(),
-                            on_failed=lambda why: self.exclude(spec.id, cand, why, cause="worker_crashed"))
+                            on_failed=lambda why: self.crashed_out(spec.id, cand, key, why),
+                            can_fall_back=lambda: not last, probation=True)
 
     def _config(self, spec: ModelSpec, cand: Candidate, path: str) -> EngineConfig:
         return engine_config(spec, cand, path, self.settings)
 
+    def crashed_out(self, model_id: str, cand: Candidate, key: str, reason: str) -> None:
+        """A serving engine crashed too often: the next request walks the ladder from the next rung.
+
+        Recorded like a failed functional check, but only for settings.crash_verdict_ttl: then that
+        way of running the model is tried again (a crash verdict does not poison the cache)."""
+        what = f"{model_id} on {cand.label} {cand.device}"
+        self.checks.put(key, CheckResult(False, f"worker crashed: {reason}"), what, ttl=self.settings.crash_verdict_ttl)
+        self.metrics.fallbacks.labels(model_id, cand.label, "worker_crashed").inc()
+        log.warning("model %s: %s worker crashed too often, falling back: %s", model_id, cand.label, reason)
+        entry = self._loaded.get(model_id)
+        if entry is None or entry.check_key != key:
+            return
+        del self._loaded[model_id]
+        task = asyncio.create_task(self._close_when_idle(entry.engine))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
     def exclude(self, model_id: str, cand: Candidate, reason: str, cause: str = "parity_drift") -> None:
         """Take `cand` out of selection for `model_id`; the next request loads the next candidate.
 
-        `cause` (parity_drift, worker_crashed) labels gateway_fallbacks_total. The engine in use is
-        unloaded once its running requests finish.
+        `cause` labels gateway_fallbacks_total. The engine in use is unloaded once its running
+        requests finish.
         """
         engine = f"{cand.runtime}/{cand.backend}"
         if (cand.runtime, cand.backend) in self.excluded.get(model_id, {}):
@@ -382,7 +425,63 @@ def supervision(settings: Settings) -> Supervision:
     s = settings
     return Supervision(heartbeat_timeout_s=s.worker_heartbeat_timeout, step_timeout_s=s.worker_step_timeout,
                        max_crashes=s.worker_max_crashes, crash_window_s=s.worker_crash_window,
-                       load_timeout_s=s.check_timeout)
+                       load_timeout_s=s.check_timeout, max_backoff_s=s.worker_max_backoff)
+
+
+def build_of(host: HostCapabilities, cand: Candidate) -> LlamaCppBuild:
+    """The llama.cpp build that serves `cand` (a side-by-side one, or the installed package)."""
+    return next((x for x in host.llamacpp_builds if x.lib_path and x.lib_path == cand.lib_path), host.llamacpp)
+
+
+def ladder(cand: Candidate, config: EngineConfig, host: HostCapabilities, settings: Settings) -> list[EngineConfig]:
+    """The ways to run `cand`, tried in order before the next candidate (issue 24): as planned
+    (weights repacked, the build's CPU variant), then with repacking off (llama.cpp's --no-repack:
+    no AMX or interleaved buffers), then also on a lower CPU variant (AVX2 class below AVX-512)."""
+    if cand.runtime != "llamacpp":
+        return [config]
+    build = build_of(host, cand)
+    variant = settings.cpu_variant or build.cpu_variant
+    first = dataclasses.replace(config, cpu_variant=variant, repack=True)
+    out = [first, dataclasses.replace(first, repack=False)]
+    low = lower(list(build.cpu_variants), variant) if build.cpu_variants and variant else None
+    if low:
+        out.append(dataclasses.replace(first, repack=False, cpu_variant=low))
+    return out
+
+
+def cached_ladder(checks: CheckCache, cand: Candidate, config: EngineConfig, host: HostCapabilities,
+                  settings: Settings) -> list[tuple[EngineConfig, CheckResult | None]]:
+    """Each rung of `cand`'s ladder with its cached functional check (None: not checked)."""
+    return [(c, checks.get(fingerprint(cand.runtime, c, *fingerprint_parts(host, cand))))
+            for c in ladder(cand, config, host, settings)]
+
+
+def ladder_verdict(cand: Candidate, rungs: list[tuple[EngineConfig, CheckResult | None]]) -> CheckResult | None:
+    """A candidate's cached verdict: the first rung that passed (naming the rungs that failed before
+    it), else the last failure; None when no rung was checked."""
+    failed: list[str] = []
+    last: CheckResult | None = None
+    for config, result in rungs:
+        if result is None:
+            return last if last is None else dataclasses.replace(last, reason="; ".join(failed))
+        if result.ok:
+            if failed:
+                how = describe(cand, config).split(" (", 1)[-1].rstrip(")")
+                return dataclasses.replace(result, reason=f"runs with {how} after: " + "; ".join(failed))
+            return result
+        failed.append(f"{describe(cand, config)}: {result.reason}")
+        last = result
+    return None if last is None else dataclasses.replace(last, reason="; ".join(failed))
+
+
+def describe(cand: Candidate, config: EngineConfig) -> str:
+    """A candidate and its rung, for reasons and logs: "llamacpp/cpu on cpu (CPU variant zen4, repack off)"."""
+    where = f"{cand.label} on {cand.device}"
+    if cand.runtime != "llamacpp":
+        return where
+    how = [f"CPU variant {config.cpu_variant}"] if config.cpu_variant else []
+    how.append(f"repack {'on' if config.repack else 'off'}")
+    return f"{where} ({', '.join(how)})"
 
 
 def worker_env(host: HostCapabilities, cand: Candidate) -> dict[str, str]:
@@ -395,7 +494,8 @@ def worker_env(host: HostCapabilities, cand: Candidate) -> dict[str, str]:
 
 def local_engine(cand: Candidate, config: EngineConfig, settings: Settings, host: HostCapabilities,
                  on_crash: Callable[[str], None] | None = None,
-                 on_failed: Callable[[str], None] | None = None) -> Engine:
+                 on_failed: Callable[[str], None] | None = None,
+                 can_fall_back: Callable[[], bool] | None = None, probation: bool = False) -> Engine:
     """`cand` with `config`: in a supervised worker process (settings.workers), else in this process."""
     if not settings.workers:
         return create_engine(cand.runtime, config)
@@ -404,7 +504,8 @@ def local_engine(cand: Candidate, config: EngineConfig, settings: Settings, host
                     log_level=settings.log_level, load_timeout_s=settings.check_timeout),
         EngineInfo(cand.runtime, cand.backend, cand.device, context_length=config.context_length,
                    parallel=config.parallel),
-        supervision(settings), on_crash=on_crash, on_failed=on_failed,
+        supervision(settings), on_crash=on_crash, on_failed=on_failed, can_fall_back=can_fall_back,
+        probation=probation,
     )
 
 
@@ -433,8 +534,10 @@ def engine_config(spec: ModelSpec, cand: Candidate, path: str, settings: Setting
 def fingerprint_parts(host: HostCapabilities, cand: Candidate) -> tuple[str, str]:
     """(runtime build, driver) identities that a functional-check result depends on."""
     if cand.runtime == "llamacpp":
-        b = next((x for x in host.llamacpp_builds if x.lib_path and x.lib_path == cand.lib_path), host.llamacpp)
-        build = f"llama-cpp-python {b.version} [{','.join(b.backends)}] {b.build_id}"
+        b = build_of(host, cand)
+        # The CPU too: which variants run, and how fast, is the CPU's to say.
+        build = (f"llama-cpp-python {b.version} [{','.join(b.backends)}] {b.build_id} "
+                 f"cpu {host.cpu.model} {','.join(host.cpu.simd)}")
     elif cand.runtime == "ortgenai":
         build = ",".join(f"{p}={v}" for p, v in host.ort.packages)
     else:

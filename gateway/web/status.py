@@ -14,11 +14,10 @@ from gateway.api.protocol import ErrorResponse
 from gateway.api.routes import error_responses
 from gateway.api.serving import model_spec
 from gateway.host.devices import render
-from gateway.host.functional_check import fingerprint
 from gateway.host.hardware import EP_MATRIX
 from gateway.host.selection import Candidate, Plan, SelectionError
 from gateway.metrics import SLO_E2E_S, SLO_TPOT_S, SLO_TTFT_S
-from gateway.models.pool import ModelBusy, ModelManager, engine_config, fingerprint_parts
+from gateway.models.pool import ModelBusy, ModelManager, cached_ladder, engine_config, ladder_verdict
 from gateway.models.registry import ModelSpec
 from gateway.web.live import HISTORY_S, RATE_WINDOW_S, SAMPLE_S, WINDOW_S, LiveStats, Point, Totals
 
@@ -181,7 +180,7 @@ def _check(manager: ModelManager, spec: ModelSpec, cand: Candidate) -> CheckOut 
     if path is None:
         return None
     config = engine_config(spec, cand, str(path), manager.settings)
-    result = manager.checks.get(fingerprint(cand.runtime, config, *fingerprint_parts(manager.host, cand)))
+    result = ladder_verdict(cand, cached_ladder(manager.checks, cand, config, manager.host, manager.settings))
     return None if result is None else CheckOut(ok=result.ok, reason=result.reason, tok_s=result.tok_s)
 
 
