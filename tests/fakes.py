@@ -58,7 +58,8 @@ class FakeEngine:
             words = self.script[:limit]
             for i, w in enumerate(words):
                 await asyncio.sleep(self.token_delay)
-                if self.fail_after is not None and i == self.fail_after:
+                # The functional check's own requests pass: the failure is for served requests.
+                if self.fail_after is not None and i == self.fail_after and not request.request_id.startswith("check-"):
                     raise EngineFailure("fake engine crashed mid-stream")
                 if self.bug_after is not None and i == self.bug_after:
                     raise ZeroDivisionError("a bug in the engine")

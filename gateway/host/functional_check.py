@@ -46,6 +46,9 @@ class CheckResult:
     cached: bool = False
     tok_s: float | None = None  # measured decode speed (--rank-by-speed), when measured
     note: str = ""  # a cached failure: when it is tried again
+    # "load": the engine could not load (a missing device, a bad file) without crashing; other ways
+    # to run the same candidate (the fallback ladder) would fail alike, so they are skipped.
+    stage: str = ""
 
 
 SPEED_TOKENS = 32  # tokens decoded to measure an engine's speed
@@ -101,9 +104,12 @@ async def exercise(engine: Any, parallel: int = 1, context_length: int = 2048) -
     reqs += [GenerationRequest(f"check-{i}", SamplingParams(temperature=0.8, seed=i, max_tokens=4, ignore_eos=True),
                                prompt=f"{PROMPT} {i}") for i in range(max(1, parallel - len(reqs) + 1))]
 
+    slots = asyncio.Semaphore(max(1, parallel))  # at most the engine's sequences at once: none waits in its queue
+
     async def one(req: GenerationRequest) -> str:
         try:
-            return await _run(engine, req)
+            async with slots:
+                return await _run(engine, req)
         except InvalidGenerationRequest:
             if req.request_id in ("check-grammar", "check-logprobs"):
                 return ""  # an engine without grammars or logprobs says so per request; not a failure
@@ -158,7 +164,7 @@ class CheckCache:
         if not item.get("ok") and "ttl" in item:
             note = f"recorded {age / 60:.0f} min ago, tried again {max(0.0, ttl - age) / 60:.0f} min from now or with --recheck"
         return CheckResult(bool(item.get("ok")), item.get("reason", ""), item.get("seconds", 0.0), "", True,
-                           item.get("tok_s"), note)
+                           item.get("tok_s"), note, item.get("stage", ""))
 
     def put(self, key: str, result: CheckResult, what: str, ttl: float | None = None) -> None:
         """Record `result`; a failure with `ttl` (seconds) expires sooner than a failed check does."""
@@ -169,6 +175,8 @@ class CheckCache:
                      "at": time.time(), "what": what}
         if ttl is not None and not result.ok:
             data[key]["ttl"] = ttl
+        if result.stage and not result.ok:
+            data[key]["stage"] = result.stage
         tok_s = result.tok_s if result.tok_s is not None else (before.get("tok_s") if result.ok else None)
         if tok_s is not None:  # a passing re-check keeps the speed measured before
             data[key]["tok_s"] = round(tok_s, 1)
@@ -216,7 +224,7 @@ def run_isolated(runtime: str, config: EngineConfig, timeout: float, env: dict[s
             out = json.loads(line)
         except ValueError:
             continue
-        return CheckResult(bool(out.get("ok")), out.get("reason", ""), dt, out.get("text", ""))
+        return CheckResult(bool(out.get("ok")), out.get("reason", ""), dt, out.get("text", ""), stage=out.get("stage", ""))
     tail = proc.stderr.strip().splitlines()[-3:]
     return CheckResult(False, f"functional check failed (exit {proc.returncode}): {' | '.join(tail)}", dt)
 
@@ -225,12 +233,14 @@ async def _child(runtime: str, config: EngineConfig) -> dict[str, Any]:
     from engines.registry import create_engine
 
     engine = create_engine(runtime, config)
+    stage = "load"
     try:
         await engine.load()
+        stage = ""
         text = await exercise(engine, config.parallel, config.context_length)
         return {"ok": True, "text": text}
     except Exception as exc:  # noqa: BLE001 - the reason is the result
-        return {"ok": False, "reason": f"{type(exc).__name__}: {exc}"}
+        return {"ok": False, "reason": f"{type(exc).__name__}: {exc}", "stage": stage}
     finally:
         await engine.close()
 

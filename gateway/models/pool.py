@@ -161,13 +161,18 @@ class ModelManager:
                     # then the next candidate; the last rung of the last candidate never gives up.
                     last = ci == len(the_plan.candidates) - 1 and ri == len(rungs) - 1
                     t0 = time.perf_counter()
-                    engine, why = await self._try(spec, cand, config, last)
+                    engine, why, stage = await self._try(spec, cand, config, last)
                     if engine is None:
                         failures.append((describe(cand, config), why))
                         self.metrics.fallbacks.labels(spec.id, cand.label, "check_failed").inc()
+                        # A load that failed without crashing (no such device, a bad file) fails on
+                        # every rung alike: straight to the next candidate.
+                        more = ri < len(rungs) - 1 and stage != "load"
                         log.warning("%s on %s is not usable, trying the next %s: %s", spec.id, describe(cand, config),
-                                    "way to run it" if ri < len(rungs) - 1 else "candidate", why)
-                        continue
+                                    "way to run it" if more else "candidate", why)
+                        if more:
+                            continue
+                        break
                     dt = time.perf_counter() - t0
                     info = engine.info
                     self.metrics.build.labels(spec.id).info(
@@ -197,9 +202,10 @@ class ModelManager:
         return fingerprint(cand.runtime, config, *fingerprint_parts(self.host, cand))
 
     async def _try(self, spec: ModelSpec, cand: Candidate, config: EngineConfig,
-                   last: bool = True) -> tuple[Engine | None, str]:
+                   last: bool = True) -> tuple[Engine | None, str, str]:
         """Functional check (cached), load, then the check's work (one token when a pass is cached).
-        (engine, "") or (None, why). `last`: no other way to serve the model follows this one."""
+        (engine, "", "") or (None, why, stage); stage "load": it failed to load without crashing.
+        `last`: no other way to serve the model follows this one."""
         labels = (spec.id, cand.label, cand.device)
         key = self._key(cand, config)
         what = f"{spec.id} on {describe(cand, config)}"
@@ -208,17 +214,20 @@ class ModelManager:
             cached = self.checks.get(key)
             if cached is not None and not cached.ok:
                 self.metrics.loads.labels(*labels, "failed").inc()
-                return None, f"{cached.reason} ({cached.note or 'cached functional check; re-run with --recheck'})"
+                note = cached.note or "cached functional check; re-run with --recheck"
+                return None, f"{cached.reason} ({note})", cached.stage
             if cached is None and self._checker is not None:
                 result = await asyncio.to_thread(self._checker, cand.runtime, config)
                 if not result.ok:
                     self.checks.put(key, result, what)
                     self.metrics.loads.labels(*labels, "failed").inc()
-                    return None, result.reason
+                    return None, result.reason, result.stage
                 cached = result
         engine = self._new_engine(spec, cand, config, last)
+        stage = "load"
         try:
             await engine.load()
+            stage = ""
             if self.settings.functional_check:
                 work = one_token(engine) if cached is not None else exercise(engine, config.parallel, config.context_length)
                 await asyncio.wait_for(work, self.settings.check_timeout)
@@ -226,16 +235,18 @@ class ModelManager:
             self.metrics.loads.labels(*labels, "failed").inc()
             await engine.close()
             why = str(exc) or type(exc).__name__
+            if stage == "load" and "killed by" in why:
+                stage = ""  # the worker crashed while loading: another rung may not
             if self.settings.functional_check:
-                self.checks.put(key, CheckResult(False, why), what)
-            return None, why
+                self.checks.put(key, CheckResult(False, why, stage=stage), what)
+            return None, why, stage
         trust = getattr(engine, "trust", None)
         if trust is not None:
             trust()  # from now on a crash restarts the worker instead of failing the check
         self.metrics.loads.labels(*labels, "ok").inc()
         if self.settings.functional_check:
             self.checks.put(key, CheckResult(True), what)
-        return engine, ""
+        return engine, "", ""
 
     async def _rank_by_speed(self, spec: ModelSpec, candidates: tuple[Candidate, ...]) -> tuple[Candidate, ...]:
         """Candidates that share a device, fastest first (a 32-token decode each, cached with the
@@ -260,7 +271,7 @@ class ModelManager:
                 if cached is not None and cached.ok and cached.tok_s:
                     speeds[i] = cached.tok_s
                     continue
-                engine, _ = await self._try(spec, cand, config)
+                engine, _, _ = await self._try(spec, cand, config)
                 if engine is None:
                     continue
                 try:
