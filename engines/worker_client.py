@@ -520,9 +520,16 @@ class WorkerEngine:
             await asyncio.sleep(s.heartbeat_s)
             silent = time.monotonic() - self._last_pong
             why = ""
-            if silent > s.heartbeat_timeout_s:
+            # On probation (the functional check, itself bounded by the check's time limit) the
+            # limits are a load's: its first batches compile pipelines, and an engine whose work
+            # holds the GIL (ORT GenAI prefilling several long prompts) answers pings late.
+            patience = max(s.heartbeat_timeout_s, s.load_timeout_s) if self.probation else s.heartbeat_timeout_s
+            if silent > patience:
                 why = f"stopped answering heartbeats for {silent:.1f} s"
-            elif self._pong is not None and self._pong.busy_seconds > s.step_timeout_s:
+            # On probation (the functional check) a step may take as long as a load: its first
+            # batches compile the device's pipelines (minutes on a software Vulkan device).
+            elif self._pong is not None and self._pong.busy_seconds > (
+                    max(s.step_timeout_s, s.load_timeout_s) if self.probation else s.step_timeout_s):
                 why = f"was stuck in one engine step for {self._pong.busy_seconds:.1f} s"
             if why:
                 log.error("%s %s (pid %s): killing it", self.connection.what, why, self.pid)

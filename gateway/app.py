@@ -8,6 +8,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI
@@ -17,6 +18,9 @@ from gateway.api.admission import Admission
 from gateway.api.embeddings import EmbeddingService
 from gateway.api.errors import install_error_handlers
 from gateway.api.guards import Drain, Guards, Policy, is_loopback_bind
+from gateway.api.openai.responses import ResponseStreamEvent
+from gateway.api.openai.responses_routes import router as responses_router
+from gateway.api.protocol import ChatCompletionChunk
 from gateway.api.routes import openapi_schema, router
 from gateway.api.serving import ChatService, CompletionService
 from gateway.host.functional_check import CheckResult, run_isolated
@@ -26,6 +30,7 @@ from gateway.models.pool import Checker, ClusterEngines, EngineFactory, ModelMan
 from gateway.models.registry import Registry, load_registry
 from gateway.parity.shadow import ShadowParity
 from gateway.settings import Settings
+from gateway.store import ResponseStore
 from gateway.web import install as install_web
 
 log = logging.getLogger(__name__)
@@ -110,6 +115,8 @@ def create_app(
             if shadow is not None:
                 await shadow.close()
             await manager.close()
+            if app.state.responses_store is not None:
+                app.state.responses_store.close()
 
     app = FastAPI(title="llm-gateway", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
@@ -126,10 +133,14 @@ def create_app(
     app.state.preload = settings.preload
     app.state.preloading = settings.preload
     app.state.startup_error = None
+    app.state.responses_store = (ResponseStore(Path(settings.responses_db or Path(registry.cache_dir) / "responses.sqlite3"),
+                                               settings.responses_max, settings.responses_max_age_days * 86400)
+                                 if settings.responses_store else None)
     install_error_handlers(app)
     app.include_router(router)
+    app.include_router(responses_router)
     install_web(app, resident)
-    app.openapi = lambda: openapi_schema(app)  # type: ignore[method-assign]
+    app.openapi = lambda: openapi_schema(app, (ChatCompletionChunk, ResponseStreamEvent))  # type: ignore[method-assign]
 
     # Behind Ray Serve's proxy (a cluster ingress) the proxy answers with the request's id itself.
     the_policy = dataclasses.replace(policy(settings), send_request_id=cluster is None)

@@ -72,6 +72,12 @@ class Settings:
     # (seconds): then it is tried again (its rung of the ladder is retried first).
     crash_verdict_ttl: float = 1800.0
     worker_max_backoff: float = 30.0  # the longest wait between restarts of an only engine
+    # The Responses API's stored responses: an SQLite file in the model cache folder (or this path),
+    # at most this many, kept this many days; off: `store` is ignored and nothing is kept.
+    responses_store: bool = True
+    responses_db: str | None = None
+    responses_max: int = 10_000
+    responses_max_age_days: float = 30.0
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides: Any) -> Settings:
@@ -119,6 +125,10 @@ class Settings:
             cpu_variant=e.get("GATEWAY_CPU_VARIANT") or None,
             crash_verdict_ttl=float(e.get("GATEWAY_CRASH_VERDICT_TTL", cls.crash_verdict_ttl)),
             worker_max_backoff=float(e.get("GATEWAY_WORKER_MAX_BACKOFF", cls.worker_max_backoff)),
+            responses_store=e.get("GATEWAY_RESPONSES_STORE", "1") not in ("0", "false", "no"),
+            responses_db=e.get("GATEWAY_RESPONSES_DB") or None,
+            responses_max=int(e.get("GATEWAY_RESPONSES_MAX", cls.responses_max)),
+            responses_max_age_days=float(e.get("GATEWAY_RESPONSES_MAX_AGE_DAYS", cls.responses_max_age_days)),
         )
         s = replace(s, **{k: v for k, v in overrides.items() if v is not None})
         if s.device_sampling not in (None, "auto", "on", "off"):

@@ -97,8 +97,8 @@ def _config(tmp: Path, **extra: Any) -> Path:
     """models.yaml with its own cache folder: crash verdicts must not reach other tests."""
     cfg = yaml.safe_load((ROOT / "models.yaml").read_text())
     cfg["cache_dir"] = str(tmp / "cache")
-    for k, v in extra.items():
-        cfg["models"][MODEL][k] = v
+    entry = next(m for m in cfg["models"] if m["id"] == MODEL)
+    entry.update(extra)
     path = tmp / "models.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path

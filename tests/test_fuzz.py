@@ -29,6 +29,7 @@ from schemathesis.checks import (
 )
 from schemathesis.config import SchemathesisConfig
 
+from gateway.api.openai.responses import ResponseStreamEvent
 from gateway.api.protocol import ChatCompletionChunk, Completion, ErrorResponse
 from tests.conftest import MODEL
 
@@ -72,6 +73,8 @@ def sse_stream(ctx: Any, response: Any, case: Any) -> bool | None:
     """An SSE answer: documented chunks (or one in-band error envelope), then `data: [DONE]`."""
     if not response.headers.get("content-type", [""])[0].startswith("text/event-stream"):
         return None
+    if case.path == "/v1/responses":
+        return _responses_stream(response)
     chunk: type[BaseModel] = ChatCompletionChunk if case.path.endswith("/chat/completions") else Completion
     frames = [ln[6:] for ln in response.content.decode().splitlines() if ln.startswith("data: ")]
     if not frames or frames[-1] != "[DONE]":
@@ -89,18 +92,41 @@ def sse_stream(ctx: Any, response: Any, case: Any) -> bool | None:
     return True
 
 
+def _responses_stream(response: Any) -> bool:
+    """Named events (`event:` then `data:`), numbered from 0, the type repeated in the data, the last one
+    terminal, no [DONE]."""
+    blocks = [b for b in response.content.decode().replace("\r\n", "\n").split("\n\n") if b.strip()
+              and not b.startswith(":")]
+    events = []
+    for b in blocks:
+        lines = b.split("\n")
+        if len(lines) != 2 or not lines[0].startswith("event: ") or not lines[1].startswith("data: "):
+            raise FuzzFailure(f"not an `event:` + `data:` block: {b[:200]!r}")
+        data = ResponseStreamEvent.model_validate(json.loads(lines[1][6:]))
+        if data.type != lines[0][7:]:
+            raise FuzzFailure(f"event {lines[0][7:]!r} carries type {data.type!r}")
+        events.append(data)
+    if [e.sequence_number for e in events] != list(range(len(events))):
+        raise FuzzFailure("sequence numbers are not 0, 1, 2, ...")
+    if not events or events[-1].type not in ("response.completed", "response.incomplete", "response.failed"):
+        raise FuzzFailure(f"the stream does not end with a terminal event: {events[-1:]!r}")
+    return True
+
+
 def _pin(body: Any) -> None:
     """The served model and a few output tokens; everything else as generated."""
     if not isinstance(body, dict):
         return
     if "model" in body or "messages" in body or "prompt" in body or "input" in body:
         body["model"] = MODEL
-    for key in ("max_tokens", "max_completion_tokens"):
+    for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         if isinstance(body.get(key), int) and not isinstance(body.get(key), bool) and body[key] > MAX_TOKENS:
             body[key] = MAX_TOKENS
     generates = "messages" in body or "prompt" in body
     if generates and not any(isinstance(body.get(k), int) for k in ("max_tokens", "max_completion_tokens")):
         body["max_tokens"] = MAX_TOKENS  # absent or null would mean "until the context is full"
+    if "input" in body and not isinstance(body.get("max_output_tokens"), int):
+        body["max_output_tokens"] = MAX_TOKENS
 
 
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
@@ -111,7 +137,9 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 OPERATIONS = [("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("POST", "/v1/embeddings"),
               ("GET", "/v1/models"), ("GET", "/v1/models/{model_id}"), ("GET", "/health"), ("GET", "/metrics"),
               ("GET", "/api/status"), ("GET", "/api/devices"),
-              ("POST", "/api/models/{model_id}/load"), ("POST", "/api/models/{model_id}/unload")]
+              ("POST", "/api/models/{model_id}/load"), ("POST", "/api/models/{model_id}/unload"),
+              ("POST", "/v1/responses"), ("GET", "/v1/responses/{response_id}"),
+              ("DELETE", "/v1/responses/{response_id}"), ("GET", "/v1/responses/{response_id}/input_items")]
 
 
 def test_every_operation_is_fuzzed(api_schema: Any) -> None:

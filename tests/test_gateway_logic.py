@@ -250,3 +250,23 @@ def test_rank_by_speed_serves_the_faster_engine_on_one_device(tmp_path: Path, ra
 
 def serve_label(rank: bool) -> str:
     return "ortgenai/cpu" if rank else "llamacpp/cpu"
+
+
+def test_a_responses_stream_that_fails_after_its_start_ends_with_response_failed(registry_file: Path) -> None:
+    server, _ = _server(registry_file, fail_after=2)
+    server.start()
+    try:
+        body = {"model": "a", "input": "x", "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/responses", json=body, timeout=10) as r:
+            assert r.status_code == 200
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+        assert [e["type"] for e in events][:2] == ["response.created", "response.in_progress"]
+        last = events[-1]
+        assert last["type"] == "response.failed" and last["response"]["status"] == "failed"
+        assert "crashed mid-stream" in last["response"]["error"]["message"]
+        assert any(e["type"] == "response.output_text.delta" and e["delta"] == "hello" for e in events)
+        # Not streamed, the same failure is an error status in the envelope.
+        r2 = httpx.post(f"{server.url}/v1/responses", json={"model": "a", "input": "x"}, timeout=10)
+        assert r2.status_code >= 500 and r2.json()["error"]["code"] == "engine_error"
+    finally:
+        server.stop()

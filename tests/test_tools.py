@@ -239,3 +239,47 @@ def test_langchain_bind_tools_stream_and_structured_output(gateway_url: str) -> 
         structured = llm.with_structured_output(Weather, method="function_calling")
         out = structured.invoke("Weather report for Paris in celsius.")
         assert isinstance(out, Weather) and out.city
+
+
+ONE_TOOL = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city.", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+def _distinct(calls: list[tuple[str, str]]) -> bool:
+    keys = [(n, json.dumps(json.loads(a), sort_keys=True)) for n, a in calls]
+    return len(keys) == len(set(keys))
+
+
+def test_a_repeated_call_does_not_eat_the_budget(client: openai.OpenAI, gateway_url: str) -> None:
+    """Issue 25's finding: one tool, required, temperature 0, max_tokens 96 — the default model
+    repeats the same call inside the parallel array until max_tokens. The answer ends at the first
+    exact repeat, with the calls before it, whole or streamed, in both OpenAI protocols."""
+    kw: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+                          "tools": ONE_TOOL, "tool_choice": "required", "temperature": 0, "max_tokens": 96}
+    c = client.chat.completions.create(**kw).choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.tool_calls, c
+    assert _distinct([(t.function.name, t.function.arguments) for t in c.message.tool_calls])
+    with client.chat.completions.stream(**kw) as stream:  # the SDK's helper parses every chunk
+        for _ in stream:
+            pass
+        final = stream.get_final_completion().choices[0]
+    assert final.finish_reason == "tool_calls" and final.message.tool_calls
+    assert _distinct([(t.function.name, t.function.arguments) for t in final.message.tool_calls])
+    r = client.responses.create(model=MODEL, input="What is the weather in Paris?", tool_choice="required",
+                                temperature=0, max_output_tokens=96, tools=[{"type": "function", **ONE_TOOL[0]["function"]}])
+    calls = [(o.name, o.arguments) for o in r.output if o.type == "function_call"]
+    assert r.status == "completed" and calls and _distinct(calls)
+
+
+def test_an_answer_cut_short_keeps_its_complete_calls(client: openai.OpenAI) -> None:
+    """max_tokens that ends a parallel answer inside a later call: the calls completed before it are
+    the answer (finish "tool_calls"), not raw text with "length"."""
+    cut = []
+    for m in range(16, 96, 8):
+        r = create(client, tool_choice="required", parallel_tool_calls=True, max_tokens=m)
+        c = r.choices[0]
+        if r.usage.completion_tokens == m and c.message.tool_calls:  # truncated, yet calls came back
+            assert c.finish_reason == "tool_calls" and c.message.content is None
+            _valid(c.message.tool_calls)
+            cut.append(m)
+    assert cut, "no max_tokens between 16 and 88 cut the answer after a complete call"

@@ -25,6 +25,7 @@ from gateway.api import tools
 from gateway.api.admission import Admission, Ticket
 from gateway.api.errors import APIError, ServerShutdown, invalid, record
 from gateway.api.guards import Drain
+from gateway.api.openai import chat as openai_chat
 from gateway.api.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -47,6 +48,15 @@ from gateway.api.protocol import (
     ToolCallOut,
     TopLogprobOut,
     UsageOut,
+)
+from gateway.conversation import (
+    ArgumentsDelta,
+    CallStarted,
+    Conversation,
+    Finished,
+    OutputEvent,
+    TextDelta,
+    ToolCall,
 )
 from gateway.metrics import Metrics, RequestObserver
 from gateway.models.pool import Loaded, ModelManager
@@ -331,14 +341,7 @@ class _Service:
 class ChatService(_Service):
     async def prepare_chat(self, req: ChatCompletionRequest, received: float) -> Prepared:
         spec = self.spec(req.model)
-        native = ""
-        if req.tools and req.tool_choice != "none":
-            # The serving template decides the tool format: its own (rendered by the template) or ours.
-            native = (await self.manager.get(spec)).engine.info.extra.get("tool_format", "")
-        try:
-            tool_plan = tools.plan(req, native)
-        except tools.ToolRequestError as exc:
-            raise invalid(str(exc), param=exc.param) from None
+        conv = openai_chat.conversation(req)
         if req.top_logprobs and not req.logprobs:
             raise invalid("top_logprobs requires logprobs to be true", param="top_logprobs")
         self.check_stream_options(req)
@@ -357,46 +360,134 @@ class ChatService(_Service):
                 raise invalid("tool messages need tool_call_id", param=f"messages[{i}].tool_call_id")
             if m.tool_calls and m.role != "assistant":
                 raise invalid("only assistant messages carry tool_calls", param=f"messages[{i}].tool_calls")
-        tools_json = None
-        if tool_plan is not None and tool_plan.native:
-            messages = tools.render_native(req)
-            tools_json = tools.tools_json(req)
-        elif native and tools.uses_tool_history(req):
-            messages = tools.render_native(req)
-        elif tool_plan is not None or tools.uses_tool_history(req):
-            messages = tools.render(req, tool_plan)
-        else:
-            # "developer" is OpenAI's new name for the system role.
-            messages = [ChatMessage(role="system" if m.role == "developer" else m.role, content=m.text())
-                        for m in req.messages]
         sp = _sampling(req, spec, req.max_completion_tokens or req.max_tokens)
         sp = replace(sp, logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0)
-        fmt = req.response_format
+        return await self.prepare_conversation(spec, conv, sp, req.n, "chatcmpl", received)
+
+    async def prepare_conversation(self, spec: ModelSpec, conv: Conversation, sp: SamplingParams, n: int,
+                                   prefix: str, received: float) -> Prepared:
+        """Any protocol's request, as the conversation model: the tool plan, the prompt, the output
+        constraint; then a loaded engine and slots."""
+        native = ""
+        if conv.tools and (conv.tool_choice is None or conv.tool_choice.mode != "none"):
+            # The serving template decides the tool format: its own (rendered by the template) or ours.
+            native = (await self.manager.get(spec)).engine.info.extra.get("tool_format", "")
+        try:
+            tool_plan = tools.plan(conv, native)
+        except tools.ToolRequestError as exc:
+            raise invalid(str(exc), param=exc.param) from None
+        tools_json = None
+        if tool_plan is not None and tool_plan.native:
+            messages = tools.render_native(conv)
+            tools_json = tools.tools_json(conv)
+        elif native and conv.uses_tool_history:
+            messages = tools.render_native(conv)
+        elif tool_plan is not None or conv.uses_tool_history:
+            messages = tools.render(conv, tool_plan)
+        else:
+            messages = [ChatMessage(role=t.role, content=t.text) for t in conv.turns]
+        fmt = conv.output
         if tool_plan is not None:
-            # The response branch of the schema carries response_format's schema.
+            # The response branch of the schema carries the output format's schema.
             sp = replace(sp, structured="json_schema", json_schema=json.dumps(tool_plan.schema), tools=True,
                          tool_format=tool_plan.native or None, tool_mode=tool_plan.choice.mode,
                          max_tool_calls=tool_plan.max_calls)
         elif fmt is not None and fmt.type != "text":
             schema = None
             if fmt.type == "json_schema":
-                if fmt.json_schema is None or fmt.json_schema.schema_ is None:
-                    raise invalid("response_format json_schema needs json_schema.schema", param="response_format.json_schema")
-                schema = json.dumps(fmt.json_schema.schema_)
+                if fmt.schema is None:
+                    raise invalid("a json_schema format needs its schema", param=conv.param("output.schema"))
+                schema = json.dumps(fmt.schema)
             sp = replace(sp, structured=fmt.type, json_schema=schema)
         base = GenerationRequest(request_id="", sampling=sp, messages=tuple(messages), tools_json=tools_json)
-        p = await self.prepare(spec, base, req.n, "chatcmpl", received)
+        p = await self.prepare(spec, base, n, prefix, received)
         p.tool_plan = tool_plan
         return p
 
+    async def conversation_events(self, p: Prepared) -> AsyncIterator[tuple[int, OutputEvent, TokenEvent]]:
+        """The output as neutral events per choice (with the engine event that carried each: its
+        logprobs and usage).
+
+        A tool answer is parsed into calls, and each call is released once it is complete (its
+        arguments still arrive as fragments that concatenate to the final text): so a call cut short
+        by max_tokens never reaches the client, and the calls completed before it are kept (finish
+        "tool_calls"). The answer ends at the first call that repeats an earlier one exactly (small
+        models repeat a call until max_tokens): the repeat is dropped, and the rest of the generation
+        is read without being shown so that the usage stays exact."""
+        parsers: dict[int, tools.StreamParser | tools.HermesParser] = {}
+        held: dict[int, list[OutputEvent]] = {}  # the call in progress, per choice
+        released: dict[int, int] = {}  # calls given out, per choice
+        ended: set[int] = set()  # choices whose answer ended at a repeat
+        ids: dict[tuple[int, int], str] = {}
+        kinds = {t.name: t.kind for t in p.tool_plan.tools} if p.tool_plan is not None else {}
+
+        def finished(i: int, reason: str | None, whole: bool) -> Finished:
+            parser = parsers[i]
+            calls = tuple(ToolCall(ids[(i, k)], n, a or "{}", kinds.get(n, "function"))
+                          for k, (n, a) in enumerate(parser.calls[:released.get(i, 0)]))
+            return Finished("tool_calls" if calls else (reason or "stop"), calls, whole)
+
+        def release(i: int) -> list[OutputEvent] | None:
+            """The held call is complete: its events, or None when it repeats an earlier call."""
+            parser, n = parsers[i], released.get(i, 0)
+            if _first_repeat(parser.calls[:n + 1]) is not None:
+                ended.add(i)
+                return None
+            released[i] = n + 1
+            out, held[i] = held.get(i, []), []
+            return out
+
+        async with contextlib.aclosing(p.events()) as events:
+            async for i, ev in events:
+                if p.tool_plan is None:
+                    if ev.text or ev.logprobs:
+                        yield i, TextDelta(ev.text), ev
+                    if ev.finish_reason is not None:
+                        yield i, Finished(ev.finish_reason), ev
+                    continue
+                parser = parsers.get(i)
+                if parser is None:
+                    parser = parsers[i] = p.tool_plan.parser()
+                if i in ended:
+                    if ev.finish_reason is not None:
+                        yield i, finished(i, ev.finish_reason, True), ev
+                    continue
+                for e in parser.feed(ev.text):
+                    if i in ended:
+                        break
+                    if isinstance(e, tools.CallStarted):
+                        if held.get(i):
+                            out = release(i)
+                            if out is None:
+                                break
+                            for x in out:
+                                yield i, x, ev
+                        ids[(i, e.index)] = _call_id()
+                        held[i] = [CallStarted(e.index, ids[(i, e.index)], e.name, kinds.get(e.name, "function"))]
+                    elif isinstance(e, tools.ArgumentsDelta):
+                        held.setdefault(i, []).append(ArgumentsDelta(e.index, e.text))
+                    else:
+                        yield i, TextDelta(e.text), ev
+                if i not in ended and parser.done and held.get(i):
+                    out = release(i)
+                    for x in out or ():
+                        yield i, x, ev
+                if ev.finish_reason is not None and i not in ended:
+                    for e in parser.flush():  # a partial tag held back is text after all
+                        if isinstance(e, tools.ContentDelta):
+                            yield i, TextDelta(e.text), ev
+                    yield i, finished(i, ev.finish_reason, parser.done), ev
+                elif ev.finish_reason is not None:
+                    yield i, finished(i, ev.finish_reason, True), ev
+
     async def complete(self, p: Prepared, model: str) -> ChatCompletion:
+        if p.tool_plan is not None:
+            return await self._complete_tools(p, model)
         c = await _collect(p)
         want_lp = p.requests[0].sampling.logprobs
         choices = []
         for i in range(len(p.requests)):
             message, finish = AssistantMessage(content=c.texts[i]), c.finish[i]
-            if p.tool_plan is not None:
-                message, finish = _tool_answer(p.tool_plan.parser(), c.texts[i], finish)
             choices.append(ChatChoice(
                 index=i,
                 message=message,
@@ -448,61 +539,83 @@ class ChatService(_Service):
         if include_usage:
             yield chunk([], _usage(usages))
 
+    async def _complete_tools(self, p: Prepared, model: str) -> ChatCompletion:
+        """A whole tool answer: its calls (the complete ones, up to the first repeat), or the response."""
+        n = len(p.requests)
+        texts, raw, finish, whole = [""] * n, [""] * n, [None] * n, [True] * n
+        calls: list[tuple[ToolCall, ...]] = [()] * n
+        tokens: list[list[TokenLogprob]] = [[] for _ in range(n)]
+        usages: list[Usage] = []
+        last: dict[int, TokenEvent] = {}
+        async with contextlib.aclosing(self.conversation_events(p)) as events:
+            async for i, e, ev in events:
+                if last.get(i) is not ev:  # one engine event can carry several output events
+                    last[i] = ev
+                    raw[i] += ev.text
+                    tokens[i] += ev.logprobs
+                if isinstance(e, TextDelta):
+                    texts[i] += e.text
+                elif isinstance(e, Finished):
+                    finish[i], calls[i], whole[i] = e.reason, e.calls, e.whole
+                    if ev.usage is not None:
+                        usages.append(ev.usage)
+        want_lp = p.requests[0].sampling.logprobs
+        choices = []
+        for i in range(n):
+            said = texts[i].strip() if p.tool_plan is not None and p.tool_plan.native else texts[i]
+            out = [ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments)) for c in calls[i]]
+            if out:
+                message = AssistantMessage(content=said or None, tool_calls=out)
+            else:  # the response, or (cut short by max_tokens) the raw text
+                message = AssistantMessage(content=texts[i] if whole[i] else raw[i])
+            choices.append(ChatChoice(index=i, message=message, finish_reason=finish[i],
+                                      logprobs=ChoiceLogprobs(content=_chat_logprobs(tuple(tokens[i]))) if want_lp else None))
+        return ChatCompletion(id=p.response_id, created=p.created, model=model, choices=choices, usage=_usage(usages))
 
     async def _tool_stream(self, p: Prepared, chunk: Callable[..., str], usages: list[Usage]) -> AsyncIterator[str]:
         """Chunks of a tool-call answer: each call's id, type and name once, then its arguments in
         fragments (their concatenation is exactly the final arguments text); plain answers as content."""
         assert p.tool_plan is not None
-        parsers: dict[int, tools.StreamParser | tools.HermesParser] = {}
-        async with contextlib.aclosing(p.events()) as events:
-            async for i, ev in events:
-                parser = parsers.get(i)
-                first = parser is None
-                if parser is None:
-                    parser = parsers[i] = p.tool_plan.parser()
-                calls: list[ToolCallDelta] = []
-                content = ""
-                for e in parser.feed(ev.text):
-                    if isinstance(e, tools.CallStarted):
-                        calls.append(ToolCallDelta(index=e.index, id=_call_id(), type="function",
-                                                   function=FunctionDelta(name=e.name, arguments="")))
-                    elif isinstance(e, tools.ArgumentsDelta):
-                        calls.append(ToolCallDelta(index=e.index, function=FunctionDelta(arguments=e.text)))
-                    else:
-                        content += e.text
-                if first:
-                    yield chunk([ChunkChoice(index=i, delta=Delta(role="assistant", content=content or None,
-                                                                  tool_calls=calls or None))])
-                elif calls or content:
-                    yield chunk([ChunkChoice(index=i, delta=Delta(content=content or None, tool_calls=calls or None))])
-                if ev.finish_reason is not None:
+        started: set[int] = set()
+        async with contextlib.aclosing(self.conversation_events(p)) as events:
+            async for i, e, ev in events:
+                first = i not in started
+                started.add(i)
+                if isinstance(e, Finished):
                     if ev.usage is not None:
                         usages.append(ev.usage)
-                    for e in parser.flush():  # a partial tag held back is text after all
-                        if isinstance(e, tools.ContentDelta):
-                            yield chunk([ChunkChoice(index=i, delta=Delta(content=e.text))])
-                    finish = "tool_calls" if parser.done and parser.calls else ev.finish_reason
-                    yield chunk([ChunkChoice(index=i, delta=Delta(), finish_reason=finish)])
+                    if first:
+                        yield chunk([ChunkChoice(index=i, delta=Delta(role="assistant"))])
+                    yield chunk([ChunkChoice(index=i, delta=Delta(), finish_reason=e.reason)])
+                    continue
+                content, calls = None, None
+                if isinstance(e, CallStarted):
+                    calls = [ToolCallDelta(index=e.call, id=e.id, type="function",
+                                           function=FunctionDelta(name=e.name, arguments=""))]
+                elif isinstance(e, ArgumentsDelta):
+                    calls = [ToolCallDelta(index=e.call, function=FunctionDelta(arguments=e.text))]
+                else:
+                    content = e.text
+                yield chunk([ChunkChoice(index=i, delta=Delta(role="assistant" if first else None, content=content,
+                                                              tool_calls=calls))])
 
 
 def _call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def _tool_answer(parser: tools.StreamParser | tools.HermesParser, text: str,
-                 finish: str | None) -> tuple[AssistantMessage, str | None]:
-    """A whole constrained answer as an OpenAI message: tool calls, the response, or (cut short
-    by max_tokens) the raw text with its finish reason."""
-    parser.feed(text)
-    parser.flush()
-    if not parser.done:
-        return AssistantMessage(content=text), finish
-    if parser.calls:
-        calls = [ToolCallOut(id=_call_id(), function=FunctionCallOut(name=n, arguments=a or "{}"))
-                 for n, a in parser.calls]
-        said = parser.content.strip() if isinstance(parser, tools.HermesParser) else ""
-        return AssistantMessage(content=said or None, tool_calls=calls), "tool_calls"
-    return AssistantMessage(content=parser.content), finish
+def _first_repeat(calls: list[tuple[str, str]]) -> int | None:
+    """The position of the first call identical (name and arguments, ignoring spacing) to an earlier one."""
+    seen: set[tuple[str, str]] = set()
+    for k, (name, args) in enumerate(calls):
+        try:
+            key = (name, json.dumps(json.loads(args or "{}"), sort_keys=True))
+        except ValueError:
+            key = (name, args)
+        if key in seen:
+            return k
+        seen.add(key)
+    return None
 
 
 class CompletionService(_Service):

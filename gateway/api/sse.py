@@ -8,7 +8,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Mapping
 from typing import TypeVar
 
-from sse_starlette import EventSourceResponse
+from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.requests import Request
 
 from gateway.api.errors import ClientDisconnected, to_api_error
@@ -62,6 +62,30 @@ def sse_response(first: str, rest: AsyncIterator[str], headers: Mapping[str, str
     """An SSE response whose first frame (already produced) goes out with the headers."""
     return EventSourceResponse(
         _frames(first, rest),
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})},
+        sep="\n",
+        ping=15,
+    )
+
+
+async def _events(first: tuple[str, dict[str, object]], rest: AsyncIterator[tuple[str, dict[str, object]]]
+                  ) -> AsyncIterator[ServerSentEvent]:
+    try:
+        yield ServerSentEvent(data=json.dumps(first[1], ensure_ascii=False), event=first[0])
+        async for kind, data in rest:
+            yield ServerSentEvent(data=json.dumps(data, ensure_ascii=False), event=kind)
+    finally:
+        aclose = getattr(rest, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+def event_stream_response(first: tuple[str, dict[str, object]], rest: AsyncIterator[tuple[str, dict[str, object]]],
+                          headers: Mapping[str, str] | None = None) -> EventSourceResponse:
+    """Named SSE events (`event: <type>` then `data: <json>`), as the Responses API streams them: no
+    `[DONE]`; the stream's own last event (completed, incomplete or failed) ends it."""
+    return EventSourceResponse(
+        _events(first, rest),
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})},
         sep="\n",
         ping=15,

@@ -15,14 +15,19 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from engines.base import HERMES_CLOSE, HERMES_OPEN, ChatMessage, ToolCallRecord, arguments_value
-
-if TYPE_CHECKING:
-    from gateway.api.protocol import ChatCompletionRequest
+from gateway.conversation import Conversation, ToolSpec
 
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+# A custom (freeform) tool is called with one string: its input text.
+CUSTOM_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {"input": {"type": "string"}},
+                                     "required": ["input"], "additionalProperties": False}
+
+
+def parameters_of(t: ToolSpec) -> dict[str, Any]:
+    return CUSTOM_PARAMETERS if t.kind == "custom" else (t.parameters or EMPTY_PARAMETERS)
 # Calls in one parallel answer: at most this many, or one per tool when there are more tools.
 MAX_PARALLEL_CALLS = 4
 
@@ -32,6 +37,7 @@ class Tool:
     name: str
     description: str
     parameters: dict[str, Any]
+    kind: str = "function"  # "custom": called with {"input": <text>}
 
 
 @dataclass(frozen=True)
@@ -65,59 +71,58 @@ class ToolPlan:
         return HermesParser() if self.native == "hermes" else StreamParser()
 
 
-def plan(req: ChatCompletionRequest, native: str = "") -> ToolPlan | None:
+def plan(conv: Conversation, native: str = "") -> ToolPlan | None:
     """The tool plan of a request (None: answer in plain text). Raises ToolRequestError.
 
     `native` is the serving template's tool format, if it has one."""
-    if req.tools is not None and not req.tools:
-        raise ToolRequestError("tools must not be empty; leave it out for no tools", "tools")
-    choice = req.tool_choice
-    if choice is not None and not req.tools:
-        raise ToolRequestError("tool_choice is only allowed when tools are given", "tool_choice")
-    if not req.tools or choice == "none":
+    if conv.tools is not None and not conv.tools:
+        raise ToolRequestError("tools must not be empty; leave it out for no tools", conv.param("tools"))
+    choice = conv.tool_choice
+    if choice is not None and not conv.tools:
+        raise ToolRequestError("tool_choice is only allowed when tools are given", conv.param("tool_choice"))
+    if not conv.tools or (choice is not None and choice.mode == "none"):
         return None
-    tools = [Tool(t.function.name, t.function.description or "", t.function.parameters or EMPTY_PARAMETERS)
-             for t in req.tools]
+    tools = [Tool(t.name, t.description, parameters_of(t), t.kind) for t in conv.tools]
     names = [t.name for t in tools]
     if len(set(names)) != len(names):
-        raise ToolRequestError("tool names must be unique", "tools")
-    if isinstance(choice, str) or choice is None:
-        tc = ToolChoice(choice or "auto")
-    else:
-        if choice.function.name not in names:
-            raise ToolRequestError(f"tool_choice names {choice.function.name!r}, which is not in tools",
-                                   "tool_choice.function.name")
-        tc = ToolChoice("named", choice.function.name)
-    parallel = req.parallel_tool_calls is not False
+        raise ToolRequestError("tool names must be unique", conv.param("tools"))
+    tc = ToolChoice(choice.mode if choice is not None else "auto", choice.name if choice is not None else None)
+    if tc.mode == "named" and tc.name not in names:
+        raise ToolRequestError(f"tool_choice names {tc.name!r}, which is not in tools", conv.param("tool_choice.name"))
+    parallel = conv.parallel_tool_calls
     most = call_cap(tools, tc, parallel)
-    fmt = req.response_format
+    fmt = conv.output
     if native == "hermes" and (fmt is None or fmt.type == "text"):
         return ToolPlan(tools, tc, parallel, call_schema(tools, tc), native, most)
     response: dict[str, Any] | None = None
     if fmt is not None and fmt.type == "json_object":
         response = {"type": "object"}
-    elif fmt is not None and fmt.type == "json_schema" and fmt.json_schema is not None:
-        response = fmt.json_schema.schema_
+    elif fmt is not None and fmt.type == "json_schema":
+        response = fmt.schema
     return ToolPlan(tools, tc, parallel, output_schema(tools, tc, parallel, response), max_calls=most)
 
 
-def render(req: ChatCompletionRequest, tool_plan: ToolPlan | None) -> list[ChatMessage]:
+def _call_arguments(kind: str, arguments: str) -> str:
+    """A call's arguments as the model writes them: a custom tool's input text becomes {"input": ...}."""
+    return json.dumps({"input": arguments}, ensure_ascii=False) if kind == "custom" else arguments
+
+
+def render(conv: Conversation, tool_plan: ToolPlan | None) -> list[ChatMessage]:
     """The conversation as plain turns: tool calls and results as JSON text, the tool list and the
     answer format in the system text, consecutive same-role turns merged."""
     names: dict[str, str] = {}
     turns: list[tuple[str, str]] = []
     parallel = tool_plan.parallel if tool_plan else True
-    for m in req.messages:
-        role = "system" if m.role == "developer" else m.role
-        if role == "assistant" and m.tool_calls:
+    for m in conv.turns:
+        if m.role == "assistant" and m.tool_calls:
             for c in m.tool_calls:
-                names[c.id] = c.function.name
-            text = call_text([(c.function.name, c.function.arguments) for c in m.tool_calls], parallel)
-            turns.append(("assistant", (m.text() + "\n" + text) if m.text() else text))
-        elif role == "tool":
-            turns.append(("user", result_text(names.get(m.tool_call_id or ""), m.tool_call_id, m.text())))
+                names[c.id] = c.name
+            text = call_text([(c.name, _call_arguments(c.kind, c.arguments)) for c in m.tool_calls], parallel)
+            turns.append(("assistant", (m.text + "\n" + text) if m.text else text))
+        elif m.role == "tool":
+            turns.append(("user", result_text(names.get(m.tool_call_id or ""), m.tool_call_id, m.text)))
         else:
-            turns.append((role, m.text()))
+            turns.append((m.role, m.text))
     if tool_plan is not None:
         extra = system_text(tool_plan.tools, tool_plan.choice, tool_plan.parallel)
         if turns and turns[0][0] == "system":
@@ -127,25 +132,34 @@ def render(req: ChatCompletionRequest, tool_plan: ToolPlan | None) -> list[ChatM
     return [ChatMessage(role=r, content=t) for r, t in merge_turns(turns)]
 
 
-def render_native(req: ChatCompletionRequest) -> list[ChatMessage]:
+def render_native(conv: Conversation) -> list[ChatMessage]:
     """The conversation for a template that renders tools, calls and results itself."""
     return [
         ChatMessage(
-            role="system" if m.role == "developer" else m.role,
-            content=m.text(),
-            tool_calls=tuple(ToolCallRecord(c.id, c.function.name, c.function.arguments) for c in m.tool_calls or ()),
+            role=m.role,
+            content=m.text,
+            tool_calls=tuple(ToolCallRecord(c.id, c.name, _call_arguments(c.kind, c.arguments)) for c in m.tool_calls),
             tool_call_id=m.tool_call_id,
         )
-        for m in req.messages
+        for m in conv.turns
     ]
 
 
-def tools_json(req: ChatCompletionRequest) -> str:
-    return json.dumps([t.model_dump(exclude_none=True) for t in req.tools or ()], ensure_ascii=False)
+def tools_json(conv: Conversation) -> str:
+    """The tools as OpenAI's chat format lists them, which chat templates expect."""
+    out = []
+    for t in conv.tools or ():
+        fn: dict[str, Any] = {"name": t.name}
+        if t.description:
+            fn["description"] = t.description
+        if t.kind == "custom" or t.parameters is not None:
+            fn["parameters"] = parameters_of(t)
+        out.append({"type": "function", "function": fn})
+    return json.dumps(out, ensure_ascii=False)
 
 
-def uses_tool_history(req: ChatCompletionRequest) -> bool:
-    return any(m.role == "tool" or m.tool_calls for m in req.messages)
+def uses_tool_history(conv: Conversation) -> bool:
+    return conv.uses_tool_history
 
 
 # --- the prompt -------------------------------------------------------------------------------

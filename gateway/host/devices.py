@@ -100,6 +100,11 @@ def render(host: HostCapabilities, plans: dict[str, Plan | str], checks: dict[st
     return "\n".join(lines)
 
 
+def _without_ladder(check: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A check as JSON: the verdict (its reason names the rungs that failed before it)."""
+    return None if check is None else {k: v for k, v in check.items() if k != "ladder"}
+
+
 def cpu_variants_line(b: Any) -> str:
     """The build's CPU variants: which runs by default, which this CPU cannot run."""
     from engines.ggml_backends import AMX_VARIANTS
@@ -174,7 +179,7 @@ def _devices(args: argparse.Namespace) -> int:
                 mid: ({"error": p} if isinstance(p, str) else {
                     "candidates": [
                         {"runtime": c.runtime, "engine": c.backend, "device": c.device, "device_key": c.device_key,
-                         "check": checks.get(f"{mid}|{c.label}|{c.device_key}")}
+                         "check": _without_ladder(checks.get(f"{mid}|{c.label}|{c.device_key}"))}
                         for c in p.candidates
                     ],
                     "skipped": [{"what": s.what, "why": s.why, "kind": s.kind} for s in p.skipped],

@@ -229,7 +229,8 @@ class ModelManager:
             await engine.load()
             stage = ""
             if self.settings.functional_check:
-                work = one_token(engine) if cached is not None else exercise(engine, config.parallel, config.context_length)
+                work = one_token(engine) if cached is not None else exercise(engine, config.parallel, config.context_length,
+                                                                            light=config.backend != "cpu")
                 await asyncio.wait_for(work, self.settings.check_timeout)
         except (EngineError, RuntimeError, TimeoutError) as exc:
             self.metrics.loads.labels(*labels, "failed").inc()

@@ -1,0 +1,129 @@
+"""The conversation model: a request and its output, whatever protocol the client speaks.
+
+Each protocol (OpenAI chat completions and Responses, later Anthropic Messages and Ollama) is a
+thin adapter that translates its request into a `Conversation` and the neutral `OutputEvent`s back
+into its own wire format. Tool planning, prompt rendering and the tool-call parsers work on these
+types only (`gateway.api.tools`), so a new protocol is one module that translates in and out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Role = Literal["system", "user", "assistant", "tool"]
+
+
+@dataclass(frozen=True)
+class Part:
+    """A piece of a message's content. Only text is served; "image" is reserved (an adapter that
+    receives one answers 400 until a vision model can take it)."""
+
+    type: Literal["text", "image"]
+    text: str = ""
+    url: str = ""
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # JSON text for function tools, free text for custom tools
+    kind: Literal["function", "custom"] = "function"
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One message. "developer" (OpenAI's newer name) arrives here as "system"."""
+
+    role: Role
+    parts: tuple[Part, ...] = ()
+    tool_calls: tuple[ToolCall, ...] = ()  # assistant turns that called tools
+    tool_call_id: str | None = None  # tool turns: the call this result answers
+
+    @property
+    def text(self) -> str:
+        return "".join(p.text for p in self.parts if p.type == "text")
+
+    @staticmethod
+    def of(role: Role, text: str, **kw: Any) -> Turn:
+        return Turn(role, (Part("text", text),) if text else (), **kw)
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """A tool the model may call. "custom" tools take free text (Codex's apply_patch); their
+    arguments are a JSON string in the constrained answer, returned as the text itself."""
+
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] | None = None  # JSON schema of a function tool's arguments
+    kind: Literal["function", "custom"] = "function"
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    mode: Literal["auto", "none", "required", "named"] = "auto"
+    name: str | None = None  # with "named"
+
+
+@dataclass(frozen=True)
+class Output:
+    """The output constraint: plain text, any JSON object, or a JSON schema (enforced by grammar)."""
+
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    schema: dict[str, Any] | None = None
+    name: str = "response"
+    strict: bool | None = None
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """What any protocol's request asks for, once validated by its adapter."""
+
+    turns: tuple[Turn, ...]
+    tools: tuple[ToolSpec, ...] | None = None  # None: no tools given ("none given" differs from "empty")
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
+    output: Output | None = None
+    # Where the adapter's own names for these fields are, for error messages ("tools", "tool_choice.name").
+    params: dict[str, str] = field(default_factory=dict)
+
+    def param(self, what: str) -> str:
+        return self.params.get(what, what)
+
+    @property
+    def uses_tool_history(self) -> bool:
+        return any(t.role == "tool" or t.tool_calls for t in self.turns)
+
+
+# --- the output, as neutral events ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    text: str
+
+
+@dataclass(frozen=True)
+class CallStarted:
+    call: int  # the call's position in this answer
+    id: str
+    name: str
+    kind: Literal["function", "custom"] = "function"
+
+
+@dataclass(frozen=True)
+class ArgumentsDelta:
+    call: int
+    text: str
+
+
+@dataclass(frozen=True)
+class Finished:
+    reason: str  # stop | length | tool_calls | content_filter
+    calls: tuple[ToolCall, ...] = ()  # every complete call of the answer
+    whole: bool = True  # False: a constrained (tool) answer cut short before it closed
+
+
+OutputEvent = TextDelta | CallStarted | ArgumentsDelta | Finished
