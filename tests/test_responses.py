@@ -121,11 +121,11 @@ def test_custom_tools_and_hosted_tools_are_accepted(gateway_url: str) -> None:
         "model": MODEL, "input": "Use the patch tool to add a line.", "max_output_tokens": 64, "tool_choice": "required",
         "tools": [{"type": "custom", "name": "apply_patch", "description": "Apply a patch",
                    "format": {"type": "grammar", "syntax": "lark", "definition": "start: /.+/"}},
-                  {"type": "web_search"}],
+                  {"type": "web_search"}, {"type": "namespace", "name": "mcp", "tools": []}],
         "reasoning": {"effort": "low"}, "include": ["reasoning.encrypted_content"], "prompt_cache_key": "k",
         "text": {"verbosity": "low"}, "store": False, "service_tier": "auto", "truncation": "auto"})
     assert r.status_code == 200, r.text
-    assert r.headers["x-skipped-tools"] == "web_search"
+    assert r.headers["x-skipped-tools"] == "namespace, web_search"
     ignored = r.headers["x-ignored-fields"]
     for name in ("reasoning", "include", "text.verbosity", "service_tier", "truncation", "lark grammar"):
         assert name in ignored, ignored
@@ -138,7 +138,7 @@ def test_custom_tools_and_hosted_tools_are_accepted(gateway_url: str) -> None:
     ({"temperature": 3}, "temperature"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"tools": [{"type": "function"}]}, "tools[0].name"),
-    ({"tools": [{"type": "teleport"}]}, "tools[0].type"),
+    ({"tools": [{"name": "x"}]}, "tools[0].type"),
     ({"input": [{"type": "message", "role": "robot", "content": "x"}]}, "input[0].role"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0].type"),
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
@@ -217,3 +217,15 @@ def test_stored_responses_survive_a_restart(stored_gateway: Gateway, tmp_path: P
         assert third.status in ("completed", "incomplete")
     finally:
         g.stop()
+
+
+def test_what_codex_cli_sends_is_accepted(gateway_url: str) -> None:
+    """Found running `codex exec` 0.169 against the gateway: client_metadata on every turn, a
+    "namespace" tool, and outputs of its own tools with a name and no call_id."""
+    r = httpx.post(f"{gateway_url}/v1/responses", timeout=120, json={
+        "model": MODEL, "max_output_tokens": 4, "client_metadata": {"x": "y"}, "store": False,
+        "tools": [{"type": "namespace", "name": "agent", "tools": []}],
+        "input": [{"role": "user", "content": "Set a goal."},
+                  {"type": "function_call_output", "name": "goal_objective", "namespace": "agent", "output": "key"}]})
+    assert r.status_code == 200, r.text
+    assert "client_metadata" in r.headers["x-ignored-fields"] and r.headers["x-skipped-tools"] == "namespace"

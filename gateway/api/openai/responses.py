@@ -102,6 +102,7 @@ class ResponseCreateRequest(BaseModel):
     conversation: str | dict[str, Any] | None = None
     prompt: dict[str, Any] | None = None
     seed: int | None = None  # an extension (llama-server and vLLM accept it too)
+    client_metadata: dict[str, Any] | None = None  # Codex CLI sends it on every turn
 
 
 class ResponseObject(BaseModel):
@@ -175,6 +176,14 @@ def _text_of(content: Any, param: str) -> str:
     return "".join(out)
 
 
+def _call_id_of(item: dict[str, Any], param: str) -> str:
+    """A call's id. Codex CLI sends some of its own tools' outputs with a name and no call_id: those
+    are matched by name (an empty id); a call_id that is there must be a string."""
+    if item.get("call_id") is None and isinstance(item.get("name"), str):
+        return ""
+    return _str_field(item, "call_id", param)
+
+
 def _str_field(item: dict[str, Any], key: str, param: str) -> str:
     v = item.get(key)
     if not isinstance(v, str):
@@ -201,7 +210,7 @@ def input_turns(items: str | list[dict[str, Any]] | None, notes: Notes) -> tuple
             text = _text_of(item.get("content"), f"{param}.content")
             turns.append(Turn.of("system" if role == "developer" else role, text))
         elif kind in ("function_call", "custom_tool_call"):
-            call = ToolCall(_str_field(item, "call_id", param), _str_field(item, "name", param),
+            call = ToolCall(_call_id_of(item, param), _str_field(item, "name", param),
                             _str_field(item, "arguments" if kind == "function_call" else "input", param),
                             "function" if kind == "function_call" else "custom")
             if turns and turns[-1].role == "assistant" and (turns[-1].tool_calls or not turns[-1].text):
@@ -213,7 +222,7 @@ def input_turns(items: str | list[dict[str, Any]] | None, notes: Notes) -> tuple
             else:
                 turns.append(Turn("assistant", (), (call,)))
         elif kind in ("function_call_output", "custom_tool_call_output"):
-            call_id = _str_field(item, "call_id", param)
+            call_id = _call_id_of(item, param)
             turns.append(Turn.of("tool", _text_of(item.get("output"), f"{param}.output"), tool_call_id=call_id))
         elif kind == "reasoning":
             pass  # accepted, not re-rendered: the served models do not reason in a hidden channel
@@ -264,10 +273,12 @@ def _tools(req: ResponseCreateRequest, notes: Notes) -> tuple[ToolSpec, ...] | N
             if isinstance(fmt, dict) and fmt.get("type") == "grammar":
                 notes.ignored.add(f"tools[{i}].format ({fmt.get('syntax', 'grammar')} grammar, served as free text)")
             out.append(ToolSpec(name, t.get("description") or "", None, "custom"))
-        elif isinstance(kind, str) and kind in HOSTED_TOOLS:
+        elif isinstance(kind, str) and kind:
+            # Built-in tools the gateway cannot run, and kinds it does not know (agents add new ones,
+            # e.g. Codex's "namespace"): skipped and named, never a 400 for the whole request.
             notes.skipped_tools.add(kind)
         else:
-            raise invalid(f"unknown tool type {kind!r}", param=f"{param}.type")
+            raise invalid("each tool needs a type", param=f"{param}.type")
     return tuple(out) if out or not req.tools else None
 
 
@@ -304,7 +315,7 @@ def _output(req: ResponseCreateRequest) -> Output | None:
 
 def _note_ignored(req: ResponseCreateRequest, notes: Notes) -> None:
     for name in ("include", "reasoning", "service_tier", "user", "safety_identifier", "prompt_cache_retention",
-                 "stream_options", "conversation", "prompt", "top_logprobs", "max_tool_calls"):
+                 "stream_options", "conversation", "prompt", "top_logprobs", "max_tool_calls", "client_metadata"):
         if getattr(req, name) not in (None, [], {}):
             notes.ignored.add(name)
     if req.truncation == "auto":
