@@ -29,11 +29,12 @@ if ! "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null
   exit 1
 fi
 
-# System packages: a C/C++ toolchain and CMake to build llama.cpp, venv support.
+# System packages: a C/C++ toolchain, CMake and patch to build llama.cpp, venv support.
 need=()
 command -v g++ >/dev/null || need+=(g++)
 command -v cmake >/dev/null || need+=(cmake)
 command -v make >/dev/null || need+=(make)
+command -v patch >/dev/null || need+=(patch)  # scripts/patches/ are applied to the llama.cpp sources
 "$python" -c 'import ensurepip, venv' 2>/dev/null || need+=("python3-venv")
 if [ ${#need[@]} -gt 0 ]; then
   sudo=""; [ "$(id -u)" = 0 ] || sudo="sudo"
