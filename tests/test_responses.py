@@ -118,7 +118,8 @@ def test_streamed_function_call_arguments_concatenate(client: openai.OpenAI) -> 
 
 def test_custom_tools_and_hosted_tools_are_accepted(gateway_url: str) -> None:
     r = httpx.post(f"{gateway_url}/v1/responses", timeout=120, json={
-        "model": MODEL, "input": "Use the patch tool to add a line.", "max_output_tokens": 64, "tool_choice": "required",
+        "model": MODEL, "input": "Use the patch tool to add a line.", "max_output_tokens": 200, "temperature": 0,
+        "tool_choice": "required",
         "tools": [{"type": "custom", "name": "apply_patch", "description": "Apply a patch",
                    "format": {"type": "grammar", "syntax": "lark", "definition": "start: /.+/"}},
                   {"type": "web_search"}, {"type": "namespace", "name": "mcp", "tools": []}],
