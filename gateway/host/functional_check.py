@@ -82,7 +82,7 @@ async def _run(engine: Any, req: GenerationRequest) -> str:
         text += ev.text
         got = got or bool(ev.token_ids) or bool(ev.text)
     if not got:
-        raise RuntimeError(f"the engine produced no token for the check's {req.request_id} request")
+        raise RuntimeError(f"the engine produced no token (the check's {req.request_id} request)")
     return text
 
 
@@ -133,14 +133,7 @@ async def one_token(engine: Any) -> str:
         sampling=SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
         prompt=PROMPT,
     )
-    text = ""
-    got = False
-    async for ev in engine.generate(req):
-        text += ev.text
-        got = got or bool(ev.token_ids) or bool(ev.text)
-    if not got:
-        raise RuntimeError("the engine produced no token")
-    return text
+    return await _run(engine, req)
 
 
 class CheckCache:
