@@ -478,8 +478,7 @@ def ladder_verdict(cand: Candidate, rungs: list[tuple[EngineConfig, CheckResult 
             return last if last is None else dataclasses.replace(last, reason="; ".join(failed))
         if result.ok:
             if failed:
-                how = describe(cand, config).split(" (", 1)[-1].rstrip(")")
-                return dataclasses.replace(result, reason=f"runs with {how} after: " + "; ".join(failed))
+                return dataclasses.replace(result, reason=f"runs with {rung(config)} after: " + "; ".join(failed))
             return result
         failed.append(f"{describe(cand, config)}: {result.reason}")
         last = result
@@ -489,11 +488,14 @@ def ladder_verdict(cand: Candidate, rungs: list[tuple[EngineConfig, CheckResult 
 def describe(cand: Candidate, config: EngineConfig) -> str:
     """A candidate and its rung, for reasons and logs: "llamacpp/cpu on cpu (CPU variant zen4, repack off)"."""
     where = f"{cand.label} on {cand.device}"
-    if cand.runtime != "llamacpp":
-        return where
+    return where if cand.runtime != "llamacpp" else f"{where} ({rung(config)})"
+
+
+def rung(config: EngineConfig) -> str:
+    """A llama.cpp rung of the ladder: "CPU variant zen4, repack off"."""
     how = [f"CPU variant {config.cpu_variant}"] if config.cpu_variant else []
     how.append(f"repack {'on' if config.repack else 'off'}")
-    return f"{where} ({', '.join(how)})"
+    return ", ".join(how)
 
 
 def worker_env(host: HostCapabilities, cand: Candidate) -> dict[str, str]:
