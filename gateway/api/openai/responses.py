@@ -435,6 +435,7 @@ class Assembler:
         self.seq = 0
         self._msg: dict[str, Any] | None = None  # the open message item
         self._calls: dict[int, dict[str, Any]] = {}  # call index -> open call item
+        self._args: dict[int, tuple[ToolCall, str]] = {}  # call index -> (the call, its arguments so far)
         self.text = ""
         self.calls: list[ToolCall] = []
         self.finish = "stop"
@@ -479,6 +480,7 @@ class Assembler:
                                       name=call.name, arguments=call.arguments))
             out.append(self.event("response.output_item.done", output_index=idx, item=dict(done)))
         self._calls = {}
+        self._args = {}
         return out
 
     def feed(self, e: Any, ev: TokenEvent) -> list[tuple[str, dict[str, Any]]]:
@@ -501,6 +503,10 @@ class Assembler:
                                   output_index=self.items.index(self._msg), content_index=0, delta=e.text, logprobs=[]))
         elif isinstance(e, CallStarted):
             out += self._close_message()
+            # Calls arrive whole (released once complete), so the next call's start ends the open ones:
+            # each item is done before the next is added, as OpenAI streams them.
+            out += self._close_calls({k: ToolCall(c.id, c.name, args, c.kind) for k, (c, args) in self._args.items()})
+            self._args[e.call] = (ToolCall(e.id, e.name, "", e.kind), "")
             item = call_item(_id("fc" if e.kind == "function" else "ctc"), ToolCall(e.id, e.name, "", e.kind),
                              "in_progress")
             if e.kind == "custom":
@@ -509,6 +515,9 @@ class Assembler:
             self.items.append(item)
             out.append(self.event("response.output_item.added", output_index=len(self.items) - 1, item=dict(item)))
         elif isinstance(e, ArgumentsDelta):
+            if e.call in self._args:
+                c, args = self._args[e.call]
+                self._args[e.call] = (c, args + e.text)
             item = self._calls.get(e.call)
             if item is not None and item["type"] == "function_call":
                 item["arguments"] += e.text
