@@ -151,6 +151,9 @@ class LlamaCppEngine:
         self._n_vocab = lc.llama_vocab_n_tokens(self._vocab)
         n_ctx_train = lc.llama_model_n_ctx_train(model)
         self._n_ctx_seq = min(o.context_length, n_ctx_train) if n_ctx_train > 0 else o.context_length
+        if self._n_ctx_seq < o.context_length:
+            log.warning("context_length %d is above the %d tokens the model was trained on: serving %d",
+                        o.context_length, n_ctx_train, self._n_ctx_seq)
         cparams = lc.llama_context_default_params()
         cparams.n_ctx = self._n_ctx_seq * o.parallel
         cparams.n_batch = o.n_batch

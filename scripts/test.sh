@@ -21,5 +21,16 @@ if ! command -v chromium >/dev/null; then
   $sudo apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends chromium
 fi
+# The agent CLIs run against the gateway (tests/test_agents.py), from their hash-pinned npm lock.
+if ! command -v npm >/dev/null; then
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends nodejs npm
+fi
+stamp=tests/agents/node_modules/.installed-from
+lock_sum=$(sha256sum tests/agents/package-lock.json | cut -c1-64)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$lock_sum" ]; then
+  npm ci --prefix tests/agents --no-audit --no-fund --loglevel=error
+  echo "$lock_sum" > "$stamp"
+fi
 .venv/bin/ruff check gateway engines tests
 exec .venv/bin/python -m pytest -q "$@"

@@ -129,7 +129,7 @@ def test_model_card(gateway_url: str) -> None:
     assert r.status_code == 200
     card = r.json()
     assert card["id"] == MODEL and card["object"] == "model"
-    assert set(card["endpoints"]) == {"chat.completions", "completions", "embeddings"}
+    assert set(card["endpoints"]) == {"chat.completions", "completions", "responses", "embeddings"}
     missing = httpx.get(f"{gateway_url}/v1/models/no-such-model")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
     listed = httpx.get(f"{gateway_url}/v1/models").json()["data"]

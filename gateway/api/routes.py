@@ -152,10 +152,13 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 
 def _card(request: Request, spec: Any) -> ModelCard:
     manager = request.app.state.manager
+    # The context the engine really allocated once loaded (a models.yaml value above the model's
+    # trained context is served at the trained context).
+    loaded = next((m for m in manager.loaded() if m.spec.id == spec.id), None) if manager.is_loaded(spec.id) else None
     return ModelCard(
         id=spec.id,
         created=request.app.state.started,
-        context_length=spec.context_length,
+        context_length=loaded.engine.info.context_length if loaded is not None else spec.context_length,
         formats=sorted(spec.formats),
         available=any(manager.registry.local_path(spec, f) is not None for f in spec.formats),
         loaded=manager.is_loaded(spec.id),

@@ -216,6 +216,7 @@ class Prepared:
     ticket: Ticket | None = None
     drain: Drain | None = None
     tool_plan: tools.ToolPlan | None = None  # the output is a constrained tool-call answer
+    skipped_tools: tuple[str, ...] = ()  # tools left out: the model does not call tools (models.yaml)
     created: int = field(default_factory=lambda: int(time.time()))
     on_complete: CompletionHook | None = None
 
@@ -225,6 +226,8 @@ class Prepared:
         out = {"X-Engine": c.label, "X-Device": _header_value(c.device)}
         if self.loaded.fallback_reason:
             out["X-Fallback-Reason"] = _header_value(self.loaded.fallback_reason)
+        if self.skipped_tools:
+            out["X-Skipped-Tools"] = _header_value(", ".join(self.skipped_tools))
         return out
 
     def release(self) -> None:
@@ -266,26 +269,15 @@ class Prepared:
 
 @dataclass
 class _Collected:
-    """A whole (non-stream) generation, per choice."""
+    """A whole (non-stream) answer, per choice, from the neutral output events."""
 
-    texts: list[str]
+    texts: list[str]  # the answer's text (a tool answer's response, or text beside native calls)
+    raw: list[str]  # what the model wrote (a tool answer cut short is returned as it is)
     tokens: list[list[TokenLogprob]]
     finish: list[str | None]
+    calls: list[tuple[ToolCall, ...]]
+    whole: list[bool]
     usages: list[Usage]
-
-
-async def _collect(p: Prepared) -> _Collected:
-    n = len(p.requests)
-    out = _Collected([""] * n, [[] for _ in range(n)], [None] * n, [])
-    async with contextlib.aclosing(p.events()) as events:
-        async for i, ev in events:
-            out.texts[i] += ev.text
-            out.tokens[i] += ev.logprobs
-            if ev.finish_reason is not None:
-                out.finish[i] = ev.finish_reason
-                if ev.usage is not None:
-                    out.usages.append(ev.usage)
-    return out
 
 
 def model_spec(registry: Registry, model: str) -> ModelSpec:
@@ -336,73 +328,6 @@ class _Service:
         rid = f"{prefix}-{uuid.uuid4().hex[:24]}"
         base = replace(base, request_id=rid)
         return Prepared(loaded, _fan_out(base, n), rid, observer, ticket, self.drain, on_complete=self.on_complete)
-
-
-class ChatService(_Service):
-    async def prepare_chat(self, req: ChatCompletionRequest, received: float) -> Prepared:
-        spec = self.spec(req.model)
-        conv = openai_chat.conversation(req)
-        if req.top_logprobs and not req.logprobs:
-            raise invalid("top_logprobs requires logprobs to be true", param="top_logprobs")
-        self.check_stream_options(req)
-        if req.max_tokens is not None and req.max_completion_tokens is not None and req.max_tokens != req.max_completion_tokens:
-            raise invalid("max_tokens and max_completion_tokens disagree; send one", param="max_tokens")
-        limits = self.manager.settings
-        if len(req.messages) > limits.max_messages:
-            raise invalid(f"{len(req.messages)} messages exceed the limit of {limits.max_messages}",
-                          param="messages", code="too_many_messages")
-        check_prompt_chars(sum(len(m.text()) for m in req.messages), limits.max_prompt_chars, "messages",
-                           "the messages hold")
-        for i, m in enumerate(req.messages):
-            if m.role == "assistant" and m.content is None and not m.tool_calls:
-                raise invalid("assistant messages need content or tool_calls", param=f"messages[{i}].content")
-            if m.role == "tool" and not m.tool_call_id:
-                raise invalid("tool messages need tool_call_id", param=f"messages[{i}].tool_call_id")
-            if m.tool_calls and m.role != "assistant":
-                raise invalid("only assistant messages carry tool_calls", param=f"messages[{i}].tool_calls")
-        sp = _sampling(req, spec, req.max_completion_tokens or req.max_tokens)
-        sp = replace(sp, logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0)
-        return await self.prepare_conversation(spec, conv, sp, req.n, "chatcmpl", received)
-
-    async def prepare_conversation(self, spec: ModelSpec, conv: Conversation, sp: SamplingParams, n: int,
-                                   prefix: str, received: float) -> Prepared:
-        """Any protocol's request, as the conversation model: the tool plan, the prompt, the output
-        constraint; then a loaded engine and slots."""
-        native = ""
-        if conv.tools and (conv.tool_choice is None or conv.tool_choice.mode != "none"):
-            # The serving template decides the tool format: its own (rendered by the template) or ours.
-            native = (await self.manager.get(spec)).engine.info.extra.get("tool_format", "")
-        try:
-            tool_plan = tools.plan(conv, native)
-        except tools.ToolRequestError as exc:
-            raise invalid(str(exc), param=exc.param) from None
-        tools_json = None
-        if tool_plan is not None and tool_plan.native:
-            messages = tools.render_native(conv)
-            tools_json = tools.tools_json(conv)
-        elif native and conv.uses_tool_history:
-            messages = tools.render_native(conv)
-        elif tool_plan is not None or conv.uses_tool_history:
-            messages = tools.render(conv, tool_plan)
-        else:
-            messages = [ChatMessage(role=t.role, content=t.text) for t in conv.turns]
-        fmt = conv.output
-        if tool_plan is not None:
-            # The response branch of the schema carries the output format's schema.
-            sp = replace(sp, structured="json_schema", json_schema=json.dumps(tool_plan.schema), tools=True,
-                         tool_format=tool_plan.native or None, tool_mode=tool_plan.choice.mode,
-                         max_tool_calls=tool_plan.max_calls)
-        elif fmt is not None and fmt.type != "text":
-            schema = None
-            if fmt.type == "json_schema":
-                if fmt.schema is None:
-                    raise invalid("a json_schema format needs its schema", param=conv.param("output.schema"))
-                schema = json.dumps(fmt.schema)
-            sp = replace(sp, structured=fmt.type, json_schema=schema)
-        base = GenerationRequest(request_id="", sampling=sp, messages=tuple(messages), tools_json=tools_json)
-        p = await self.prepare(spec, base, n, prefix, received)
-        p.tool_plan = tool_plan
-        return p
 
     async def conversation_events(self, p: Prepared) -> AsyncIterator[tuple[int, OutputEvent, TokenEvent]]:
         """The output as neutral events per choice (with the engine event that carried each: its
@@ -480,26 +405,124 @@ class ChatService(_Service):
                 elif ev.finish_reason is not None:
                     yield i, finished(i, ev.finish_reason, True), ev
 
+    async def collect(self, p: Prepared) -> _Collected:
+        n = len(p.requests)
+        out = _Collected([""] * n, [""] * n, [[] for _ in range(n)], [None] * n, [()] * n, [True] * n, [])
+        last: dict[int, TokenEvent] = {}
+        async with contextlib.aclosing(self.conversation_events(p)) as events:
+            async for i, e, ev in events:
+                if last.get(i) is not ev:  # one engine event can carry several output events
+                    last[i] = ev
+                    out.raw[i] += ev.text
+                    out.tokens[i] += ev.logprobs
+                if isinstance(e, TextDelta):
+                    out.texts[i] += e.text
+                elif isinstance(e, Finished):
+                    out.finish[i], out.calls[i], out.whole[i] = e.reason, e.calls, e.whole
+                    if ev.usage is not None:
+                        out.usages.append(ev.usage)
+        return out
+
+
+class ChatService(_Service):
+    async def prepare_chat(self, req: ChatCompletionRequest, received: float) -> Prepared:
+        spec = self.spec(req.model)
+        conv = openai_chat.conversation(req)
+        if req.top_logprobs and not req.logprobs:
+            raise invalid("top_logprobs requires logprobs to be true", param="top_logprobs")
+        self.check_stream_options(req)
+        if req.max_tokens is not None and req.max_completion_tokens is not None and req.max_tokens != req.max_completion_tokens:
+            raise invalid("max_tokens and max_completion_tokens disagree; send one", param="max_tokens")
+        limits = self.manager.settings
+        if len(req.messages) > limits.max_messages:
+            raise invalid(f"{len(req.messages)} messages exceed the limit of {limits.max_messages}",
+                          param="messages", code="too_many_messages")
+        check_prompt_chars(sum(len(m.text()) for m in req.messages), limits.max_prompt_chars, "messages",
+                           "the messages hold")
+        for i, m in enumerate(req.messages):
+            if m.role == "assistant" and m.content is None and not m.tool_calls:
+                raise invalid("assistant messages need content or tool_calls", param=f"messages[{i}].content")
+            if m.role == "tool" and not m.tool_call_id:
+                raise invalid("tool messages need tool_call_id", param=f"messages[{i}].tool_call_id")
+            if m.tool_calls and m.role != "assistant":
+                raise invalid("only assistant messages carry tool_calls", param=f"messages[{i}].tool_calls")
+        sp = _sampling(req, spec, req.max_completion_tokens or req.max_tokens)
+        sp = replace(sp, logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0)
+        return await self.prepare_conversation(spec, conv, sp, req.n, "chatcmpl", received)
+
+    async def prepare_conversation(self, spec: ModelSpec, conv: Conversation, sp: SamplingParams, n: int,
+                                   prefix: str, received: float) -> Prepared:
+        """Any protocol's request, as the conversation model: the tool plan, the prompt, the output
+        constraint; then a loaded engine and slots."""
+        skipped: tuple[str, ...] = ()
+        if conv.tools and not spec.tools and (conv.tool_choice is None or conv.tool_choice.mode != "none"):
+            if conv.tool_choice is not None and conv.tool_choice.mode in ("required", "named"):
+                raise invalid(f"model {spec.id!r} does not call tools (models.yaml sets tools: false), so "
+                              f"tool_choice {conv.tool_choice.mode!r} cannot be met", param=conv.param("tool_choice"))
+            skipped = tuple(t.name for t in conv.tools)
+            conv = replace(conv, tools=None, tool_choice=None)
+        native = ""
+        if conv.tools and (conv.tool_choice is None or conv.tool_choice.mode != "none"):
+            # The serving template decides the tool format: its own (rendered by the template) or ours.
+            native = (await self.manager.get(spec)).engine.info.extra.get("tool_format", "")
+        try:
+            tool_plan = tools.plan(conv, native)
+        except tools.ToolRequestError as exc:
+            raise invalid(str(exc), param=exc.param) from None
+        tools_json = None
+        if tool_plan is not None and tool_plan.native:
+            messages = tools.render_native(conv)
+            tools_json = tools.tools_json(conv)
+        elif native and conv.uses_tool_history:
+            messages = tools.render_native(conv)
+        elif tool_plan is not None or conv.uses_tool_history:
+            messages = tools.render(conv, tool_plan)
+        else:
+            messages = [ChatMessage(role=t.role, content=t.text) for t in conv.turns]
+        fmt = conv.output
+        if tool_plan is not None:
+            # The response branch of the schema carries the output format's schema.
+            sp = replace(sp, structured="json_schema", json_schema=json.dumps(tool_plan.schema), tools=True,
+                         tool_format=tool_plan.native or None, tool_mode=tool_plan.choice.mode,
+                         max_tool_calls=tool_plan.max_calls)
+        elif fmt is not None and fmt.type != "text":
+            schema = None
+            if fmt.type == "json_schema":
+                if fmt.schema is None:
+                    raise invalid("a json_schema format needs its schema", param=conv.param("output.schema"))
+                schema = json.dumps(fmt.schema)
+            sp = replace(sp, structured=fmt.type, json_schema=schema)
+        base = GenerationRequest(request_id="", sampling=sp, messages=tuple(messages), tools_json=tools_json)
+        p = await self.prepare(spec, base, n, prefix, received)
+        p.tool_plan = tool_plan
+        p.skipped_tools = skipped
+        return p
+
     async def complete(self, p: Prepared, model: str) -> ChatCompletion:
-        if p.tool_plan is not None:
-            return await self._complete_tools(p, model)
-        c = await _collect(p)
+        """A whole answer: its text, or its calls (the complete ones, up to the first repeat)."""
+        c = await self.collect(p)
         want_lp = p.requests[0].sampling.logprobs
+        native = p.tool_plan is not None and p.tool_plan.native
         choices = []
         for i in range(len(p.requests)):
-            message, finish = AssistantMessage(content=c.texts[i]), c.finish[i]
-            choices.append(ChatChoice(
-                index=i,
-                message=message,
-                logprobs=ChoiceLogprobs(content=_chat_logprobs(tuple(c.tokens[i]))) if want_lp else None,
-                finish_reason=finish,
-            ))
+            out = [ToolCallOut(id=t.id, function=FunctionCallOut(name=t.name, arguments=t.arguments))
+                   for t in c.calls[i]]
+            if out:
+                said = c.texts[i].strip() if native else c.texts[i]
+                message = AssistantMessage(content=said or None, tool_calls=out)
+            else:  # the text; a tool answer's response, or (cut short by max_tokens) what the model wrote
+                message = AssistantMessage(content=c.texts[i] if c.whole[i] else c.raw[i])
+            choices.append(ChatChoice(index=i, message=message, finish_reason=c.finish[i],
+                                      logprobs=ChoiceLogprobs(content=_chat_logprobs(tuple(c.tokens[i]))) if want_lp else None))
         return ChatCompletion(id=p.response_id, created=p.created, model=model, choices=choices, usage=_usage(c.usages))
 
     async def stream(self, p: Prepared, model: str, include_usage: bool) -> AsyncIterator[str]:
+        """Chunks of the answer: text as content; a tool call's id, type and name once, then its
+        arguments in fragments (their concatenation is exactly the final arguments text)."""
         started: set[int] = set()
         usages: list[Usage] = []
         want_lp = p.requests[0].sampling.logprobs
+        last: dict[int, TokenEvent] = {}
 
         def chunk(choices: list[ChunkChoice], usage: UsageOut | None = None) -> str:
             c = ChatCompletionChunk(id=p.response_id, created=p.created, model=model, choices=choices, usage=usage)
@@ -515,68 +538,6 @@ class ChatService(_Service):
                 t = templates[i] = TextChunk(lambda s: chunk([ChunkChoice(index=i, delta=Delta(content=s))]))
             return t(text)
 
-        if p.tool_plan is not None:
-            async for frame in self._tool_stream(p, chunk, usages):
-                yield frame
-            if include_usage:
-                yield chunk([], _usage(usages))
-            return
-        async with contextlib.aclosing(p.events()) as events:
-            async for i, ev in events:
-                lp = ChoiceLogprobs(content=_chat_logprobs(ev.logprobs)) if want_lp and ev.logprobs else None
-                first = i not in started
-                if not first and lp is None:
-                    if ev.text:
-                        yield text_chunk(i, ev.text)
-                elif first or ev.text or lp is not None:
-                    started.add(i)
-                    delta = Delta(role="assistant", content=ev.text) if first else Delta(content=ev.text)
-                    yield chunk([ChunkChoice(index=i, delta=delta, logprobs=lp)])
-                if ev.finish_reason is not None:
-                    if ev.usage is not None:
-                        usages.append(ev.usage)
-                    yield chunk([ChunkChoice(index=i, delta=Delta(), finish_reason=ev.finish_reason)])
-        if include_usage:
-            yield chunk([], _usage(usages))
-
-    async def _complete_tools(self, p: Prepared, model: str) -> ChatCompletion:
-        """A whole tool answer: its calls (the complete ones, up to the first repeat), or the response."""
-        n = len(p.requests)
-        texts, raw, finish, whole = [""] * n, [""] * n, [None] * n, [True] * n
-        calls: list[tuple[ToolCall, ...]] = [()] * n
-        tokens: list[list[TokenLogprob]] = [[] for _ in range(n)]
-        usages: list[Usage] = []
-        last: dict[int, TokenEvent] = {}
-        async with contextlib.aclosing(self.conversation_events(p)) as events:
-            async for i, e, ev in events:
-                if last.get(i) is not ev:  # one engine event can carry several output events
-                    last[i] = ev
-                    raw[i] += ev.text
-                    tokens[i] += ev.logprobs
-                if isinstance(e, TextDelta):
-                    texts[i] += e.text
-                elif isinstance(e, Finished):
-                    finish[i], calls[i], whole[i] = e.reason, e.calls, e.whole
-                    if ev.usage is not None:
-                        usages.append(ev.usage)
-        want_lp = p.requests[0].sampling.logprobs
-        choices = []
-        for i in range(n):
-            said = texts[i].strip() if p.tool_plan is not None and p.tool_plan.native else texts[i]
-            out = [ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments)) for c in calls[i]]
-            if out:
-                message = AssistantMessage(content=said or None, tool_calls=out)
-            else:  # the response, or (cut short by max_tokens) the raw text
-                message = AssistantMessage(content=texts[i] if whole[i] else raw[i])
-            choices.append(ChatChoice(index=i, message=message, finish_reason=finish[i],
-                                      logprobs=ChoiceLogprobs(content=_chat_logprobs(tuple(tokens[i]))) if want_lp else None))
-        return ChatCompletion(id=p.response_id, created=p.created, model=model, choices=choices, usage=_usage(usages))
-
-    async def _tool_stream(self, p: Prepared, chunk: Callable[..., str], usages: list[Usage]) -> AsyncIterator[str]:
-        """Chunks of a tool-call answer: each call's id, type and name once, then its arguments in
-        fragments (their concatenation is exactly the final arguments text); plain answers as content."""
-        assert p.tool_plan is not None
-        started: set[int] = set()
         async with contextlib.aclosing(self.conversation_events(p)) as events:
             async for i, e, ev in events:
                 first = i not in started
@@ -588,16 +549,25 @@ class ChatService(_Service):
                         yield chunk([ChunkChoice(index=i, delta=Delta(role="assistant"))])
                     yield chunk([ChunkChoice(index=i, delta=Delta(), finish_reason=e.reason)])
                     continue
-                content, calls = None, None
-                if isinstance(e, CallStarted):
-                    calls = [ToolCallDelta(index=e.call, id=e.id, type="function",
-                                           function=FunctionDelta(name=e.name, arguments=""))]
-                elif isinstance(e, ArgumentsDelta):
-                    calls = [ToolCallDelta(index=e.call, function=FunctionDelta(arguments=e.text))]
+                lp = None
+                if want_lp and ev.logprobs and last.get(i) is not ev:  # an engine event's logprobs once
+                    lp = ChoiceLogprobs(content=_chat_logprobs(ev.logprobs))
+                last[i] = ev
+                if isinstance(e, TextDelta):
+                    if not first and lp is None:
+                        if e.text:
+                            yield text_chunk(i, e.text)
+                        continue
+                    delta = Delta(role="assistant" if first else None, content=e.text)
+                elif isinstance(e, CallStarted):
+                    delta = Delta(role="assistant" if first else None, tool_calls=[ToolCallDelta(
+                        index=e.call, id=e.id, type="function", function=FunctionDelta(name=e.name, arguments=""))])
                 else:
-                    content = e.text
-                yield chunk([ChunkChoice(index=i, delta=Delta(role="assistant" if first else None, content=content,
-                                                              tool_calls=calls))])
+                    delta = Delta(role="assistant" if first else None,
+                                  tool_calls=[ToolCallDelta(index=e.call, function=FunctionDelta(arguments=e.text))])
+                yield chunk([ChunkChoice(index=i, delta=delta, logprobs=lp)])
+        if include_usage:
+            yield chunk([], _usage(usages))
 
 
 def _call_id() -> str:
@@ -639,7 +609,7 @@ class CompletionService(_Service):
         return await self.prepare(spec, base, req.n, "cmpl", received)
 
     async def complete(self, p: Prepared, model: str) -> Completion:
-        c = await _collect(p)
+        c = await self.collect(p)
         want_lp = p.requests[0].sampling.logprobs
         choices = [
             CompletionChoice(
@@ -661,14 +631,17 @@ class CompletionService(_Service):
             c = Completion(id=p.response_id, created=p.created, model=model, choices=choices, usage=usage)
             return c.model_dump_json(exclude=None if include_usage else {"usage"})
 
-        async with contextlib.aclosing(p.events()) as events:
-            async for i, ev in events:
-                lp = _completion_logprobs(list(ev.logprobs), offsets[i]) if want_lp and ev.logprobs else None
-                if lp is not None:
-                    offsets[i] = lp.text_offset[-1] + len(lp.tokens[-1])
-                if ev.usage is not None:
-                    usages.append(ev.usage)
-                yield chunk([CompletionChoice(index=i, text=ev.text, logprobs=lp, finish_reason=ev.finish_reason)])
+        async with contextlib.aclosing(self.conversation_events(p)) as events:
+            async for i, e, ev in events:
+                if isinstance(e, Finished):
+                    if ev.usage is not None:
+                        usages.append(ev.usage)
+                    yield chunk([CompletionChoice(index=i, text="", finish_reason=e.reason)])
+                elif isinstance(e, TextDelta):  # (a prompt has no tools: text only, one per engine event)
+                    lp = _completion_logprobs(list(ev.logprobs), offsets[i]) if want_lp and ev.logprobs else None
+                    if lp is not None:
+                        offsets[i] = lp.text_offset[-1] + len(lp.tokens[-1])
+                    yield chunk([CompletionChoice(index=i, text=e.text, logprobs=lp, finish_reason=None)])
         if include_usage:
             yield chunk([], _usage(usages))
 

@@ -192,6 +192,9 @@ class ModelSpec(_Strict):
     )
     parallel: int | None = Field(default=None, ge=1, le=64, description="sequences decoded together")
     chat_template: str | None = Field(default=None, description="Jinja chat template overriding the model's")
+    tools: bool = Field(default=True, description="the model calls tools; false for models too small to (their "
+                        "requests' tools are skipped and named in X-Skipped-Tools, and the model answers in text; "
+                        "tool_choice required or named is a 400)")
     compute_units: Literal["ALL", "CPU_AND_NE", "CPU_AND_GPU", "CPU_ONLY"] = Field(
         default="ALL", description="CoreML only: where the model may run"
     )
@@ -218,7 +221,7 @@ class ModelSpec(_Strict):
         """The API endpoints this model serves."""
         if self.embedding_only:
             return ["embeddings"]
-        return ["chat.completions", "completions", "embeddings"]
+        return ["chat.completions", "completions", "responses", "embeddings"]
 
 
 class RegistryFile(_Strict):

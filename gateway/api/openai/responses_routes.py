@@ -73,6 +73,7 @@ async def create_response(body: rs.ResponseCreateRequest, request: Request) -> R
             await asyncio.to_thread(store.put, run.rid, final, listed, (*history, output))
 
         run.on_final = save
+    notes.skipped_tools.update(p.skipped_tools)
     headers = {**p.headers, **notes.headers()}
     events = rs.generate(service, run)
     try:
