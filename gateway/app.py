@@ -15,14 +15,15 @@ from fastapi import FastAPI
 
 from engines.base import EngineConfig, EngineHealth
 from gateway.api.admission import Admission
-from gateway.api.embeddings import EmbeddingService
 from gateway.api.errors import install_error_handlers
 from gateway.api.guards import Drain, Guards, Policy, is_loopback_bind
+from gateway.api.openai.chat import ChatService
+from gateway.api.openai.completions import CompletionService
+from gateway.api.openai.embeddings import EmbeddingService
+from gateway.api.openai.protocol import ChatCompletionChunk
 from gateway.api.openai.responses import ResponseStreamEvent
 from gateway.api.openai.responses_routes import router as responses_router
-from gateway.api.protocol import ChatCompletionChunk
 from gateway.api.routes import openapi_schema, router
-from gateway.api.serving import ChatService, CompletionService
 from gateway.host.functional_check import CheckResult, run_isolated
 from gateway.host.hardware import HostCapabilities, probe_host, vulkan_visible_env
 from gateway.metrics import Metrics

@@ -29,8 +29,8 @@ from schemathesis.checks import (
 )
 from schemathesis.config import SchemathesisConfig
 
+from gateway.api.openai.protocol import ChatCompletionChunk, Completion, ErrorResponse
 from gateway.api.openai.responses import ResponseStreamEvent
-from gateway.api.protocol import ChatCompletionChunk, Completion, ErrorResponse
 from tests.conftest import MODEL
 
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "120"))

@@ -45,8 +45,8 @@ def test_detokenizer_holds_partial_utf8() -> None:
 
 
 def test_text_chunk_template_equals_full_serialisation() -> None:
-    from gateway.api.protocol import ChatCompletionChunk, ChunkChoice, Delta
-    from gateway.api.serving import TextChunk
+    from gateway.api.openai.common import TextChunk
+    from gateway.api.openai.protocol import ChatCompletionChunk, ChunkChoice, Delta
 
     def render(text: str) -> str:
         c = ChatCompletionChunk(id="chatcmpl-1", created=1, model="m", choices=[ChunkChoice(index=2, delta=Delta(content=text))])

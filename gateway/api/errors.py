@@ -22,7 +22,7 @@ from engines.base import (
     ModelNotAvailable,
 )
 from gateway.api.admission import GateClosed, Rejected
-from gateway.api.protocol import ErrorBody, ErrorResponse
+from gateway.api.openai.protocol import ErrorBody, ErrorResponse
 
 if TYPE_CHECKING:
     from gateway.metrics import RequestObserver

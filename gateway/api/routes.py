@@ -9,7 +9,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gateway.api.protocol import (
+from gateway.api.openai.chat import ChatService
+from gateway.api.openai.completions import CompletionService
+from gateway.api.openai.protocol import (
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -22,7 +24,7 @@ from gateway.api.protocol import (
     ModelCard,
     ModelList,
 )
-from gateway.api.serving import ChatService, CompletionService, Prepared, model_spec
+from gateway.api.serving import Prepared, model_spec
 from gateway.api.sse import sse_response, until_disconnect
 
 router = APIRouter()

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel
 
 from gateway.api.errors import APIError
-from gateway.api.protocol import ErrorResponse
+from gateway.api.openai.protocol import ErrorResponse
 from gateway.api.routes import error_responses
 from gateway.api.serving import model_spec
 from gateway.host.devices import render

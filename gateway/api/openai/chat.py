@@ -1,9 +1,41 @@
-"""OpenAI chat completions -> the conversation model."""
+"""OpenAI chat completions: the request -> the conversation model, and the neutral output events ->\nthe completion or its chunks."""
 
 from __future__ import annotations
 
-from gateway.api.protocol import ChatCompletionRequest
-from gateway.conversation import Conversation, Output, ToolCall, ToolChoice, ToolSpec, Turn
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import replace
+
+from engines.base import TokenEvent, Usage
+from gateway.api.errors import invalid
+from gateway.api.openai.common import TextChunk, chat_logprobs, check_stream_options, sampling, usage_out
+from gateway.api.openai.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChoiceLogprobs,
+    ChunkChoice,
+    Delta,
+    FunctionCallOut,
+    FunctionDelta,
+    ToolCallDelta,
+    ToolCallOut,
+    UsageOut,
+)
+from gateway.api.serving import Prepared, Service, check_prompt_chars
+from gateway.conversation import (
+    CallStarted,
+    Conversation,
+    Finished,
+    Output,
+    TextDelta,
+    ToolCall,
+    ToolChoice,
+    ToolSpec,
+    Turn,
+)
 
 
 def conversation(req: ChatCompletionRequest) -> Conversation:
@@ -29,3 +61,101 @@ def conversation(req: ChatCompletionRequest) -> Conversation:
                         js.strict if js is not None else None)
     return Conversation(turns, tools, choice, req.parallel_tool_calls is not False, output,
                         params={"tool_choice.name": "tool_choice.function.name", "output.schema": "response_format.json_schema"})
+
+
+class ChatService(Service):
+    async def prepare_chat(self, req: ChatCompletionRequest, received: float) -> Prepared:
+        spec = self.spec(req.model)
+        conv = conversation(req)
+        if req.top_logprobs and not req.logprobs:
+            raise invalid("top_logprobs requires logprobs to be true", param="top_logprobs")
+        check_stream_options(req)
+        if req.max_tokens is not None and req.max_completion_tokens is not None and req.max_tokens != req.max_completion_tokens:
+            raise invalid("max_tokens and max_completion_tokens disagree; send one", param="max_tokens")
+        limits = self.manager.settings
+        if len(req.messages) > limits.max_messages:
+            raise invalid(f"{len(req.messages)} messages exceed the limit of {limits.max_messages}",
+                          param="messages", code="too_many_messages")
+        check_prompt_chars(sum(len(m.text()) for m in req.messages), limits.max_prompt_chars, "messages",
+                           "the messages hold")
+        for i, m in enumerate(req.messages):
+            if m.role == "assistant" and m.content is None and not m.tool_calls:
+                raise invalid("assistant messages need content or tool_calls", param=f"messages[{i}].content")
+            if m.role == "tool" and not m.tool_call_id:
+                raise invalid("tool messages need tool_call_id", param=f"messages[{i}].tool_call_id")
+            if m.tool_calls and m.role != "assistant":
+                raise invalid("only assistant messages carry tool_calls", param=f"messages[{i}].tool_calls")
+        sp = sampling(req, spec, req.max_completion_tokens or req.max_tokens)
+        sp = replace(sp, logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0)
+        return await self.prepare_conversation(spec, conv, sp, req.n, "chatcmpl", received)
+
+    async def complete(self, p: Prepared, model: str) -> ChatCompletion:
+        """A whole answer: its text, or its calls (the complete ones, up to the first repeat)."""
+        c = await self.collect(p)
+        want_lp = p.requests[0].sampling.logprobs
+        native = p.tool_plan is not None and p.tool_plan.native
+        choices = []
+        for i in range(len(p.requests)):
+            out = [ToolCallOut(id=t.id, function=FunctionCallOut(name=t.name, arguments=t.arguments))
+                   for t in c.calls[i]]
+            if out:
+                said = c.texts[i].strip() if native else c.texts[i]
+                message = AssistantMessage(content=said or None, tool_calls=out)
+            else:  # the text; a tool answer's response, or (cut short by max_tokens) what the model wrote
+                message = AssistantMessage(content=c.texts[i] if c.whole[i] else c.raw[i])
+            choices.append(ChatChoice(index=i, message=message, finish_reason=c.finish[i],
+                                      logprobs=ChoiceLogprobs(content=chat_logprobs(tuple(c.tokens[i]))) if want_lp else None))
+        return ChatCompletion(id=p.response_id, created=p.created, model=model, choices=choices, usage=usage_out(c.usages))
+
+    async def stream(self, p: Prepared, model: str, include_usage: bool) -> AsyncIterator[str]:
+        """Chunks of the answer: text as content; a tool call's id, type and name once, then its
+        arguments in fragments (their concatenation is exactly the final arguments text)."""
+        started: set[int] = set()
+        usages: list[Usage] = []
+        want_lp = p.requests[0].sampling.logprobs
+        last: dict[int, TokenEvent] = {}
+
+        def chunk(choices: list[ChunkChoice], usage: UsageOut | None = None) -> str:
+            c = ChatCompletionChunk(id=p.response_id, created=p.created, model=model, choices=choices, usage=usage)
+            return c.model_dump_json(exclude=None if include_usage else {"usage"})
+
+        # Most chunks are "one more piece of text": render those from a template made once per
+        # choice by the same pydantic models, instead of building three models per token.
+        templates: dict[int, TextChunk] = {}
+
+        def text_chunk(i: int, text: str) -> str:
+            t = templates.get(i)
+            if t is None:
+                t = templates[i] = TextChunk(lambda s: chunk([ChunkChoice(index=i, delta=Delta(content=s))]))
+            return t(text)
+
+        async with contextlib.aclosing(self.conversation_events(p)) as events:
+            async for i, e, ev in events:
+                first = i not in started
+                started.add(i)
+                if isinstance(e, Finished):
+                    if ev.usage is not None:
+                        usages.append(ev.usage)
+                    if first:
+                        yield chunk([ChunkChoice(index=i, delta=Delta(role="assistant"))])
+                    yield chunk([ChunkChoice(index=i, delta=Delta(), finish_reason=e.reason)])
+                    continue
+                lp = None
+                if want_lp and ev.logprobs and last.get(i) is not ev:  # an engine event's logprobs once
+                    lp = ChoiceLogprobs(content=chat_logprobs(ev.logprobs))
+                last[i] = ev
+                if isinstance(e, TextDelta):
+                    if not first and lp is None:
+                        if e.text:
+                            yield text_chunk(i, e.text)
+                        continue
+                    delta = Delta(role="assistant" if first else None, content=e.text)
+                elif isinstance(e, CallStarted):
+                    delta = Delta(role="assistant" if first else None, tool_calls=[ToolCallDelta(
+                        index=e.call, id=e.id, type="function", function=FunctionDelta(name=e.name, arguments=""))])
+                else:
+                    delta = Delta(role="assistant" if first else None,
+                                  tool_calls=[ToolCallDelta(index=e.call, function=FunctionDelta(arguments=e.text))])
+                yield chunk([ChunkChoice(index=i, delta=delta, logprobs=lp)])
+        if include_usage:
+            yield chunk([], usage_out(usages))

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from engines.base import TokenEvent, Usage
 from gateway.api.errors import APIError, invalid, to_api_error
-from gateway.api.protocol import Temperature, TopP
+from gateway.api.openai.protocol import Temperature, TopP
 from gateway.conversation import (
     ArgumentsDelta,
     CallStarted,

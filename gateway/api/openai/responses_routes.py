@@ -11,8 +11,9 @@ from fastapi.responses import JSONResponse, Response
 
 from gateway.api.errors import APIError
 from gateway.api.openai import responses as rs
+from gateway.api.openai.common import sampling
 from gateway.api.routes import error_responses
-from gateway.api.serving import ChatService, _sampling, check_prompt_chars
+from gateway.api.serving import Service, check_prompt_chars
 from gateway.api.sse import event_stream_response, until_disconnect
 from gateway.conversation import Turn
 from gateway.store import ResponseStore
@@ -43,7 +44,7 @@ _STREAM = {"schema": {
     **error_responses(400, 401, 403, 404, 413, 429, 500, 502, 503)})
 async def create_response(body: rs.ResponseCreateRequest, request: Request) -> Response:
     received = time.perf_counter()
-    service: ChatService = request.app.state.chat
+    service: Service = request.app.state.chat
     store = _store(request)
     notes = rs.Notes()
     earlier: tuple[Turn, ...] = ()
@@ -61,7 +62,7 @@ async def create_response(body: rs.ResponseCreateRequest, request: Request) -> R
                        code="too_many_messages")
     check_prompt_chars(sum(len(t.text) + sum(len(c.arguments) for c in t.tool_calls) for t in conv.turns),
                        limits.max_prompt_chars, "input", "the input holds")
-    sp = _sampling(rs.sampling_fields(body), spec, body.max_output_tokens)
+    sp = sampling(rs.sampling_fields(body), spec, body.max_output_tokens)
     p = await until_disconnect(request, service.prepare_conversation(spec, conv, sp, 1, "resp", received))
     request.state.observer = p.observer
     keep = store is not None and body.store is not False

@@ -8,7 +8,7 @@ import time
 import numpy as np
 
 from gateway.api.errors import invalid, record
-from gateway.api.protocol import Embedding, EmbeddingList, EmbeddingRequest, EmbeddingUsage
+from gateway.api.openai.protocol import Embedding, EmbeddingList, EmbeddingRequest, EmbeddingUsage
 from gateway.api.serving import check_prompt_chars, model_spec
 from gateway.metrics import Metrics
 from gateway.models.pool import ModelManager

@@ -1,0 +1,113 @@
+"""What the OpenAI adapters share: sampling settings from a request, usage and logprobs in OpenAI's
+shapes, and the fast rendering of text chunks."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from engines.base import SamplingParams, TokenLogprob, Usage
+from gateway.api.errors import invalid
+from gateway.api.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    CompletionTokensDetails,
+    PromptTokensDetails,
+    TokenLogprobOut,
+    TopLogprobOut,
+    UsageOut,
+)
+from gateway.models.registry import ModelSpec
+
+# OpenAI has no top_k; like llama-server and Ollama we cut to the 40 likeliest tokens unless the
+# request or models.yaml says otherwise (top_k: 0 turns it off). Besides being their default, it
+# keeps top-p from sorting the whole vocabulary for every sequence at every step, which the
+# profile showed was most of a decode step on a GPU at 16 streams.
+DEFAULT_TOP_K = 40
+
+
+def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    return (stop,) if isinstance(stop, str) else tuple(stop)
+
+
+def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    out = []
+    for k, v in (bias or {}).items():
+        try:
+            out.append((int(k), float(v)))
+        except ValueError:
+            raise invalid(f"logit_bias keys must be token ids, got {k!r}", param="logit_bias") from None
+    return tuple(out)
+
+
+def sampling(req: Any, spec: ModelSpec, max_tokens: int | None) -> SamplingParams:
+    d = spec.defaults
+    return SamplingParams(
+        temperature=req.temperature if req.temperature is not None else (d.temperature if d.temperature is not None else 1.0),
+        top_p=req.top_p if req.top_p is not None else (d.top_p if d.top_p is not None else 1.0),
+        top_k=req.top_k if req.top_k is not None else (d.top_k if d.top_k is not None else DEFAULT_TOP_K),
+        min_p=req.min_p if req.min_p is not None else (d.min_p or 0.0),
+        repeat_penalty=req.repeat_penalty if req.repeat_penalty is not None else (d.repeat_penalty or 1.0),
+        seed=req.seed,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        max_tokens=max_tokens if max_tokens is not None else d.max_tokens,
+        stop=_stops(req.stop),
+        logit_bias=_logit_bias(req.logit_bias),
+        ignore_eos=req.ignore_eos,
+    )
+
+
+def _bytes(b: bytes) -> list[int]:
+    return list(b)
+
+
+def chat_logprobs(items: tuple[TokenLogprob, ...]) -> list[TokenLogprobOut]:
+    return [
+        TokenLogprobOut(
+            token=t.token,
+            logprob=t.logprob,
+            bytes=_bytes(t.bytes),
+            top_logprobs=[TopLogprobOut(token=x.token, logprob=x.logprob, bytes=_bytes(x.bytes)) for x in t.top],
+        )
+        for t in items
+    ]
+
+
+def usage_out(usages: list[Usage]) -> UsageOut:
+    # n choices share one prompt: OpenAI counts the prompt once and sums completions.
+    prompt = usages[0].prompt_tokens if usages else 0
+    completion = sum(u.completion_tokens for u in usages)
+    cached = usages[0].cached_tokens if usages else 0
+    drafted = sum(u.draft_tokens for u in usages)
+    accepted = sum(u.accepted_draft_tokens for u in usages)
+    return UsageOut(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+        completion_tokens_details=CompletionTokensDetails(
+            accepted_prediction_tokens=accepted, rejected_prediction_tokens=drafted - accepted
+        ) if drafted else None,
+    )
+
+
+class TextChunk:
+    """A stream chunk rendered once with a placeholder; each token's text is then spliced in."""
+
+    SLOT = "@@gateway-text@@"
+
+    def __init__(self, render: Callable[[str], str]) -> None:
+        self.head, found, self.tail = render(self.SLOT).partition(f'"{self.SLOT}"')
+        assert found, "the placeholder must appear once, as a JSON string"
+
+    def __call__(self, text: str) -> str:
+        return self.head + json.dumps(text, ensure_ascii=False) + self.tail
+
+
+def check_stream_options(req: ChatCompletionRequest | CompletionRequest) -> None:
+    if req.stream_options is not None and not req.stream:
+        raise invalid("stream_options is only allowed when stream is true", param="stream_options")
