@@ -132,6 +132,7 @@ class TokenEvent:
     logprobs: tuple[TokenLogprob, ...] = ()
     finish_reason: str | None = None
     usage: Usage | None = None
+    stop_sequence: str | None = None  # the request's stop string that ended it (finish_reason "stop")
 
 
 @dataclass(frozen=True)

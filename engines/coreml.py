@@ -244,7 +244,7 @@ class CoreMLEngine:
                 continue
             usage = Usage(prompt_tokens=len(prompt), completion_tokens=len(generated), queue_seconds=job.queue_seconds)
             channel.emit(TokenEvent(text=text + stopper.flush(), token_ids=(token,), logprobs=logprobs,
-                                    finish_reason=finish, usage=usage))
+                                    finish_reason=finish, usage=usage, stop_sequence=stopper.matched))
             return
 
     async def embed(self, inputs: list[list[int]]) -> npt.NDArray[np.float32]:

@@ -562,7 +562,8 @@ class BatchScheduler:
         self._finish_slot(slot)
         job.emit(
             TokenEvent(
-                text=text, token_ids=(token,), logprobs=logprobs, finish_reason=finish, usage=usage
+                text=text, token_ids=(token,), logprobs=logprobs, finish_reason=finish, usage=usage,
+                stop_sequence=slot.stopper.matched,
             )
         )
         return False

@@ -298,7 +298,7 @@ class OrtGenAIEngine:
             usage = Usage(prompt_tokens=len(prompt), completion_tokens=n, queue_seconds=job.queue_seconds)
             channel.emit(TokenEvent(
                 text=text + stopper.flush(), token_ids=(token,), logprobs=logprobs,
-                finish_reason=finish, usage=usage,
+                finish_reason=finish, usage=usage, stop_sequence=stopper.matched,
             ))
             return
 

@@ -21,6 +21,7 @@ class StopMatcher:
         self._stops = tuple(s for s in stops if s)
         self._held = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text
 
     def push(self, text: str) -> str:
         """Add generated text; return the text that is now safe to send."""
@@ -34,7 +35,7 @@ class StopMatcher:
         for stop in self._stops:
             i = buf.find(stop)
             if i != -1 and (first == -1 or i < first):
-                first = i
+                first, self.matched = i, stop
         if first != -1:
             self.stopped = True
             self._held = ""

@@ -15,6 +15,8 @@ from fastapi import FastAPI
 
 from engines.base import EngineConfig, EngineHealth
 from gateway.api.admission import Admission
+from gateway.api.anthropic.messages import MessageStreamEvent
+from gateway.api.anthropic.routes import router as anthropic_router
 from gateway.api.errors import install_error_handlers
 from gateway.api.guards import Drain, Guards, Policy, is_loopback_bind
 from gateway.api.openai.chat import ChatService
@@ -140,8 +142,9 @@ def create_app(
     install_error_handlers(app)
     app.include_router(router)
     app.include_router(responses_router)
+    app.include_router(anthropic_router)
     install_web(app, resident)
-    app.openapi = lambda: openapi_schema(app, (ChatCompletionChunk, ResponseStreamEvent))  # type: ignore[method-assign]
+    app.openapi = lambda: openapi_schema(app, (ChatCompletionChunk, ResponseStreamEvent, MessageStreamEvent))  # type: ignore[method-assign]
 
     # Behind Ray Serve's proxy (a cluster ingress) the proxy answers with the request's id itself.
     the_policy = dataclasses.replace(policy(settings), send_request_id=cluster is None)

@@ -21,6 +21,21 @@ from tests.test_production import Gateway
 
 AGENT_CLIS = ROOT / "tests" / "agents"  # package.json + package-lock.json; scripts/test.sh runs `npm ci` there
 CODEX = AGENT_CLIS / "node_modules" / ".bin" / "codex"
+CLAUDE = AGENT_CLIS / "node_modules" / ".bin" / "claude"
+
+
+def _cli(path: Path) -> Path:
+    if not path.exists():
+        if os.environ.get("CI"):
+            pytest.fail(f"{path} is missing: scripts/test.sh installs it with `npm ci` in {AGENT_CLIS}")
+        pytest.skip(f"{path.name} not installed: run `npm ci` in {AGENT_CLIS}")
+    return path
+
+
+def _clean_env(**more: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "CODEX_", "ANTHROPIC_", "CLAUDE_"))}
+    env.update(NO_COLOR="1", **more)
+    return env
 
 
 def test_agents_sdk_runs_an_agent_with_a_function_tool_to_its_final_output(gateway_url: str) -> None:
@@ -100,17 +115,13 @@ wire_api = "responses"
 
 
 def test_codex_exec_answers_and_exits_0(agent_gateway: Gateway, tmp_path: Path) -> None:
-    if not CODEX.exists():
-        if os.environ.get("CI"):
-            pytest.fail(f"{CODEX} is missing: scripts/test.sh installs it with `npm ci` in {AGENT_CLIS}")
-        pytest.skip(f"Codex CLI not installed: run `npm ci` in {AGENT_CLIS}")
+    codex = _cli(CODEX)
     home, work = tmp_path / "codex-home", tmp_path / "work"
     _codex_home(home, agent_gateway.url)
     work.mkdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "CODEX_"))}
-    env.update(CODEX_HOME=str(home), OPENAI_API_KEY="unused", NO_COLOR="1")
+    env = _clean_env(CODEX_HOME=str(home), OPENAI_API_KEY="unused")
     start = time.monotonic()
-    done = subprocess.run([str(CODEX), "exec", "--skip-git-repo-check", "--json", "What is 2+2?"], cwd=work, env=env,
+    done = subprocess.run([str(codex), "exec", "--skip-git-repo-check", "--json", "What is 2+2?"], cwd=work, env=env,
                           capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
     took = time.monotonic() - start
     print(f"codex exec took {took:.1f} s")
@@ -125,3 +136,24 @@ def test_codex_exec_answers_and_exits_0(agent_gateway: Gateway, tmp_path: Path) 
     assert usage["input_tokens"] > 3000, usage
     log = agent_gateway.log()
     assert '"POST /v1/responses HTTP/1.1" 200' in log, log[-3000:]
+
+
+def test_claude_code_print_answers_and_exits_0(agent_gateway: Gateway, tmp_path: Path) -> None:
+    """Claude Code asks for its own model names (a Claude model, and a small one for side tasks):
+    models.yaml's `aliases: ["claude-*"]` on the agent entry serves them; nothing else is set."""
+    claude = _cli(CLAUDE)
+    work = tmp_path / "work"
+    work.mkdir()
+    env = _clean_env(ANTHROPIC_BASE_URL=agent_gateway.url, ANTHROPIC_API_KEY="unused", HOME=str(tmp_path),
+                     CLAUDE_CONFIG_DIR=str(tmp_path / "claude-config"), DISABLE_AUTOUPDATER="1",
+                     CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1", DISABLE_TELEMETRY="1")
+    start = time.monotonic()
+    done = subprocess.run([str(claude), "-p", "What is 2+2?", "--output-format", "json"], cwd=work, env=env,
+                          capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
+    took = time.monotonic() - start
+    print(f"claude -p took {took:.1f} s")
+    assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+    result = json.loads(done.stdout)
+    assert result.get("is_error") is False and str(result.get("result", "")).strip(), result
+    log = agent_gateway.log()
+    assert '"POST /v1/messages' in log and '" 200' in log, log[-3000:]

@@ -157,6 +157,7 @@ def test_a_crash_on_long_prompts_falls_back_to_repack_off_then_a_lower_variant(t
         g.stop()
 
 
+@pytest.mark.timeout(600)  # lavapipe's functional check alone takes about a minute on 2 cores
 def test_when_the_whole_ladder_crashes_the_next_candidate_serves(tmp_path: Path) -> None:
     from tests.test_builds import _vulkan_host_or_skip
 
@@ -165,7 +166,9 @@ def test_when_the_whole_ladder_crashes_the_next_candidate_serves(tmp_path: Path)
     _config(tmp_path, engines=["cpu", "vulkan"])
     g = _gateway(tmp_path, "--engine", "auto", "--device", "llvmpipe", standin="backend=cpu")
     try:
-        r = _long_chat(g.url)
+        # Every CPU rung crashes at its check (the stand-in's condition is the backend), so a short
+        # chat shows the fallback; a long one only made lavapipe's prefill slow.
+        r = _chat(g.url)
         assert r.status_code == 200, r.text
         assert r.headers["x-engine"] == "llamacpp/vulkan"
         reason = r.headers["x-fallback-reason"]

@@ -29,6 +29,10 @@ def test_partial_stop_released_when_it_diverges() -> None:
 
 def test_earliest_stop_wins() -> None:
     assert _run(("b", "a"), ["xxab"]) == ("xx", True)
+    m = StopMatcher(("b", "a"))
+    m.push("xxab")
+    assert m.matched == "a"  # which one ended it (Anthropic's stop_sequence)
+    assert StopMatcher(("b",)).matched is None
 
 
 def test_no_stop_flushes_everything() -> None:

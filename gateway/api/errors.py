@@ -1,4 +1,5 @@
-"""Every error the gateway returns, mapped to the OpenAI envelope and an HTTP status."""
+"""Every error the gateway returns, mapped to an HTTP status and the envelope of the protocol the
+client speaks (OpenAI's by default; Anthropic's on /v1/messages)."""
 
 from __future__ import annotations
 
@@ -57,6 +58,28 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         err = ErrorBody(message=self.message, type=self.type, param=self.param, code=self.code)
         return ErrorResponse(error=err).model_dump()
+
+    def answer(self, path: str) -> tuple[int, dict[str, Any]]:
+        """(status, body) in the envelope of the protocol `path` belongs to."""
+        if is_anthropic(path):
+            return anthropic_error(self)
+        return self.status, self.body()
+
+
+def is_anthropic(path: str) -> bool:
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
+# Anthropic's error types by status; it answers "overloaded" with its own 529.
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 529: "overloaded_error"}
+
+
+def anthropic_error(err: APIError) -> tuple[int, dict[str, Any]]:
+    status = 529 if err.status == 503 else err.status
+    kind = _ANTHROPIC_TYPES.get(status, "invalid_request_error" if 400 <= status < 500 else "api_error")
+    message = f"{err.param}: {err.message}" if err.param and err.param not in err.message else err.message
+    return status, {"type": "error", "error": {"type": kind, "message": message}}
 
 
 class ClientDisconnected(Exception):
@@ -169,7 +192,10 @@ def install_error_handlers(app: FastAPI) -> None:
             observer.finish(outcome, err.status)  # once per request: a no-op if already recorded
         elif request.url.path.startswith("/v1/") and not err.counted:
             request.app.state.metrics.count_error(("", "", ""), outcome, err.status)
-        return JSONResponse(err.body(), status_code=err.status, headers={**err.headers, **(headers or {})})
+        status, body = err.answer(request.url.path)
+        if 400 <= err.status < 500 and err.status != 499:  # the client's mistake, said once in the log
+            log.info("request %s: %d %s (param %s)", REQUEST_ID.get(), err.status, err.message, err.param)
+        return JSONResponse(body, status_code=status, headers={**err.headers, **(headers or {})})
 
     async def api_error(request: Request, exc: Exception) -> JSONResponse:
         return respond(request, to_api_error(exc))

@@ -32,7 +32,8 @@ LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1", "[::1]"})
 _LOOPBACK_ORIGIN = re.compile(r"^https?://(localhost|127\.0\.0\.1|\[::1\])(:\d{1,5})?$", re.IGNORECASE)
 # Request headers a browser may send cross-origin: what the OpenAI SDK and fetch() use.
 _ALLOWED_HEADERS = frozenset({"authorization", "content-type", "accept", "openai-organization", "openai-project",
-                              "openai-beta", "x-request-id", "cache-control"})
+                              "openai-beta", "x-request-id", "cache-control", "x-api-key", "anthropic-version",
+                              "anthropic-beta", "anthropic-dangerous-direct-browser-access"})
 _ALLOWED_HEADER_PREFIXES = ("x-stainless-",)
 _EXPOSED_HEADERS = "X-Engine, X-Device, X-Fallback-Reason, X-Request-Id, Retry-After"
 _METHODS = "GET, POST, OPTIONS"
@@ -122,7 +123,7 @@ class Guards:
 
         async def refuse(err: APIError, more: list[tuple[bytes, bytes]] | None = None) -> None:
             self.metrics.count_error(("", "", ""), outcome_of(err), err.status)
-            await _send_json(send, err.status, err.body(), extra + (more or []) + _pairs(err.headers))
+            await _send_json(send, *err.answer(path), extra + (more or []) + _pairs(err.headers))
 
         if not self.host_allowed(headers.get("host", "")):
             await refuse(APIError(403, f"Host {headers.get('host', '')!r} is not allowed (DNS-rebinding guard); "
@@ -142,8 +143,10 @@ class Guards:
         # /api/* is the web page's JSON (status, load/unload): the same keys as /v1.
         keyed = api or path.startswith("/api/")
         keys = self.policy.api_keys if keyed else (self.policy.metrics_keys if path == "/metrics" else ())
-        if keys and not key_matches(_bearer(headers.get("authorization", "")), keys):
-            await refuse(APIError(401, "invalid or missing API key (send Authorization: Bearer <key>)",
+        # Anthropic's clients send the key as x-api-key; everyone else as a bearer token.
+        sent = _bearer(headers.get("authorization", "")) or headers.get("x-api-key", "")
+        if keys and not key_matches(sent, keys):
+            await refuse(APIError(401, "invalid or missing API key (send Authorization: Bearer <key>, or x-api-key)",
                                   type="authentication_error", code="invalid_api_key"),
                          [(b"www-authenticate", b'Bearer realm="llm-gateway"')])
             return
@@ -195,7 +198,7 @@ class Guards:
                 observer = scope.get("state", {}).get("observer")
                 if observer is not None:
                     observer.finish(outcome_of(err), err.status)
-                    await _send_json(send, err.status, err.body(), extra)
+                    await _send_json(send, *err.answer(path), extra)
                 else:
                     await refuse(err)
             else:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from datetime import UTC, datetime
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -169,14 +170,28 @@ def _card(request: Request, spec: Any) -> ModelCard:
     )
 
 
-@router.get("/v1/models", responses=error_responses(401, 403))
-async def list_models(request: Request) -> ModelList:
-    return ModelList(data=[_card(request, spec) for spec in request.app.state.manager.registry.models.values()])
+def _anthropic_card(request: Request, spec: Any) -> dict[str, Any]:
+    created = datetime.fromtimestamp(request.app.state.started, tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return {"type": "model", "id": spec.id, "display_name": spec.description or spec.id, "created_at": created}
 
 
-@router.get("/v1/models/{model_id:path}", responses=error_responses(401, 403, 404))
-async def get_model(model_id: str, request: Request) -> ModelCard:
-    return _card(request, model_spec(request.app.state.manager.registry, model_id))
+@router.get("/v1/models", response_model=ModelList, responses=error_responses(401, 403))
+async def list_models(request: Request) -> Any:
+    """OpenAI's model list; Anthropic's shape when the request carries `anthropic-version`."""
+    specs = list(request.app.state.manager.registry.models.values())
+    if "anthropic-version" in request.headers:
+        data = [_anthropic_card(request, s) for s in specs]
+        return JSONResponse({"data": data, "has_more": False, "first_id": data[0]["id"] if data else None,
+                             "last_id": data[-1]["id"] if data else None})
+    return ModelList(data=[_card(request, spec) for spec in specs])
+
+
+@router.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=error_responses(401, 403, 404))
+async def get_model(model_id: str, request: Request) -> Any:
+    spec = model_spec(request.app.state.manager.registry, model_id)
+    if "anthropic-version" in request.headers:
+        return JSONResponse(_anthropic_card(request, spec))
+    return _card(request, spec)
 
 
 @router.post("/v1/embeddings", responses={200: {"model": EmbeddingList, "description": "One vector per input"},

@@ -14,10 +14,12 @@ A format that models.yaml does not list is still found when `gateway convert` pr
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import importlib.util
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -67,6 +69,7 @@ class Source(_Strict):
 # Formats `gateway convert` produces, and the order a converted artifact is preferred in when
 # models.yaml does not pin one: quality first, then the portable CPU build.
 CONVERTED_FORMATS = ("onnx", "coreml")
+_GLOB = re.compile(r"[*?\[]")  # an alias with these is a pattern
 PRECISION_ORDER = ("fp32", "fp16", "int4")
 PROVIDER_ORDER = ("cpu", "cuda", "dml")
 
@@ -176,6 +179,9 @@ class Replicas(_Strict):
 class ModelSpec(_Strict):
     id: str
     description: str = ""
+    aliases: list[str] = Field(default_factory=list, description="other names clients may send for this model: "
+                               "exact names, or glob patterns such as 'claude-*' (exact names win; then the "
+                               "first model whose pattern matches)")
     context_length: int = Field(default=2048, ge=16, description="tokens per request")
     formats: dict[str, Source] = Field(default_factory=dict,
                                        description="runtime format (gguf, onnx, coreml) -> source")
@@ -236,6 +242,13 @@ class RegistryFile(_Strict):
             if m.id in seen:
                 raise ValueError(f"duplicate model id {m.id!r}")
             seen.add(m.id)
+        ids = set(seen)
+        for m in self.models:
+            for a in m.aliases:
+                if a in ids:
+                    raise ValueError(f"alias {a!r} of model {m.id!r} is a model id or another model's alias")
+                if not _GLOB.search(a):
+                    ids.add(a)
         if self.default is not None and self.default not in seen:
             raise ValueError(f"default model {self.default!r} is not defined")
         return self
@@ -258,7 +271,18 @@ class Registry:
         self.default = spec.default or spec.models[0].id
 
     def get(self, model_id: str) -> ModelSpec | None:
-        return self.models.get(model_id)
+        """The model a request names: by id, by an exact alias, or by the first alias pattern that
+        matches (clients such as Claude Code ask for their own model names)."""
+        found = self.models.get(model_id)
+        if found is not None:
+            return found
+        for m in self.models.values():
+            if model_id in m.aliases:
+                return m
+        for m in self.models.values():
+            if any(_GLOB.search(a) and fnmatch.fnmatchcase(model_id, a) for a in m.aliases):
+                return m
+        return None
 
     # --- files -------------------------------------------------------------------------
 

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from engines.base import TokenEvent, Usage
 from gateway.api.errors import APIError, invalid, to_api_error
+from gateway.api.notes import Notes
 from gateway.api.openai.protocol import Temperature, TopP
 from gateway.conversation import (
     ArgumentsDelta,
@@ -232,22 +233,6 @@ def input_turns(items: str | list[dict[str, Any]] | None, notes: Notes) -> tuple
             raise invalid(f"unknown input item type {kind!r}", param=f"{param}.type")
         listed.append({**item, "type": kind, "id": item.get("id") or _id("msg" if kind == "message" else "item")})
     return tuple(turns), listed
-
-
-@dataclass
-class Notes:
-    """What was accepted but not honoured, for the response headers."""
-
-    ignored: set[str] = field(default_factory=set)
-    skipped_tools: set[str] = field(default_factory=set)
-
-    def headers(self) -> dict[str, str]:
-        out = {}
-        if self.ignored:
-            out["X-Ignored-Fields"] = ", ".join(sorted(self.ignored))
-        if self.skipped_tools:
-            out["X-Skipped-Tools"] = ", ".join(sorted(self.skipped_tools))
-        return out
 
 
 def _tools(req: ResponseCreateRequest, notes: Notes) -> tuple[ToolSpec, ...] | None:

@@ -1,0 +1,1 @@
+"""Anthropic's Messages API: one adapter over the conversation model."""

@@ -1,0 +1,121 @@
+"""Anthropic's routes: `POST /v1/messages` (whole or streamed) and `POST /v1/messages/count_tokens`.
+Errors on these paths use Anthropic's envelope (gateway.api.errors)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict
+
+from gateway.api.anthropic import messages as am
+from gateway.api.errors import invalid
+from gateway.api.notes import Notes
+from gateway.api.openai.common import sampling
+from gateway.api.serving import Service, check_prompt_chars
+from gateway.api.sse import event_stream_response, until_disconnect
+from gateway.conversation import Conversation
+from gateway.models.registry import ModelSpec
+
+router = APIRouter(tags=["anthropic"])
+
+
+class AnthropicErrorBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: str
+    message: str
+
+
+class AnthropicError(BaseModel):
+    """Anthropic's error envelope."""
+
+    type: str = "error"
+    error: AnthropicErrorBody
+
+
+_WHAT = {400: "Invalid request (`invalid_request_error`)", 401: "Missing or wrong API key (`authentication_error`)",
+         403: "Origin or Host not allowed (`permission_error`)", 404: "Unknown model (`not_found_error`)",
+         413: "Request body over `--max-body` (`request_too_large`)",
+         429: "The model's queue is full (`rate_limit_error`, `retry-after`)",
+         500: "The engine failed, or an unexpected error (`api_error`)",
+         502: "The engine's worker crashed while serving the request (`api_error`)",
+         529: "Loading, draining or overloaded (`overloaded_error`, `retry-after`)"}
+_ERRORS: dict[int | str, dict[str, Any]] = {s: {"model": AnthropicError, "description": w} for s, w in _WHAT.items()}
+
+_STREAM = {"schema": {
+    "type": "object",
+    "description": "Server-sent events, when the request sets `stream: true`: `event: <type>` and `data: <JSON>`: "
+                   "message_start, ping, then per content block content_block_start, content_block_delta "
+                   "(text_delta or input_json_delta), content_block_stop; then message_delta (stop reason, usage) "
+                   "and message_stop; a failure after the start is an `error` event.",
+    "required": ["data"],
+    "properties": {"event": {"type": "string"},
+                   "data": {"type": "string", "contentMediaType": "application/json",
+                            "contentSchema": {"$ref": "#/components/schemas/MessageStreamEvent"}}},
+}}
+
+
+def _checked(service: Service, body: am.MessagesRequest | am.CountTokensRequest, notes: Notes
+             ) -> tuple[ModelSpec, Conversation]:
+    spec = service.spec(body.model)
+    conv = am.conversation(body, notes)
+    limits = service.manager.settings
+    if len(conv.turns) > limits.max_messages:
+        raise invalid(f"{len(conv.turns)} messages exceed the limit of {limits.max_messages}", param="messages")
+    check_prompt_chars(sum(len(t.text) + sum(len(c.arguments) for c in t.tool_calls) for t in conv.turns),
+                       limits.max_prompt_chars, "messages", "the messages hold")
+    return spec, conv
+
+
+@router.post("/v1/messages", response_model=None, responses={
+    200: {"model": am.MessageObject, "description": "The message (JSON), or its events (SSE) with `stream`",
+          "content": {"text/event-stream": _STREAM}},
+    **{s: _ERRORS[s] for s in (400, 401, 403, 404, 413, 429, 500, 502, 529)}})
+async def create_message(body: am.MessagesRequest, request: Request) -> Response:
+    received = time.perf_counter()
+    service: Service = request.app.state.chat
+    notes = Notes()
+    spec, conv = _checked(service, body, notes)
+    sp = sampling(am.sampling_fields(body), spec, body.max_tokens)
+    p = await until_disconnect(request, service.prepare_conversation(spec, conv, sp, 1, "msg", received))
+    request.state.observer = p.observer
+    notes.skipped_tools.update(p.skipped_tools)
+    headers = {**p.headers, **notes.headers()}
+    asm = am.Assembler(am.message_id(), body.model)
+    events = am.generate(service, p, asm, in_band=body.stream)
+    try:
+        if not body.stream:
+            async def drain() -> None:
+                async for _ in events:
+                    pass
+
+            await until_disconnect(request, drain())
+            return JSONResponse(asm.message(), headers=headers)
+        first = await until_disconnect(request, anext(events))
+    except BaseException:
+        p.release()
+        raise
+    return event_stream_response(first, events, headers)
+
+
+@router.post("/v1/messages/count_tokens", response_model=am.TokenCount,
+             responses={s: _ERRORS[s] for s in (400, 401, 403, 404, 413, 429, 500, 502, 529)})
+async def count_tokens(body: am.CountTokensRequest, request: Request) -> JSONResponse:
+    """The prompt's tokens as this model's engine renders it (its chat template and the tool
+    prompt), counted by a one-token generation: the prefix it leaves in the KV cache speeds up the
+    request that usually follows."""
+    received = time.perf_counter()
+    service: Service = request.app.state.chat
+    notes = Notes()
+    spec, conv = _checked(service, body, notes)
+    fields = am.sampling_fields(am.MessagesRequest(model=body.model, max_tokens=1, messages=body.messages))
+    sp = replace(sampling(fields, spec, 1), temperature=0.0)
+    p = await until_disconnect(request, service.prepare_conversation(spec, conv, sp, 1, "count", received))
+    request.state.observer = p.observer
+    collected = await until_disconnect(request, service.collect(p))
+    usage = collected.usages[0] if collected.usages else None
+    return JSONResponse({"input_tokens": usage.prompt_tokens if usage else 0},
+                        headers={**p.headers, **notes.headers()})
