@@ -29,6 +29,7 @@ from schemathesis.checks import (
 )
 from schemathesis.config import SchemathesisConfig
 
+from gateway.api.anthropic.messages import MessageStreamEvent
 from gateway.api.openai.protocol import ChatCompletionChunk, Completion, ErrorResponse
 from gateway.api.openai.responses import ResponseStreamEvent
 from tests.conftest import MODEL
@@ -56,14 +57,24 @@ class FuzzFailure(AssertionError):
     pass
 
 
+def _is_anthropic_envelope(body: Any) -> bool:
+    return (isinstance(body, dict) and set(body) == {"type", "error"} and body["type"] == "error"
+            and isinstance(body["error"], dict) and set(body["error"]) == {"type", "message"}
+            and all(isinstance(v, str) for v in body["error"].values()))
+
+
 def error_envelope(ctx: Any, response: Any, case: Any) -> bool | None:
-    """Every error response is the OpenAI envelope with all four fields."""
+    """Every error response is the OpenAI envelope with all four fields (Anthropic's on its routes)."""
     if response.status_code < 400:
         return None
     try:
         body = json.loads(response.content)
     except ValueError:
         raise FuzzFailure(f"{response.status_code} body is not JSON: {response.content[:200]!r}") from None
+    if case.path.startswith("/v1/messages"):
+        if not _is_anthropic_envelope(body):
+            raise FuzzFailure(f"{response.status_code} is not in Anthropic's error envelope: {body!r}")
+        return True
     if not _is_envelope(body):
         raise FuzzFailure(f"{response.status_code} is not in the OpenAI error envelope: {body!r}")
     return True
@@ -75,6 +86,8 @@ def sse_stream(ctx: Any, response: Any, case: Any) -> bool | None:
         return None
     if case.path == "/v1/responses":
         return _responses_stream(response)
+    if case.path == "/v1/messages":
+        return _messages_stream(response)
     chunk: type[BaseModel] = ChatCompletionChunk if case.path.endswith("/chat/completions") else Completion
     frames = [ln[6:] for ln in response.content.decode().splitlines() if ln.startswith("data: ")]
     if not frames or frames[-1] != "[DONE]":
@@ -113,6 +126,27 @@ def _responses_stream(response: Any) -> bool:
     return True
 
 
+def _messages_stream(response: Any) -> bool:
+    """Anthropic's named events in order: message_start, ping, blocks (start, deltas, stop), then
+    message_delta and message_stop; or an in-band error event last."""
+    blocks = [b for b in response.content.decode().replace("\r\n", "\n").split("\n\n") if b.strip()
+              and not b.startswith(":")]
+    names = []
+    for b in blocks:
+        lines = b.split("\n")
+        if len(lines) != 2 or not lines[0].startswith("event: ") or not lines[1].startswith("data: "):
+            raise FuzzFailure(f"not an `event:` + `data:` block: {b[:200]!r}")
+        data = MessageStreamEvent.model_validate(json.loads(lines[1][6:]))
+        if data.type != lines[0][7:]:
+            raise FuzzFailure(f"event {lines[0][7:]!r} carries type {data.type!r}")
+        names.append(data.type)
+    if names[-1:] == ["error"]:
+        return True
+    if names[:2] != ["message_start", "ping"] or names[-2:] != ["message_delta", "message_stop"]:
+        raise FuzzFailure(f"events out of Anthropic's order: {names!r}")
+    return True
+
+
 def _pin(body: Any) -> None:
     """The served model and a few output tokens; everything else as generated."""
     if not isinstance(body, dict):
@@ -139,7 +173,8 @@ OPERATIONS = [("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("P
               ("GET", "/api/status"), ("GET", "/api/devices"),
               ("POST", "/api/models/{model_id}/load"), ("POST", "/api/models/{model_id}/unload"),
               ("POST", "/v1/responses"), ("GET", "/v1/responses/{response_id}"),
-              ("DELETE", "/v1/responses/{response_id}"), ("GET", "/v1/responses/{response_id}/input_items")]
+              ("DELETE", "/v1/responses/{response_id}"), ("GET", "/v1/responses/{response_id}/input_items"),
+              ("POST", "/v1/messages"), ("POST", "/v1/messages/count_tokens")]
 
 
 def test_every_operation_is_fuzzed(api_schema: Any) -> None:
