@@ -19,6 +19,7 @@ from gateway.api.anthropic.messages import MessageStreamEvent
 from gateway.api.anthropic.routes import router as anthropic_router
 from gateway.api.errors import install_error_handlers
 from gateway.api.guards import Drain, Guards, Policy, is_loopback_bind
+from gateway.api.ollama.routes import router as ollama_router
 from gateway.api.openai.chat import ChatService
 from gateway.api.openai.completions import CompletionService
 from gateway.api.openai.embeddings import EmbeddingService
@@ -143,6 +144,7 @@ def create_app(
     app.include_router(router)
     app.include_router(responses_router)
     app.include_router(anthropic_router)
+    app.include_router(ollama_router)
     install_web(app, resident)
     app.openapi = lambda: openapi_schema(app, (ChatCompletionChunk, ResponseStreamEvent, MessageStreamEvent))  # type: ignore[method-assign]
 

@@ -6,6 +6,7 @@ types in Anthropic's envelope, and the event stream's bytes."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import anthropic
@@ -23,8 +24,9 @@ GREEDY = {"temperature": 0}
 
 
 @pytest.fixture
-def claude(gateway_url: str) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=gateway_url, api_key="unused", max_retries=0)
+def claude(gateway_url: str) -> Iterator[anthropic.Anthropic]:
+    with anthropic.Anthropic(base_url=gateway_url, api_key="unused", max_retries=0) as c:
+        yield c
 
 
 def test_create_returns_a_message_the_sdk_parses(claude: anthropic.Anthropic) -> None:
@@ -146,9 +148,9 @@ def test_errors_in_anthropic_envelope(gateway_url: str, body: dict[str, Any], st
     if "messages" in body and "max_tokens" in body:  # what the SDK can send: it raises the status's error
         fields = {"model": MODEL, **body}
         extra = {k: fields.pop(k) for k in ("temperature",) if k in fields}
-        with pytest.raises(anthropic.APIStatusError) as caught:
-            anthropic.Anthropic(base_url=gateway_url, api_key="x", max_retries=0).messages.create(
-                **fields, extra_body=extra)
+        with anthropic.Anthropic(base_url=gateway_url, api_key="x", max_retries=0) as c, \
+                pytest.raises(anthropic.APIStatusError) as caught:
+            c.messages.create(**fields, extra_body=extra)
         assert caught.value.status_code == status
 
 

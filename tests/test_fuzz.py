@@ -30,6 +30,7 @@ from schemathesis.checks import (
 from schemathesis.config import SchemathesisConfig
 
 from gateway.api.anthropic.messages import MessageStreamEvent
+from gateway.api.errors import OLLAMA_PATHS
 from gateway.api.openai.protocol import ChatCompletionChunk, Completion, ErrorResponse
 from gateway.api.openai.responses import ResponseStreamEvent
 from tests.conftest import MODEL
@@ -71,6 +72,10 @@ def error_envelope(ctx: Any, response: Any, case: Any) -> bool | None:
         body = json.loads(response.content)
     except ValueError:
         raise FuzzFailure(f"{response.status_code} body is not JSON: {response.content[:200]!r}") from None
+    if case.path in OLLAMA_PATHS:
+        if not (isinstance(body, dict) and set(body) == {"error"} and isinstance(body["error"], str)):
+            raise FuzzFailure(f"{response.status_code} is not in Ollama's error shape: {body!r}")
+        return True
     if case.path.startswith("/v1/messages"):
         if not _is_anthropic_envelope(body):
             raise FuzzFailure(f"{response.status_code} is not in Anthropic's error envelope: {body!r}")
@@ -126,6 +131,24 @@ def _responses_stream(response: Any) -> bool:
     return True
 
 
+def ndjson_stream(ctx: Any, response: Any, case: Any) -> bool | None:
+    """Ollama's stream: one JSON object per line, `done: false` until the last (`done: true`), or an
+    `{"error"}` line last."""
+    if not response.headers.get("content-type", [""])[0].startswith("application/x-ndjson"):
+        return None
+    lines = response.content.decode().split("\n")
+    if lines[-1] != "" or not all(lines[:-1]):
+        raise FuzzFailure(f"not newline-terminated JSON lines: {response.content[-200:]!r}")
+    objs = [json.loads(x) for x in lines[:-1]]
+    if objs and set(objs[-1]) == {"error"}:
+        objs = objs[:-1]
+    elif not objs or objs[-1].get("done") is not True:
+        raise FuzzFailure(f"the stream does not end with done: {objs[-1:]!r}")
+    if any(o.get("done") for o in objs[:-1]):
+        raise FuzzFailure("done before the last line")
+    return True
+
+
 def _messages_stream(response: Any) -> bool:
     """Anthropic's named events in order: message_start, ping, blocks (start, deltas, stop), then
     message_delta and message_stop; or an in-band error event last."""
@@ -147,9 +170,17 @@ def _messages_stream(response: Any) -> bool:
     return True
 
 
-def _pin(body: Any) -> None:
+def _pin(body: Any, path: str = "") -> None:
     """The served model and a few output tokens; everything else as generated."""
     if not isinstance(body, dict):
+        return
+    if path in OLLAMA_PATHS:  # Ollama's: the limit is options.num_predict; keep the model loaded
+        if "model" in body:
+            body["model"] = MODEL
+        if path in ("/api/chat", "/api/generate"):
+            options = body.get("options") if isinstance(body.get("options"), dict) else {}
+            body["options"] = {**options, "num_predict": MAX_TOKENS}
+        body.pop("keep_alive", None)
         return
     if "model" in body or "messages" in body or "prompt" in body or "input" in body:
         body["model"] = MODEL
@@ -164,7 +195,7 @@ def _pin(body: Any) -> None:
 
 
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
-          error_envelope, sse_stream]
+          error_envelope, sse_stream, ndjson_stream]
 
 
 # Every operation of the document; test_every_operation_is_fuzzed keeps this list complete.
@@ -174,7 +205,9 @@ OPERATIONS = [("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("P
               ("POST", "/api/models/{model_id}/load"), ("POST", "/api/models/{model_id}/unload"),
               ("POST", "/v1/responses"), ("GET", "/v1/responses/{response_id}"),
               ("DELETE", "/v1/responses/{response_id}"), ("GET", "/v1/responses/{response_id}/input_items"),
-              ("POST", "/v1/messages"), ("POST", "/v1/messages/count_tokens")]
+              ("POST", "/v1/messages"), ("POST", "/v1/messages/count_tokens"),
+              ("POST", "/api/chat"), ("POST", "/api/generate"), ("POST", "/api/embed"), ("POST", "/api/embeddings"),
+              ("GET", "/api/tags"), ("POST", "/api/show"), ("GET", "/api/ps"), ("GET", "/api/version")]
 
 
 def test_every_operation_is_fuzzed(api_schema: Any) -> None:
@@ -198,7 +231,7 @@ def test_api(api_schema: Any, method: str, path: str, mode: GenerationMode) -> N
               derandomize=os.environ.get("FUZZ_RANDOM") != "1", suppress_health_check=list(HealthCheck),
               database=None)
     def run(case: Any) -> None:
-        _pin(case.body)
+        _pin(case.body, path)
         response = case.call(timeout=120)
         case.validate_response(response, checks=CHECKS)
 

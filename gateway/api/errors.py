@@ -1,5 +1,5 @@
 """Every error the gateway returns, mapped to an HTTP status and the envelope of the protocol the
-client speaks (OpenAI's by default; Anthropic's on /v1/messages)."""
+client speaks (OpenAI's by default; Anthropic's on /v1/messages; Ollama's on its /api/ routes)."""
 
 from __future__ import annotations
 
@@ -63,7 +63,13 @@ class APIError(Exception):
         """(status, body) in the envelope of the protocol `path` belongs to."""
         if is_anthropic(path):
             return anthropic_error(self)
+        if path in OLLAMA_PATHS:
+            return self.status, {"error": self.message}
         return self.status, self.body()
+
+
+OLLAMA_PATHS = frozenset({"/api/chat", "/api/generate", "/api/embed", "/api/embeddings", "/api/tags", "/api/show",
+                          "/api/ps", "/api/version"})
 
 
 def is_anthropic(path: str) -> bool:

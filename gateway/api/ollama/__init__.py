@@ -1,0 +1,1 @@
+"""Ollama's API: one adapter over the conversation model."""

@@ -1,0 +1,373 @@
+"""Ollama's routes on the gateway's port: `/api/chat`, `/api/generate` (NDJSON streams by default),
+`/api/embed`, `/api/embeddings`, `/api/tags`, `/api/show`, `/api/ps`, `/api/version`. Errors on these
+paths are Ollama's `{"error": "..."}` (gateway.api.errors)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from datetime import UTC, datetime
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from engines.base import GenerationRequest
+from gateway.api.errors import APIError, invalid, to_api_error
+from gateway.api.notes import Notes
+from gateway.api.ollama import api as ol
+from gateway.api.openai.common import sampling
+from gateway.api.openai.protocol import EmbeddingRequest
+from gateway.api.serving import Prepared, Service, model_spec
+from gateway.api.sse import until_disconnect
+from gateway.conversation import ArgumentsDelta, CallStarted, Finished, TextDelta
+from gateway.models.pool import ModelBusy, ModelManager
+from gateway.models.registry import ModelSpec
+
+log = logging.getLogger(__name__)
+router = APIRouter(tags=["ollama"])
+
+
+class OllamaError(BaseModel):
+    """Ollama's error shape."""
+
+    error: str
+
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    s: {"model": OllamaError, "description": w} for s, w in (
+        (400, "Invalid request"), (401, "Missing or wrong API key"), (404, "Unknown model"),
+        (429, "The model's queue is full"), (500, "The engine failed"), (503, "Loading or draining"))}
+
+
+def _spec(request: Request, name: str) -> ModelSpec:
+    """Ollama names carry a tag (`model:latest`); the gateway's ids have none."""
+    registry = request.app.state.manager.registry
+    found = registry.get(name) or (registry.get(name.removesuffix(":latest")) if name.endswith(":latest") else None)
+    if found is None:
+        return model_spec(registry, name)  # the 404
+    if found.embedding_only and request.url.path in ("/api/chat", "/api/generate"):
+        raise APIError(400, f"\"{name}\" does not support generate", param="model")
+    return found
+
+
+# --- keep_alive -----------------------------------------------------------------------------------
+
+
+class KeepAlive:
+    """Unloads a model `keep_alive` after its last Ollama request (0: at once; negative: never)."""
+
+    def __init__(self, manager: ModelManager) -> None:
+        self.manager = manager
+        self.timers: dict[str, asyncio.TimerHandle] = {}
+        self.expires: dict[str, float] = {}  # model -> unix time it is unloaded at
+
+    def set(self, model_id: str, seconds: float | None) -> None:
+        if seconds is None:
+            return
+        old = self.timers.pop(model_id, None)
+        if old is not None:
+            old.cancel()
+        self.expires.pop(model_id, None)
+        if seconds < 0:
+            return
+        if seconds == 0:
+            asyncio.get_running_loop().create_task(self._unload(model_id))
+            return
+        self.expires[model_id] = time.time() + seconds
+        self.timers[model_id] = asyncio.get_running_loop().call_later(
+            seconds, lambda: asyncio.get_running_loop().create_task(self._unload(model_id)))
+
+    async def _unload(self, model_id: str) -> None:
+        self.timers.pop(model_id, None)
+        self.expires.pop(model_id, None)
+        for _ in range(100):  # a request still finishing: try again shortly
+            try:
+                await self.manager.unload(model_id)
+                return
+            except ModelBusy:
+                await asyncio.sleep(0.1)
+        log.info("keep_alive: %s is still busy; left loaded", model_id)
+
+
+def _keep_alive(request: Request) -> KeepAlive:
+    ka: KeepAlive | None = getattr(request.app.state, "ollama_keep_alive", None)
+    if ka is None:
+        ka = request.app.state.ollama_keep_alive = KeepAlive(request.app.state.manager)
+    return ka
+
+
+# --- chat and generate -------------------------------------------------------------------------------
+
+
+async def _load_only(request: Request, spec: ModelSpec, name: str, keep: float | None, key: str) -> JSONResponse:
+    """An empty chat/generate: load the model (or, with keep_alive 0, unload it), as Ollama does."""
+    manager: ModelManager = request.app.state.manager
+    if keep == 0:
+        with contextlib.suppress(ModelBusy):
+            await manager.unload(spec.id)
+        reason = "unload"
+    else:
+        await until_disconnect(request, manager.get(spec))
+        _keep_alive(request).set(spec.id, keep)
+        reason = "load"
+    body = {"model": name, "created_at": ol.now(), key: {"role": "assistant", "content": ""} if key == "message" else "",
+            "done_reason": reason, "done": True}
+    return JSONResponse(body)
+
+
+async def _lines(service: Service, p: Prepared, name: str, key: str, timing: ol.Timing, answer: ol.Answer
+                 ) -> AsyncIterator[dict[str, Any]]:
+    """The answer as Ollama's stream objects; `answer` holds the whole of it at the end."""
+
+    def piece(text: str) -> dict[str, Any]:
+        return {"model": name, "created_at": ol.now(),
+                key: {"role": "assistant", "content": text} if key == "message" else text, "done": False}
+
+    async with contextlib.aclosing(service.conversation_events(p)) as events:
+        async for _i, e, ev in events:
+            if not timing.first and (ev.text or ev.token_ids):
+                timing.first = time.perf_counter()
+            if isinstance(e, TextDelta):
+                if e.text:
+                    answer.text += e.text
+                    yield piece(e.text)
+            elif isinstance(e, CallStarted | ArgumentsDelta):
+                continue  # Ollama sends calls whole: at the end
+            elif isinstance(e, Finished):
+                answer.calls = e.calls
+                answer.done_reason = ol.done_reason(e.reason)
+                u = ev.usage
+                answer.fields = timing.done_fields(u.prompt_tokens if u else 0, u.cached_tokens if u else 0,
+                                                   u.completion_tokens if u else 0)
+                if e.calls:
+                    yield {"model": name, "created_at": ol.now(), "message": {
+                        "role": "assistant", "content": "", "tool_calls": ol.tool_calls_out(e.calls)}, "done": False}
+
+
+def _final(name: str, key: str, answer: ol.Answer, whole: bool) -> dict[str, Any]:
+    if key == "message":
+        msg: dict[str, Any] = {"role": "assistant", "content": answer.text if whole else ""}
+        if whole and answer.calls:
+            msg["tool_calls"] = ol.tool_calls_out(answer.calls)
+        out: dict[str, Any] = {"model": name, "created_at": ol.now(), "message": msg}
+    else:
+        out = {"model": name, "created_at": ol.now(), "response": answer.text if whole else ""}
+    return {**out, "done_reason": answer.done_reason, "done": True, **answer.fields}
+
+
+async def _answer(request: Request, p: Prepared, name: str, key: str, stream: bool, timing: ol.Timing,
+                  headers: dict[str, str], spec: ModelSpec, keep: float | None) -> Response:
+    service: Service = request.app.state.chat
+    answer = ol.Answer()
+    lines = _lines(service, p, name, key, timing, answer)
+    ka = _keep_alive(request)
+    try:
+        if not stream:
+            async def drain() -> None:
+                async for _ in lines:
+                    pass
+
+            await until_disconnect(request, drain())
+            ka.set(spec.id, keep)
+            return JSONResponse(_final(name, key, answer, True), headers=headers)
+        first = await until_disconnect(request, anext(lines, None))
+    except BaseException:
+        p.release()
+        raise
+
+    async def ndjson() -> AsyncIterator[bytes]:
+        try:
+            if first is not None:
+                yield (json.dumps(first) + "\n").encode()
+            async for obj in lines:
+                yield (json.dumps(obj) + "\n").encode()
+            yield (json.dumps(_final(name, key, answer, False)) + "\n").encode()
+        except Exception as exc:  # noqa: BLE001 - after the first line, errors travel in-band
+            yield (json.dumps({"error": to_api_error(exc).message}) + "\n").encode()
+        finally:
+            await lines.aclose()
+            ka.set(spec.id, keep)
+
+    return StreamingResponse(ndjson(), media_type="application/x-ndjson", headers=headers)
+
+
+_NDJSON = {"application/x-ndjson": {"schema": {"type": "string", "description": "one JSON object per line"}}}
+
+
+@router.post("/api/chat", responses={200: {"description": "The answer (JSON), or NDJSON lines unless `stream` "
+                                           "is false; the last line has `done: true` and the timings",
+                                           "content": _NDJSON},
+                                     **_ERRORS})
+async def chat(body: ol.ChatRequest, request: Request) -> Response:
+    received = time.perf_counter()
+    service: Service = request.app.state.chat
+    spec = _spec(request, body.model)
+    keep = ol.keep_alive_seconds(body.keep_alive)
+    if not body.messages:
+        return await _load_only(request, spec, body.model, keep, "message")
+    notes = Notes()
+    if body.think not in (None, False):
+        notes.ignored.add("think")
+    conv = ol.chat_conversation(body)
+    fields, max_tokens = ol.sampling_fields(body.options, notes)
+    sp = sampling(fields, spec, max_tokens)
+    timing = ol.Timing(received)
+    was_loaded = service.manager.is_loaded(spec.id)
+    p = await until_disconnect(request, service.prepare_conversation(spec, conv, sp, 1, "ollama", received))
+    timing.started = time.perf_counter()
+    timing.load_s = 0.0 if was_loaded else p.loaded.load_seconds
+    request.state.observer = p.observer
+    notes.skipped_tools.update(p.skipped_tools)
+    return await _answer(request, p, body.model, "message", body.stream, timing, {**p.headers, **notes.headers()},
+                         spec, keep)
+
+
+@router.post("/api/generate", responses={200: {"description": "The completion (JSON), or NDJSON lines unless "
+                                               "`stream` is false", "content": _NDJSON}, **_ERRORS})
+async def generate(body: ol.GenerateRequest, request: Request) -> Response:
+    received = time.perf_counter()
+    service: Service = request.app.state.chat
+    spec = _spec(request, body.model)
+    keep = ol.keep_alive_seconds(body.keep_alive)
+    if not body.prompt and not body.system:
+        return await _load_only(request, spec, body.model, keep, "response")
+    notes = Notes()
+    for name in ("template", "context"):
+        if getattr(body, name):
+            notes.ignored.add(name)
+    if body.think not in (None, False):
+        notes.ignored.add("think")
+    conv = ol.generate_conversation(body)
+    fields, max_tokens = ol.sampling_fields(body.options, notes)
+    sp = sampling(fields, spec, max_tokens)
+    timing = ol.Timing(received)
+    was_loaded = service.manager.is_loaded(spec.id)
+    if body.raw:  # the prompt as it is, no chat template
+        if conv.output is not None:
+            sp = replace(sp, structured=conv.output.type,
+                         json_schema=json.dumps(conv.output.schema) if conv.output.schema is not None else None)
+        base = GenerationRequest(request_id="", sampling=sp, prompt=body.prompt)
+        p = await until_disconnect(request, service.prepare(spec, base, 1, "ollama", received))
+    else:
+        p = await until_disconnect(request, service.prepare_conversation(spec, conv, sp, 1, "ollama", received))
+    timing.started = time.perf_counter()
+    timing.load_s = 0.0 if was_loaded else p.loaded.load_seconds
+    request.state.observer = p.observer
+    return await _answer(request, p, body.model, "response", body.stream, timing, {**p.headers, **notes.headers()},
+                         spec, keep)
+
+
+# --- embeddings ---------------------------------------------------------------------------------------
+
+
+def _embedding_request(model: str, text: str | list[str], dimensions: int | None = None) -> EmbeddingRequest:
+    try:
+        return EmbeddingRequest(model=model, input=text, dimensions=dimensions)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = "dimensions" if first.get("loc", ("",))[0] == "dimensions" else "input"
+        raise invalid(f"{where}: {first.get('msg', 'invalid value')}", param=where) from None
+
+
+@router.post("/api/embed", responses={200: {"description": "One vector per input (L2-normalised)"}, **_ERRORS})
+async def embed(body: ol.EmbedRequest, request: Request) -> JSONResponse:
+    received = time.perf_counter()
+    spec = _spec(request, body.model)
+    was_loaded = request.app.state.manager.is_loaded(spec.id)
+    out = await request.app.state.embeddings.embed(_embedding_request(spec.id, body.input, body.dimensions), received)
+    loaded = next((m for m in request.app.state.manager.loaded() if m.spec.id == spec.id), None)
+    _keep_alive(request).set(spec.id, ol.keep_alive_seconds(body.keep_alive))
+    return JSONResponse({"model": body.model, "embeddings": [d.embedding for d in out.data],
+                         "total_duration": int((time.perf_counter() - received) * 1e9),
+                         "load_duration": int(loaded.load_seconds * 1e9) if loaded and not was_loaded else 0,
+                         "prompt_eval_count": out.usage.prompt_tokens})
+
+
+@router.post("/api/embeddings", responses={200: {"description": "The prompt's vector (the older route)"}, **_ERRORS})
+async def embeddings(body: ol.LegacyEmbeddingRequest, request: Request) -> JSONResponse:
+    spec = _spec(request, body.model)
+    out = await request.app.state.embeddings.embed(_embedding_request(spec.id, body.prompt), time.perf_counter())
+    _keep_alive(request).set(spec.id, ol.keep_alive_seconds(body.keep_alive))
+    return JSONResponse({"embedding": out.data[0].embedding})
+
+
+# --- models -------------------------------------------------------------------------------------------
+
+
+def _file_facts(request: Request, spec: ModelSpec) -> tuple[int, str, str] | None:
+    """(size, digest, modified_at) of the model's GGUF, or None when it is not on disk."""
+    path = request.app.state.manager.registry.local_path(spec, "gguf") if "gguf" in spec.formats else None
+    if path is None or not path.exists():
+        return None
+    st = path.stat()
+    # A digest of the file's identity (path, size, time), not of its bytes: hashing gigabytes per listing is
+    # what a cache would be for; clients only compare digests.
+    digest = hashlib.sha256(f"{path}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()
+    modified = datetime.fromtimestamp(st.st_mtime, tz=UTC).isoformat()
+    return st.st_size, digest, modified
+
+
+def _details(spec: ModelSpec) -> dict[str, Any]:
+    quant = next((q for q in ("Q4_K_M", "Q4_1", "Q4_0", "Q5_K_M", "Q8_0", "F16") if q.lower() in
+                  json.dumps(spec.formats.get("gguf").model_dump() if spec.formats.get("gguf") else "").lower()), "")
+    return {"parent_model": "", "format": "gguf", "family": spec.id.split("-")[0], "families": [spec.id.split("-")[0]],
+            "parameter_size": "", "quantization_level": quant}
+
+
+def _entry(request: Request, spec: ModelSpec) -> dict[str, Any] | None:
+    facts = _file_facts(request, spec)
+    if facts is None:
+        return None
+    size, digest, modified = facts
+    return {"name": spec.id, "model": spec.id, "modified_at": modified, "size": size, "digest": digest,
+            "details": _details(spec)}
+
+
+@router.get("/api/tags", responses={200: {"description": "The models on disk"}, **_ERRORS})
+async def tags(request: Request) -> JSONResponse:
+    specs = request.app.state.manager.registry.models.values()
+    models = [e for e in (await asyncio.gather(*(asyncio.to_thread(_entry, request, s) for s in specs))) if e]
+    return JSONResponse({"models": models})
+
+
+@router.post("/api/show", responses={200: {"description": "A model's details and capabilities"}, **_ERRORS})
+async def show(body: ol.ModelRequest, request: Request) -> JSONResponse:
+    spec = _spec(request, body.id)
+    manager: ModelManager = request.app.state.manager
+    loaded = next((m for m in manager.loaded() if m.spec.id == spec.id), None)
+    context = loaded.engine.info.context_length if loaded is not None else spec.context_length
+    caps = ["embedding"] if spec.embedding_only else ["completion", *(["tools"] if spec.tools else [])]
+    facts = await asyncio.to_thread(_file_facts, request, spec)
+    return JSONResponse({"modelfile": "", "parameters": "", "template": spec.chat_template or "",
+                         "details": _details(spec), "model_info": {"general.context_length": context},
+                         "capabilities": caps, "modified_at": facts[2] if facts else ol.now()})
+
+
+@router.get("/api/ps", responses={200: {"description": "The loaded models"}, **_ERRORS})
+async def ps(request: Request) -> JSONResponse:
+    manager: ModelManager = request.app.state.manager
+    ka = _keep_alive(request)
+    out = []
+    for m in manager.loaded():
+        facts = await asyncio.to_thread(_file_facts, request, m.spec)
+        expires = ka.expires.get(m.spec.id)
+        out.append({"name": m.spec.id, "model": m.spec.id, "size": facts[0] if facts else 0,
+                    "digest": facts[1] if facts else "", "details": _details(m.spec),
+                    "expires_at": datetime.fromtimestamp(expires, tz=UTC).isoformat() if expires
+                    else "2318-01-01T00:00:00Z",  # no keep_alive given: resident until the gateway unloads it
+                    "size_vram": facts[0] if facts and m.candidate.backend != "cpu" else 0,
+                    "context_length": m.engine.info.context_length})
+    return JSONResponse({"models": out})
+
+
+@router.get("/api/version", responses={200: {"description": "The Ollama API version these routes follow"}})
+async def version() -> JSONResponse:
+    return JSONResponse({"version": ol.OLLAMA_API_VERSION})
