@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import TypeVar
 
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 
 from gateway.api.errors import ClientDisconnected, to_api_error
 
@@ -78,6 +79,30 @@ async def _events(first: tuple[str, dict[str, object]], rest: AsyncIterator[tupl
         aclose = getattr(rest, "aclose", None)
         if aclose is not None:
             await aclose()
+
+
+async def answer_events(request: Request, events: AsyncIterator[tuple[str, dict[str, object]]], stream: bool,
+                        headers: Mapping[str, str], release: Callable[[], None],
+                        whole: Callable[[dict[str, object]], object]) -> Response:
+    """A named-event answer (Responses, Anthropic): drained into one JSON body (`whole` of the last
+    event's data), or streamed once its first event is ready, so errors before it get a status.
+    `release` gives the request's slots back if it ends before the stream takes over."""
+    try:
+        if not stream:
+            last: dict[str, object] = {}
+
+            async def drain() -> None:
+                async for _kind, data in events:
+                    last.clear()
+                    last.update(data)
+
+            await until_disconnect(request, drain())
+            return JSONResponse(whole(last), headers=dict(headers))
+        first = await until_disconnect(request, anext(events))
+    except BaseException:
+        release()
+        raise
+    return event_stream_response(first, events, headers)
 
 
 def event_stream_response(first: tuple[str, dict[str, object]], rest: AsyncIterator[tuple[str, dict[str, object]]],

@@ -16,7 +16,7 @@ from gateway.api.errors import invalid
 from gateway.api.notes import Notes
 from gateway.api.openai.common import sampling
 from gateway.api.serving import Service, check_prompt_chars
-from gateway.api.sse import event_stream_response, until_disconnect
+from gateway.api.sse import answer_events, until_disconnect
 from gateway.conversation import Conversation
 from gateway.models.registry import ModelSpec
 
@@ -86,19 +86,7 @@ async def create_message(body: am.MessagesRequest, request: Request) -> Response
     headers = {**p.headers, **notes.headers()}
     asm = am.Assembler(am.message_id(), body.model)
     events = am.generate(service, p, asm, in_band=body.stream)
-    try:
-        if not body.stream:
-            async def drain() -> None:
-                async for _ in events:
-                    pass
-
-            await until_disconnect(request, drain())
-            return JSONResponse(asm.message(), headers=headers)
-        first = await until_disconnect(request, anext(events))
-    except BaseException:
-        p.release()
-        raise
-    return event_stream_response(first, events, headers)
+    return await answer_events(request, events, body.stream, headers, p.release, lambda _last: asm.message())
 
 
 @router.post("/v1/messages/count_tokens", response_model=am.TokenCount,

@@ -14,7 +14,7 @@ from gateway.api.openai import responses as rs
 from gateway.api.openai.common import sampling
 from gateway.api.routes import error_responses
 from gateway.api.serving import Service, check_prompt_chars
-from gateway.api.sse import event_stream_response, until_disconnect
+from gateway.api.sse import answer_events, until_disconnect
 from gateway.conversation import Turn
 from gateway.store import ResponseStore
 
@@ -77,21 +77,7 @@ async def create_response(body: rs.ResponseCreateRequest, request: Request) -> R
     notes.skipped_tools.update(p.skipped_tools)
     headers = {**p.headers, **notes.headers()}
     events = rs.generate(service, run)
-    try:
-        if not body.stream:
-            last: dict[str, Any] = {}
-
-            async def drain() -> None:
-                async for _kind, data in events:
-                    last.update(data)
-
-            await until_disconnect(request, drain())
-            return JSONResponse(last["response"], headers=headers)
-        first = await until_disconnect(request, anext(events))
-    except BaseException:
-        p.release()
-        raise
-    return event_stream_response(first, events, headers)
+    return await answer_events(request, events, body.stream, headers, p.release, lambda last: last["response"])
 
 
 @router.get("/v1/responses/{response_id}", response_model=rs.ResponseObject,
