@@ -32,6 +32,16 @@ def _cli(path: Path) -> Path:
     return path
 
 
+def _run_ok(cmd: list[str], cwd: Path, env: dict[str, str]) -> str:
+    """Run an agent CLI to its end: exit 0 asserted, its stdout returned, its wall time printed."""
+    start = time.monotonic()
+    done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=900,
+                          stdin=subprocess.DEVNULL)
+    print(f"{Path(cmd[0]).name} took {time.monotonic() - start:.1f} s")
+    assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+    return done.stdout
+
+
 def _clean_env(**more: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "CODEX_", "ANTHROPIC_", "CLAUDE_"))}
     env.update(NO_COLOR="1", **more)
@@ -120,19 +130,14 @@ def test_codex_exec_answers_and_exits_0(agent_gateway: Gateway, tmp_path: Path) 
     _codex_home(home, agent_gateway.url)
     work.mkdir()
     env = _clean_env(CODEX_HOME=str(home), OPENAI_API_KEY="unused")
-    start = time.monotonic()
-    done = subprocess.run([str(codex), "exec", "--skip-git-repo-check", "--json", "What is 2+2?"], cwd=work, env=env,
-                          capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
-    took = time.monotonic() - start
-    print(f"codex exec took {took:.1f} s")
-    assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
-    events = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    out = _run_ok([str(codex), "exec", "--skip-git-repo-check", "--json", "What is 2+2?"], work, env)
+    events = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     answers = [e["item"]["text"] for e in events
                if e.get("type") == "item.completed" and e["item"].get("type") == "agent_message"]
-    assert answers and answers[-1].strip(), done.stdout[-4000:]
+    assert answers and answers[-1].strip(), out[-4000:]
     usage = next(e["usage"] for e in events if e.get("type") == "turn.completed")
-    # Codex's own instructions and tool list went through whole (thousands of tokens), and its tools
-    # were named as skipped (the agent entry answers in text).
+    # Codex's own instructions went through whole (thousands of tokens; its tools are skipped on the
+    # agent entry, which answers in text).
     assert usage["input_tokens"] > 3000, usage
     log = agent_gateway.log()
     assert '"POST /v1/responses HTTP/1.1" 200' in log, log[-3000:]
@@ -147,13 +152,7 @@ def test_claude_code_print_answers_and_exits_0(agent_gateway: Gateway, tmp_path:
     env = _clean_env(ANTHROPIC_BASE_URL=agent_gateway.url, ANTHROPIC_API_KEY="unused", HOME=str(tmp_path),
                      CLAUDE_CONFIG_DIR=str(tmp_path / "claude-config"), DISABLE_AUTOUPDATER="1",
                      CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1", DISABLE_TELEMETRY="1")
-    start = time.monotonic()
-    done = subprocess.run([str(claude), "-p", "What is 2+2?", "--output-format", "json"], cwd=work, env=env,
-                          capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
-    took = time.monotonic() - start
-    print(f"claude -p took {took:.1f} s")
-    assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
-    result = json.loads(done.stdout)
+    result = json.loads(_run_ok([str(claude), "-p", "What is 2+2?", "--output-format", "json"], work, env))
     assert result.get("is_error") is False and str(result.get("result", "")).strip(), result
     log = agent_gateway.log()
     assert '"POST /v1/messages' in log and '" 200' in log, log[-3000:]
