@@ -156,6 +156,10 @@ def test_the_ndjson_bytes(gateway_url: str) -> None:
 def test_langchain_chat_ollama(gateway_url: str) -> None:
     from langchain_ollama import ChatOllama
 
-    out = ChatOllama(model=MODEL, base_url=gateway_url, temperature=0, num_predict=16).invoke("Say hi.")
+    llm = ChatOllama(model=MODEL, base_url=gateway_url, temperature=0, num_predict=16)
+    try:
+        out = llm.invoke("Say hi.")
+    finally:
+        llm._client._client.close()  # its HTTP client is never closed otherwise (a leaked socket)
     assert isinstance(out.content, str) and out.content
     assert out.usage_metadata is not None and out.usage_metadata["output_tokens"] > 0

@@ -157,7 +157,7 @@ def _card(request: Request, spec: Any) -> ModelCard:
     manager = request.app.state.manager
     # The context the engine really allocated once loaded (a models.yaml value above the model's
     # trained context is served at the trained context).
-    loaded = next((m for m in manager.loaded() if m.spec.id == spec.id), None) if manager.is_loaded(spec.id) else None
+    loaded = manager.entry(spec.id)
     return ModelCard(
         id=spec.id,
         created=request.app.state.started,

@@ -110,6 +110,10 @@ class ModelManager:
     def loaded(self) -> list[Loaded]:
         return list(self._loaded.values())
 
+    def entry(self, model_id: str) -> Loaded | None:
+        """The model's engine if it is loaded now."""
+        return self._loaded.get(model_id)
+
     def plan(self, spec: ModelSpec) -> Plan:
         return plan(spec, self.host, self.preference, self.registry.formats(spec))
 

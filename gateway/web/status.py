@@ -128,7 +128,7 @@ class DevicesResponse(BaseModel):
 def _model(request: Request, spec: ModelSpec) -> ModelStatus:
     state = request.app.state
     manager: ModelManager = state.manager
-    entry = next((e for e in manager.loaded() if e.spec.id == spec.id), None)
+    entry = manager.entry(spec.id)
     usage = next(((h.running, h.waiting) for m, _, _, h in state.live.resident() if m == spec.id), (0, 0))
     shadow = state.shadow.status() if state.shadow is not None else {"engines": [], "excluded": {}}
     return ModelStatus(
@@ -237,7 +237,7 @@ async def unload(model_id: str, request: Request) -> ModelStatus:
     spec = model_spec(manager.registry, model_id)
     if spec.id in manager.loading:
         raise APIError(409, f"model {spec.id!r} is loading; unload it once it is loaded", code="model_loading")
-    entry = next((e for e in manager.loaded() if e.spec.id == spec.id), None)
+    entry = manager.entry(spec.id)
     if entry is not None:
         h = entry.engine.health()
         busy = h.running + h.waiting + request.app.state.admission.waiting(spec.id)

@@ -283,7 +283,7 @@ async def embed(body: ol.EmbedRequest, request: Request) -> JSONResponse:
     spec = _spec(request, body.model)
     was_loaded = request.app.state.manager.is_loaded(spec.id)
     out = await request.app.state.embeddings.embed(_embedding_request(spec.id, body.input, body.dimensions), received)
-    loaded = next((m for m in request.app.state.manager.loaded() if m.spec.id == spec.id), None)
+    loaded = request.app.state.manager.entry(spec.id)
     _keep_alive(request).set(spec.id, ol.keep_alive_seconds(body.keep_alive))
     return JSONResponse({"model": body.model, "embeddings": [d.embedding for d in out.data],
                          "total_duration": int((time.perf_counter() - received) * 1e9),
@@ -342,7 +342,7 @@ async def tags(request: Request) -> JSONResponse:
 async def show(body: ol.ModelRequest, request: Request) -> JSONResponse:
     spec = _spec(request, body.id)
     manager: ModelManager = request.app.state.manager
-    loaded = next((m for m in manager.loaded() if m.spec.id == spec.id), None)
+    loaded = manager.entry(spec.id)
     context = loaded.engine.info.context_length if loaded is not None else spec.context_length
     caps = ["embedding"] if spec.embedding_only else ["completion", *(["tools"] if spec.tools else [])]
     facts = await asyncio.to_thread(_file_facts, request, spec)
