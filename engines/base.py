@@ -73,6 +73,9 @@ class SamplingParams:
     tool_format: str | None = None
     tool_mode: str = "auto"
     max_tool_calls: int = 1
+    # A GBNF grammar for free-text answers (models.yaml `grammar`; llama.cpp only); a structured
+    # output above replaces it.
+    grammar: str | None = None
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,18 @@ class GenerationRequest:
     messages: tuple[ChatMessage, ...] | None = None
     add_generation_prompt: bool = True
     tools_json: str | None = None  # tool definitions (OpenAI's JSON) for templates that render them
+    # Reasoning models: None = the template's default; True/False = `enable_thinking` (False also
+    # closes a block the template left open: engines/thinking.py).
+    thinking: bool | None = None
+    # Failover: tokens this request already generated on an engine that died. The engine continues
+    # after them (prompt + these as the prefix, the sampler's penalty and grammar state advanced
+    # over them), counts them as generated, and emits only what follows. Engines that can do this
+    # say so with EngineInfo.extra["resume"] = "1".
+    resume_ids: tuple[int, ...] = ()
+    # How they are fed: True, one per step as they were generated, so the KV cache (and so greedy
+    # output) is what an uninterrupted run had; False, in one prefill batch (faster; llama.cpp's
+    # batch-size-dependent rounding can then change a near-tie later on).
+    resume_replay: bool = True
 
 
 @dataclass(frozen=True)
@@ -116,6 +131,8 @@ class Usage:
     # Speculative decoding: draft tokens proposed for this request, and how many were accepted.
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
+    # Times the request continued on another (or the restarted) engine after its engine died.
+    failovers: int = 0
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from engines.base import ChatMessage
+from engines.thinking import render_thinking, template_traits
 
 log = logging.getLogger(__name__)
 
@@ -37,14 +38,20 @@ class ChatTemplate:
         self.bos_token = bos_token
         self.eos_token = eos_token
 
-    def render(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> str:
-        """The prompt text.  Raises whatever the template raises (e.g. unsupported roles)."""
-        return self._template.render(
-            messages=[{"role": m.role, "content": m.content} for m in messages],
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token,
-            eos_token=self.eos_token,
-        )
+    def render(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True,
+               thinking: bool | None = None) -> str:
+        """The prompt text, with thinking as asked (engines/thinking.py).  Raises whatever the
+        template raises (e.g. unsupported roles)."""
+        turns = [{"role": m.role, "content": m.content} for m in messages]
+        return render_thinking(lambda kw: self._render(turns, add_generation_prompt, kw), thinking)
+
+    def traits(self) -> dict[str, str]:
+        """What the template does with reasoning (engines/thinking.py), for EngineInfo.extra."""
+        return template_traits(lambda kw: self._render([{"role": "user", "content": "Hi"}], True, kw), self.source)
+
+    def _render(self, turns: list[dict[str, Any]], add_generation_prompt: bool, extra: dict[str, Any]) -> str:
+        return self._template.render(messages=turns, add_generation_prompt=add_generation_prompt,
+                                     bos_token=self.bos_token, eos_token=self.eos_token, **extra)
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, override: str | None = None) -> ChatTemplate | None:

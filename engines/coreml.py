@@ -149,7 +149,8 @@ class CoreMLEngine:
         except Exception as exc:
             raise ModelLoadError(f"CoreML could not load {d}: {exc}") from exc
         self._pool = WorkerPool(o.parallel, o.max_queue, name="coreml")
-        self.info = replace(self.info, context_length=self._n_ctx)
+        self.info = replace(self.info, context_length=self._n_ctx,
+                            extra={**self.info.extra, **(self._template.traits() if self._template else {})})
         log.info("CoreML loaded %s: compute_units=%s ctx=%d", d, o.compute_units, self._n_ctx)
 
     async def close(self) -> None:
@@ -178,7 +179,7 @@ class CoreMLEngine:
         if self._template is None:
             raise InvalidGenerationRequest("this model has no chat template; use /v1/completions", param="messages")
         try:
-            return self.encode(self._template.render(request.messages, request.add_generation_prompt))
+            return self.encode(self._template.render(request.messages, request.add_generation_prompt, request.thinking))
         except Exception as exc:
             raise InvalidGenerationRequest(f"the model's chat template rejected the messages: {exc}", param="messages") from exc
 
@@ -199,6 +200,8 @@ class CoreMLEngine:
         sp = request.sampling
         if sp.structured is not None:
             raise InvalidGenerationRequest("response_format is not supported by the coreml runtime", param="response_format")
+        if sp.grammar is not None:
+            raise InvalidGenerationRequest("grammars are not supported by the coreml runtime", param="grammar")
         prompt = self.render_prompt(request)
         max_new = new_token_budget(prompt, self._n_ctx, sp.max_tokens)
         async for item in stream_job(pool, lambda job, channel: self._generate_blocking(job, prompt, sp, max_new, channel)):

@@ -38,6 +38,7 @@ from engines.base import (
 )
 from engines.bridge import EventChannel, settle_from_thread
 from engines.registry import register_runtime
+from engines.thinking import render_thinking, template_traits
 
 log = logging.getLogger(__name__)
 native_log = logging.getLogger("llama.cpp")
@@ -205,13 +206,20 @@ class LlamaCppEngine:
             extra={"precision": self._precision(lc), "embedding_width": str(self._embedder.width),
                    "sampling": "device" if on_device else "host",
                    "speculative": f"ngram {o.draft_ngram}, up to {o.draft_max}, at most {o.draft_streams} streams" if o.draft_ngram and o.draft_max else "off",
-                   "tool_format": tool_format, "repack": "on" if o.repack else "off",
+                   "tool_format": tool_format, "repack": "on" if o.repack else "off", "resume": "1",
+                   **self._reasoning_traits(),
                    **({"cpu_variant": variant} if variant else {})},
         )
         log.info(
             "llama.cpp loaded %s: backend=%s device=%s ctx/seq=%d parallel=%d vocab=%d",
             o.model_path, o.backend, o.device, self._n_ctx_seq, o.parallel, self._n_vocab,
         )
+
+    def _reasoning_traits(self) -> dict[str, str]:
+        if self._template is None:
+            return {}
+        hi = [{"role": "user", "content": "Hi"}]
+        return template_traits(lambda kw: self._template(messages=hi, **kw).prompt, self._template.template)
 
     def _precision(self, lc: Any) -> str:
         """The weights' type as llama.cpp names it ("f16", "q4_1", ...), last word of the model desc."""
@@ -302,7 +310,9 @@ class LlamaCppEngine:
             )
         try:
             tools = json.loads(request.tools_json) if request.tools_json else None
-            text = self._template(messages=[_template_message(m) for m in request.messages], tools=tools).prompt
+            messages = [_template_message(m) for m in request.messages]
+            text = render_thinking(lambda kw: self._template(messages=messages, tools=tools, **kw).prompt,
+                                   request.thinking)
         except Exception as exc:  # template raise_exception() or Jinja errors
             raise InvalidGenerationRequest(
                 f"the model's chat template rejected the messages: {exc}", param="messages"
@@ -321,8 +331,13 @@ class LlamaCppEngine:
         prompt = self.render_prompt(request)
         sp = request.sampling
         max_new = new_token_budget(prompt, self._n_ctx_seq, sp.max_tokens)
+        resumed = list(request.resume_ids)
+        if len(resumed) >= max_new:
+            raise InvalidGenerationRequest(f"{len(resumed)} tokens to resume from leave no room for more (limit {max_new})")
         what = "tools" if sp.tools else "response_format"  # the request parameter a grammar error is about
         grammar = self._grammar(sp.structured, sp.json_schema, what)
+        if grammar is None and sp.grammar:
+            grammar, what = sp.grammar.encode(), "grammar"
         lazy: list[bytes] = []
         if grammar is not None and sp.tool_format == "hermes":
             grammar = _hermes_grammar(grammar, sp.max_tool_calls)
@@ -332,8 +347,18 @@ class LlamaCppEngine:
         if sampler is None:
             raise InvalidGenerationRequest(f"llama.cpp could not compile the grammar for {what}", param=what)
         channel = EventChannel()
+        # A resumed job samples on the host: a device chain starts from a fresh state.
+        on_host = grammar is not None or sp.logprobs or bool(resumed)
         job = GenJob(prompt_ids=prompt, sampling=sp, max_new_tokens=max_new, sampler=sampler, emit=channel.emit,
-                     device_key=None if grammar is not None or sp.logprobs else sampler_key(sp, max_new))
+                     device_key=None if on_host else sampler_key(sp, max_new))
+        if resumed and request.resume_replay:
+            job.forced.extend(resumed)
+        elif resumed:
+            import llama_cpp as lc
+
+            for t in resumed:  # penalties' history and the grammar's position, as if just generated
+                lc.llama_sampler_accept(sampler, t)
+            job.prompt_ids, job.resumed = prompt + resumed, len(resumed)
         try:
             self._sched.submit(job)
         except BaseException:

@@ -65,6 +65,13 @@ class GenJob:
     device_key: tuple[Any, ...] | None = None
     submitted: float = field(default_factory=time.perf_counter)
     cancelled: bool = False
+    # Failover (GenerationRequest.resume_ids), fed in one prefill: the last `resumed` prompt ids
+    # were generated before it, are counted as generated, and their text was already sent (it
+    # passes through the detokenizer and stop matcher unseen).
+    resumed: int = 0
+    # Fed one per step instead, as they were generated: each output takes the next of these in
+    # place of a sample (the sampler accepts it), and its text is not sent again.
+    forced: deque[int] = field(default_factory=deque)
 
 
 @dataclass(eq=False)
@@ -180,7 +187,10 @@ class BatchScheduler:
                     f"all {len(self._slots)} sequences are busy and {len(self._waiting)} "
                     "requests are already waiting; retry later"
                 )
-            self._waiting.append(job)
+            if isinstance(job, GenJob) and (job.resumed or job.forced):
+                self._waiting.appendleft(job)  # a stream that lost its engine goes first
+            else:
+                self._waiting.append(job)
             self._cv.notify()
 
     def submit_embed(self, job: EmbedJob) -> None:
@@ -304,6 +314,11 @@ class BatchScheduler:
         if isinstance(job, GenJob):
             slot.detok = Detokenizer()
             slot.stopper = StopMatcher(job.sampling.stop)
+            if job.resumed:
+                for t in job.prompt_ids[-job.resumed:]:
+                    slot.stopper.push(slot.detok.push(self._piece(t)))
+                slot.n_generated = job.resumed
+                slot.n_cached_prompt = min(keep, len(job.prompt_ids) - job.resumed)
             if self._draft_ngram:
                 slot.history = list(job.prompt_ids)
                 slot.ngrams = None
@@ -405,7 +420,8 @@ class BatchScheduler:
         # wait for prefill.
         for slot in active:
             if slot.pending is not None:
-                draft = self._draft(slot, self._n_batch - n - 1) if drafting else []
+                replaying = isinstance(slot.job, GenJob) and bool(slot.job.forced)
+                draft = self._draft(slot, self._n_batch - n - 1) if drafting and not replaying else []
                 outputs.append((slot, n, draft))
                 add(slot, slot.pending, True)
                 for t in draft:
@@ -519,6 +535,15 @@ class BatchScheduler:
         """Sample output `idx` for `slot` and emit it; False when the request finished."""
         job = slot.job
         assert isinstance(job, GenJob) and slot.detok is not None and slot.stopper is not None
+        if job.forced:  # replaying what was sent before a failover
+            token = job.forced.popleft()
+            lc.llama_sampler_accept(job.sampler, token)
+            slot.n_generated += 1
+            slot.stopper.push(slot.detok.push(self._piece(token)))
+            slot.pending = token
+            if self._draft_ngram:
+                self._remember(slot, token)
+            return True
         sp = job.sampling
         logprobs: tuple[TokenLogprob, ...] = ()
         raw = self._logits_row(idx).copy() if sp.logprobs else None
@@ -551,11 +576,11 @@ class BatchScheduler:
             return True
         text += slot.stopper.push(slot.detok.flush()) + slot.stopper.flush()
         usage = Usage(
-            prompt_tokens=len(job.prompt_ids),
+            prompt_tokens=len(job.prompt_ids) - job.resumed,
             completion_tokens=slot.n_generated,
             cached_tokens=slot.n_cached_prompt,
             queue_seconds=slot.queue_seconds,
-            prompt_ids=tuple(job.prompt_ids),
+            prompt_ids=tuple(job.prompt_ids[:len(job.prompt_ids) - job.resumed]),
             draft_tokens=slot.drafted,
             accepted_draft_tokens=slot.accepted,
         )

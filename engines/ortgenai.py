@@ -164,7 +164,8 @@ class OrtGenAIEngine:
         self._eos = frozenset(int(t) for t in self._tokenizer.eos_token_ids)
         self._template = ChatTemplate.from_model_dir(o.model_path, o.chat_template)
         self._pool = WorkerPool(o.parallel, o.max_queue, name="ortgenai")
-        self.info = replace(self.info, context_length=self._n_ctx)
+        self.info = replace(self.info, context_length=self._n_ctx,
+                            extra={**self.info.extra, **(self._template.traits() if self._template else {})})
         log.info(
             "ORT GenAI loaded %s: backend=%s device=%s ctx=%d parallel=%d vocab=%d",
             o.model_path, o.backend, o.device, self._n_ctx, o.parallel, self._n_vocab,
@@ -213,7 +214,7 @@ class OrtGenAIEngine:
         if self._template is None:
             raise InvalidGenerationRequest("this model has no chat template; use /v1/completions", param="messages")
         try:
-            text = self._template.render(request.messages, request.add_generation_prompt)
+            text = self._template.render(request.messages, request.add_generation_prompt, request.thinking)
         except Exception as exc:  # template raise_exception() or Jinja errors
             raise InvalidGenerationRequest(
                 f"the model's chat template rejected the messages: {exc}", param="messages"
@@ -335,6 +336,7 @@ def _check_supported(sp: SamplingParams) -> None:
             "well-formed tool call; serve this model with llama.cpp", param="tools")
     unsupported = {
         "response_format": sp.structured is not None,
+        "grammar": sp.grammar is not None,
         "logit_bias": bool(sp.logit_bias),
         "presence_penalty": sp.presence_penalty != 0.0,
         "frequency_penalty": sp.frequency_penalty != 0.0,

@@ -86,6 +86,7 @@ class Conversation:
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
     output: Output | None = None
+    thinking: bool | None = None  # reasoning models: None = the model's default, False = answer at once
     # Where the adapter's own names for these fields are, for error messages ("tools", "tool_choice.name").
     params: dict[str, str] = field(default_factory=dict)
 
@@ -102,6 +103,13 @@ class Conversation:
 
 @dataclass(frozen=True)
 class TextDelta:
+    text: str
+
+
+@dataclass(frozen=True)
+class ReasoningDelta:
+    """Text of the model's reasoning, before its answer (models that think)."""
+
     text: str
 
 
@@ -124,6 +132,7 @@ class Finished:
     reason: str  # stop | length | tool_calls | content_filter
     calls: tuple[ToolCall, ...] = ()  # every complete call of the answer
     whole: bool = True  # False: a constrained (tool) answer cut short before it closed
+    reasoning_tokens: int = 0  # of the generated tokens, those of the reasoning (models that think)
 
 
-OutputEvent = TextDelta | CallStarted | ArgumentsDelta | Finished
+OutputEvent = TextDelta | ReasoningDelta | CallStarted | ArgumentsDelta | Finished

@@ -72,6 +72,14 @@ class Settings:
     # (seconds): then it is tried again (its rung of the ladder is retried first).
     crash_verdict_ttl: float = 1800.0
     worker_max_backoff: float = 30.0  # the longest wait between restarts of an only engine
+    # A stream whose engine died continues on the restarted (or next) engine from the tokens already
+    # sent: at most this many times per request, each waiting at most failover_wait seconds for
+    # the engine to be back. 0 = off (the stream ends with engine_failed).
+    failover_budget: int = 2
+    failover_wait: float = 120.0
+    # exact: the tokens already sent are fed one per step, as they were generated (greedy output as
+    # uninterrupted; the gap grows with them); fast: in one prefill batch.
+    failover_replay: str = "exact"
     # The Responses API's stored responses: an SQLite file in the model cache folder (or this path),
     # at most this many, kept this many days; off: `store` is ignored and nothing is kept.
     responses_store: bool = True
@@ -125,12 +133,17 @@ class Settings:
             cpu_variant=e.get("GATEWAY_CPU_VARIANT") or None,
             crash_verdict_ttl=float(e.get("GATEWAY_CRASH_VERDICT_TTL", cls.crash_verdict_ttl)),
             worker_max_backoff=float(e.get("GATEWAY_WORKER_MAX_BACKOFF", cls.worker_max_backoff)),
+            failover_budget=int(e.get("GATEWAY_FAILOVER_BUDGET", cls.failover_budget)),
+            failover_wait=float(e.get("GATEWAY_FAILOVER_WAIT", cls.failover_wait)),
+            failover_replay=e.get("GATEWAY_FAILOVER_REPLAY", cls.failover_replay),
             responses_store=e.get("GATEWAY_RESPONSES_STORE", "1") not in ("0", "false", "no"),
             responses_db=e.get("GATEWAY_RESPONSES_DB") or None,
             responses_max=int(e.get("GATEWAY_RESPONSES_MAX", cls.responses_max)),
             responses_max_age_days=float(e.get("GATEWAY_RESPONSES_MAX_AGE_DAYS", cls.responses_max_age_days)),
         )
         s = replace(s, **{k: v for k, v in overrides.items() if v is not None})
+        if s.failover_replay not in ("exact", "fast"):
+            raise ValueError(f"GATEWAY_FAILOVER_REPLAY must be exact or fast, not {s.failover_replay!r}")
         if s.device_sampling not in (None, "auto", "on", "off"):
             raise ValueError(f"GATEWAY_DEVICE_SAMPLING must be auto, on or off, not {s.device_sampling!r}")
         return s

@@ -28,10 +28,15 @@ class FakeEngine:
 
     def __init__(self, config: EngineConfig, script: str = "hello from the fake engine", load_delay: float = 0.0,
                  fail_load: bool = False, capacity: int = 1000, fail_after: int | None = None,
-                 bug_after: int | None = None, token_delay: float = 0.001) -> None:
+                 bug_after: int | None = None, token_delay: float = 0.001, extra: dict[str, str] | None = None,
+                 answer_at_once: str | None = None) -> None:
         self.config = config
-        self.info = EngineInfo(runtime="fake", backend=config.backend, device=config.device, parallel=config.parallel)
+        self.info = EngineInfo(runtime="fake", backend=config.backend, device=config.device, parallel=config.parallel,
+                               extra=dict(extra or {}))
         self.script = script.split()
+        # What a template that thinks answers when a request turns thinking off.
+        self.answer_at_once = answer_at_once.split() if answer_at_once is not None else None
+        self.requests: list[GenerationRequest] = []
         self.load_delay = load_delay
         self.fail_load = fail_load
         self.capacity = capacity
@@ -53,9 +58,11 @@ class FakeEngine:
         if self.running >= self.capacity:
             raise EngineOverloaded("fake engine is full")
         self.running += 1
+        self.requests.append(request)
         try:
-            limit = request.sampling.max_tokens or len(self.script)
-            words = self.script[:limit]
+            script = self.answer_at_once if request.thinking is False and self.answer_at_once is not None else self.script
+            limit = request.sampling.max_tokens or len(script)
+            words = script[:limit]
             for i, w in enumerate(words):
                 await asyncio.sleep(self.token_delay)
                 # The functional check's own requests pass: the failure is for served requests.
@@ -67,7 +74,7 @@ class FakeEngine:
                 yield TokenEvent(
                     text=(" " if i else "") + w,
                     token_ids=(i,),
-                    finish_reason=("length" if limit < len(self.script) else "stop") if last else None,
+                    finish_reason=("length" if limit < len(script) else "stop") if last else None,
                     usage=Usage(prompt_tokens=3, completion_tokens=len(words)) if last else None,
                 )
         finally:

@@ -243,9 +243,9 @@ def test_load_adds_a_replica_on_the_other_node(cluster: Cluster) -> None:
 
 
 def test_a_node_lost_mid_stream(cluster: Cluster) -> None:
-    """The worker node dies while streams run on it: those end with an error frame and [DONE], the
-    others finish, new requests are served by the head node, and the replica comes back on a node
-    that joins."""
+    """The worker node dies while streams run on it: those continue on the head node's replica from
+    the tokens already sent (no error frame), the others finish, new requests are served by the
+    head node, and the replica comes back on a node that joins."""
     replicas = cluster.model()["cluster"]["replicas"]
     victim = next(v["node"] for v in replicas.values() if not v["node"].endswith(cluster.head[:8]))
     results: list[list[Any]] = []
@@ -263,14 +263,11 @@ def test_a_node_lost_mid_stream(cluster: Cluster) -> None:
         t.join(240)
     assert len(results) == 4
     failed = [r for r in results if any(isinstance(e, dict) and "error" in e for e in r)]
-    finished = [r for r in results if r not in failed]
-    assert failed, "no stream ran on the killed node"
-    for r in failed:
-        assert r[-1] == "[DONE]"
-        error = next(e["error"] for e in r if isinstance(e, dict) and "error" in e)
-        assert error["code"] == "engine_failed", error
-    for r in finished:
+    assert not failed, failed[0][-3:]
+    for r in results:
         assert r[-1] == "[DONE]" and r[-2]["choices"][0]["finish_reason"] == "length"
+    lost = httpx.get(f"{cluster.url}/metrics", timeout=10).text
+    assert 'gateway_failovers_total{model="smollm2-135m-instruct",reason="restarted"}' in lost, "no stream ran on the killed node"
     assert time.monotonic() - killed_at < 200
     # The surviving node serves new requests.
     r = chat(cluster.url, "Are you still there?")

@@ -281,3 +281,62 @@ async def test_drafts_stop_when_more_streams_decode_than_allowed() -> None:
         finally:
             await e.close()
     assert drafted[3] > 0 and drafted[1] < drafted[3] / 2, drafted
+
+
+async def _events(e: LlamaCppEngine, req: GenerationRequest) -> list[object]:
+    return [ev async for ev in e.generate(req)]
+
+
+@pytest.mark.parametrize(("cut", "replay"), [(1, True), (9, True), (23, True), (9, False)])
+async def test_a_resumed_request_continues_exactly_where_the_tokens_stop(smol: LlamaCppEngine, cut: int,
+                                                                         replay: bool) -> None:
+    """Failover's engine half: given the tokens already sent, the engine emits only what follows;
+    replayed one per step, greedy output equals an uninterrupted run's (the prompt is cached for
+    both, so its prefill has the same shape); usage counts every token once."""
+    chat = (ChatMessage("user", "Tell a long story about a lighthouse keeper."),)
+    whole = GenerationRequest("w", SamplingParams(temperature=0, max_tokens=48, ignore_eos=True), messages=chat)
+    await _events(smol, whole)  # the prompt is in the cache for both runs below
+    evs = await _events(smol, whole)
+    toks = [t for ev in evs for t in ev.token_ids]  # type: ignore[attr-defined]
+    sent = "".join(ev.text for ev in evs[:cut])  # type: ignore[attr-defined]
+    text = "".join(ev.text for ev in evs)  # type: ignore[attr-defined]
+    resumed = await _events(smol, GenerationRequest("r", whole.sampling, messages=chat, resume_ids=tuple(toks[:cut]),
+                                                    resume_replay=replay))
+    got = [t for ev in resumed for t in ev.token_ids]  # type: ignore[attr-defined]
+    assert len(got) == 48 - cut
+    if replay:
+        assert got == toks[cut:]
+        assert sent + "".join(ev.text for ev in resumed) == text  # type: ignore[attr-defined]
+    last, first_last = resumed[-1], evs[-1]
+    assert last.finish_reason == "length" and last.usage.completion_tokens == 48  # type: ignore[attr-defined]
+    assert last.usage.prompt_tokens == first_last.usage.prompt_tokens  # type: ignore[attr-defined]
+    assert last.usage.prompt_ids == first_last.usage.prompt_ids  # type: ignore[attr-defined]
+
+
+async def test_a_resumed_request_keeps_its_grammar_and_stop_strings(smol: LlamaCppEngine) -> None:
+    import json
+
+    sp = SamplingParams(temperature=0, max_tokens=60, structured="json_object")
+    chat = (ChatMessage("user", "Describe a cat as JSON with name and age."),)
+    evs = await _events(smol, GenerationRequest("w", sp, messages=chat))
+    toks = [t for ev in evs for t in ev.token_ids]  # type: ignore[attr-defined]
+    text = "".join(ev.text for ev in evs)  # type: ignore[attr-defined]
+    cut = len(evs) // 2
+    rest = await _events(smol, GenerationRequest("r", sp, messages=chat, resume_ids=tuple(toks[:cut])))
+    assert "".join(ev.text for ev in evs[:cut]) + "".join(ev.text for ev in rest) == text  # type: ignore[attr-defined]
+    if evs[-1].finish_reason == "stop":  # type: ignore[attr-defined]
+        json.loads(text)
+    # A stop string that the resumed tokens began is still held back, then matched.
+    prompt = "Count: 1, 2, 3, 4, 5, 6, 7, 8, 9"
+    plain = await _events(smol, _req(prompt, max_tokens=40, ignore_eos=True))
+    full = "".join(ev.text for ev in plain)  # type: ignore[attr-defined]
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    cut_run = await _events(smol, _req(prompt, max_tokens=40, ignore_eos=True, stop=(stop,)))
+    ids = [t for ev in cut_run for t in ev.token_ids]  # type: ignore[attr-defined]
+    k = max(1, len(ids) - 1)
+    again = await _events(smol, GenerationRequest("r", SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+                                                                      stop=(stop,)), prompt=prompt,
+                                                  resume_ids=tuple(ids[:k])))
+    assert again[-1].finish_reason == "stop" and again[-1].stop_sequence == stop  # type: ignore[attr-defined]
+    assert "".join(ev.text for ev in cut_run[:k]) + "".join(ev.text for ev in again) == \
+        "".join(ev.text for ev in cut_run)  # type: ignore[attr-defined]

@@ -62,14 +62,17 @@ class Gateway:
 class Stream:
     """A streaming chat request read in a thread; `started` is set at its first data frame."""
 
-    def __init__(self, url: str, max_tokens: int, headers: dict[str, str] | None = None) -> None:
+    def __init__(self, url: str, max_tokens: int, headers: dict[str, str] | None = None,
+                 include_usage: bool = False) -> None:
         self.frames: list[str] = []
         self.status = 0
         self.error: Exception | None = None  # the connection broke (a server that exited at once)
         self.started = threading.Event()
         self.done = threading.Event()
-        body = {"model": MODEL, "messages": LONG, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
-                "temperature": 0}
+        body: dict[str, Any] = {"model": MODEL, "messages": LONG, "max_tokens": max_tokens, "ignore_eos": True,
+                                "stream": True, "temperature": 0}
+        if include_usage:
+            body["stream_options"] = {"include_usage": True}
         self._thread = threading.Thread(target=self._run, args=(url, body, headers or {}), daemon=True)
         self._thread.start()
 
@@ -120,6 +123,11 @@ def test_sigterm_lets_running_streams_finish_and_refuses_new_requests(tmp_path: 
             assert time.monotonic() - t0 < 30, h.text
             time.sleep(0.05)
         assert h.status_code == 503 and int(h.headers["retry-after"]) >= 1
+        # Kubernetes takes it out of the endpoints, and does not restart it while it finishes its work.
+        ready = httpx.get(f"{gw.url}/health/ready", timeout=10)
+        assert ready.status_code == 503 and ready.json()["status"] == "draining"
+        live = httpx.get(f"{gw.url}/health/live", timeout=10)
+        assert live.status_code == 200 and live.json()["status"] == "alive"
         r = _chat(gw.url)
         assert r.status_code == 503 and _is_envelope(r.json(), "server_draining")
         assert int(r.headers["retry-after"]) >= 1
@@ -208,7 +216,8 @@ def test_api_keys(guarded: Gateway) -> None:
     for key in KEYS:  # every key in the file works
         assert _chat(guarded.url, {"Authorization": f"Bearer {key}"}).status_code == 200
     assert httpx.get(f"{guarded.url}/v1/models", headers=AUTH).status_code == 200
-    assert httpx.get(f"{guarded.url}/health").status_code == 200  # open, as documented
+    for path in ("/health", "/health/ready", "/health/live"):
+        assert httpx.get(f"{guarded.url}{path}").status_code == 200, path  # open, as documented
     m = httpx.get(f"{guarded.url}/metrics", headers=AUTH)
     assert m.status_code == 401  # the API key is not the metrics key
     assert httpx.get(f"{guarded.url}/metrics", headers={"Authorization": f"Bearer {METRICS_KEY}"}).status_code == 200

@@ -4,6 +4,7 @@ refused; a lost worker leaves the others serving."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -155,16 +156,39 @@ async def test_a_wrong_token_is_refused(cluster: tuple[Gateway, list[Worker]]) -
     assert "refused a connection" in workers[0].log_path.read_text()
 
 
-def test_a_lost_worker_leaves_the_other_serving(cluster: tuple[Gateway, list[Worker]]) -> None:
+def test_a_worker_lost_mid_stream_leaves_the_other_serving_the_stream(cluster: tuple[Gateway, list[Worker]]) -> None:
     gw, workers = cluster
-    os.kill(workers[1].proc.pid, signal.SIGKILL)
-    workers[1].proc.wait(10)
-    time.sleep(0.5)
+    body = {"model": REMOTE, "messages": [{"role": "user", "content": "Tell a long story about a lighthouse keeper."}],
+            "max_tokens": 120, "temperature": 0, "ignore_eos": True}
+    reference = httpx.post(f"{gw.url}/v1/chat/completions", json=body, timeout=120).json()
+    before = _routed(gw.url)
+    frames: list[str] = []
+
+    def read() -> None:
+        with httpx.stream("POST", f"{gw.url}/v1/chat/completions", json={**body, "stream": True}, timeout=120) as r:
+            frames.extend(line[6:] for line in r.iter_lines() if line.startswith("data: "))
+
+    # Frames are read as they come: the kill lands while the stream runs.
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 60
+    while _routed(gw.url) == before and time.monotonic() < deadline:
+        time.sleep(0.02)
+    victim = next(i for i, (a, b) in enumerate(zip(_routed(gw.url), before, strict=True)) if a > b)
+    time.sleep(0.3)
+    os.kill(workers[victim].proc.pid, signal.SIGKILL)
+    workers[victim].proc.wait(10)
+    t.join(120)
+    chunks = [json.loads(f) for f in frames if f != "[DONE]"]
+    assert frames[-1] == "[DONE]" and all("error" not in c for c in chunks), frames[-3:]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert text == reference["choices"][0]["message"]["content"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     for i in range(3):
         r = _chat(gw.url, [{"role": "user", "content": f"After the loss {i}"}])
         assert r.status_code == 200, r.text
     st = _status(gw.url)
-    assert [w["ready"] for w in st["worker"]["workers"]] == [True, False]
+    assert [w["ready"] for w in st["worker"]["workers"]] == [i != victim for i in range(2)]
     assert st["ready"]
 
 

@@ -18,7 +18,7 @@ import yaml
 from engines.base import EngineConfig, EngineCrashed, EngineInfo, GenerationRequest, SamplingParams
 from engines.worker_client import LocalWorker, Supervision, WorkerEngine
 from tests.conftest import MODEL, ROOT
-from tests.test_production import Gateway, Stream, _chat, _is_envelope
+from tests.test_production import LONG, Gateway, Stream, _chat, _is_envelope
 
 
 def _worker(url: str) -> dict[str, Any]:
@@ -58,7 +58,9 @@ def _ready_again(url: str, old_pid: int, timeout: float = 60) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     g = Gateway(tmp_path_factory.mktemp("workers"), "--parallel", "2",
-                env={"GATEWAY_WORKER_HEARTBEAT_TIMEOUT": "1", "GATEWAY_WORKER_MAX_CRASHES": "100"})
+                # A failover per kill of the chaos test (three), for a stream that runs through all of them.
+                env={"GATEWAY_WORKER_HEARTBEAT_TIMEOUT": "1", "GATEWAY_WORKER_MAX_CRASHES": "100",
+                     "GATEWAY_FAILOVER_BUDGET": "3"})
     yield g
     g.stop()
 
@@ -74,94 +76,158 @@ def test_the_engine_runs_in_a_worker_process_of_the_gateway(gw: Gateway) -> None
     assert f"PPid:\t{gw.proc.pid}\n" in status
 
 
-@pytest.mark.parametrize("sig", [signal.SIGSEGV, signal.SIGKILL])
-def test_a_worker_killed_mid_stream_ends_the_stream_with_an_error_frame(gw: Gateway, sig: int) -> None:
-    before = _worker(gw.url)
-    stream = Stream(gw.url, max_tokens=1500)
+def _greedy(url: str, max_tokens: int) -> dict[str, Any]:
+    """The uninterrupted answer to the streams' request (LONG, greedy, ignore_eos), from a fresh
+    worker: its prompt is prefilled whole, as the restarted worker will prefill it after the kill
+    (llama.cpp's rounding depends on how tokens are batched, so a prompt half from the prefix
+    cache can tip a near-tie later on)."""
+    pid = _worker(url)["pid"]
+    os.kill(pid, signal.SIGKILL)
+    _ready_again(url, pid)
+    body = {"model": MODEL, "messages": LONG, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    out: dict[str, Any] = r.json()
+    return out
+
+
+def _text(stream: Stream) -> str:
+    return "".join(c["choices"][0]["delta"].get("content") or "" for c in stream.chunks() if c["choices"])
+
+
+def _finished_cleanly(stream: Stream) -> None:
+    chunks = stream.chunks()
+    assert stream.status == 200 and stream.frames[-1] == "[DONE]", stream.frames[-3:]
+    assert all("error" not in c for c in chunks), [c for c in chunks if "error" in c]
+    assert len({c["id"] for c in chunks}) == 1
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]] \
+        == ["length"]
+
+
+def _started(stream: Stream, frames: int = 5) -> None:
     deadline = time.monotonic() + 60
-    while len(stream.frames) < 5 and time.monotonic() < deadline:
+    while len(stream.frames) < frames and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert len(stream.frames) >= 5, "the stream did not start"
-    os.kill(before["pid"], sig)
-    killed = time.monotonic()
-    stream.wait(timeout=30)
-    assert time.monotonic() - killed < 2.0, "the client learnt of the crash too late"
-    assert stream.status == 200 and stream.frames[-1] == "[DONE]"
-    err = json.loads(stream.frames[-2])
-    assert _is_envelope(err, "engine_failed"), err
-    assert signal.Signals(sig).name in err["error"]["message"]
-    after = _ready_again(gw.url, before["pid"])
-    # (The restarted worker may itself be restarted once more on a loaded machine: this gateway's
-    # heartbeat limit is 1 s, so the crash count, not the last reason, is what is checked here.)
-    assert after["restarts"] >= before["restarts"] + 1 and after["crashes"] >= before["crashes"] + 1
-    r = _chat(gw.url)
-    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
-    assert gw.proc.poll() is None
+    assert len(stream.frames) >= frames, "the stream did not start"
 
 
-def test_a_non_streaming_request_cut_by_a_crash_gets_502(gw: Gateway) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGSEGV, signal.SIGKILL])
+def test_a_worker_killed_mid_stream_does_not_end_the_stream(gw: Gateway, sig: int) -> None:
+    reference = _greedy(gw.url, 200)
     before = _worker(gw.url)
+    stream = Stream(gw.url, max_tokens=200, include_usage=True)
+    _started(stream)
+    os.kill(before["pid"], sig)
+    stream.wait(timeout=120)
+    _finished_cleanly(stream)
+    # One continuous answer: the greedy text of an uninterrupted run, exactly max_tokens tokens,
+    # the prompt counted once.
+    assert _text(stream) == reference["choices"][0]["message"]["content"]
+    usage = stream.chunks()[-1]["usage"]
+    assert usage["completion_tokens"] == 200 and usage["prompt_tokens"] == reference["usage"]["prompt_tokens"]
+    assert usage["failovers"] == 1
+    after = _ready_again(gw.url, before["pid"])
+    assert after["crashes"] >= before["crashes"] + 1
+    assert gw.proc.poll() is None
+    metrics = httpx.get(f"{gw.url}/metrics", timeout=10).text
+    assert f'gateway_failovers_total{{model="{MODEL}",reason="restarted"}}' in metrics
+    assert "gateway_failover_pause_seconds_count" in metrics
+
+
+def test_a_non_streaming_request_cut_by_a_crash_is_answered_whole(gw: Gateway) -> None:
     import threading
 
+    reference = _greedy(gw.url, 300)
+    before = _worker(gw.url)
     result: dict[str, httpx.Response] = {}
-    t = threading.Thread(target=lambda: result.setdefault("r", _chat(gw.url, max_tokens=1500, ignore_eos=True)))
+    t = threading.Thread(target=lambda: result.setdefault("r", _chat(gw.url, messages=LONG, max_tokens=300,
+                                                                      ignore_eos=True, temperature=0)))
     t.start()
     deadline = time.monotonic() + 30
-    while _worker(gw.url).get("pid") == before["pid"] and time.monotonic() < deadline:
+    while time.monotonic() < deadline:
         health = httpx.get(f"{gw.url}/health", timeout=10).json()["models"][MODEL]
         if health["running"] >= 1:
             time.sleep(0.5)  # well into the generation
             break
         time.sleep(0.02)
     os.kill(before["pid"], signal.SIGKILL)
-    t.join(30)
+    t.join(120)
     r = result["r"]
-    assert r.status_code == 502 and _is_envelope(r.json(), "engine_failed")
+    assert r.status_code == 200, r.text
+    assert r.headers["x-failover"] == "1"
+    body = r.json()
+    assert body["choices"][0]["message"]["content"] == reference["choices"][0]["message"]["content"]
+    assert body["usage"]["completion_tokens"] == 300 and body["usage"]["failovers"] == 1
     _ready_again(gw.url, before["pid"])
 
 
-def test_a_hung_worker_is_killed_by_the_watchdog(gw: Gateway) -> None:
+def test_a_hung_worker_is_killed_by_the_watchdog_and_the_stream_goes_on(gw: Gateway) -> None:
     before = _worker(gw.url)
-    stream = Stream(gw.url, max_tokens=1500)
-    deadline = time.monotonic() + 60
-    while len(stream.frames) < 3 and time.monotonic() < deadline:
-        time.sleep(0.02)
+    stream = Stream(gw.url, max_tokens=200)
+    _started(stream, 3)
     os.kill(before["pid"], signal.SIGSTOP)  # no more heartbeats, and no more tokens
-    stopped = time.monotonic()
-    stream.wait(timeout=30)
-    # Heartbeat timeout 1 s (set for this gateway) plus one heartbeat interval.
-    assert time.monotonic() - stopped < 3.0
-    err = json.loads(stream.frames[-2])
-    assert _is_envelope(err, "engine_failed") and "stopped answering heartbeats" in err["error"]["message"]
+    stream.wait(timeout=120)
+    _finished_cleanly(stream)
     assert _wait_gone(before["pid"], 5), "the hung worker was not killed"
+    assert "stopped answering heartbeats" in gw.log()
     _ready_again(gw.url, before["pid"])
     assert _chat(gw.url).status_code == 200
 
 
-def test_requests_that_had_not_started_are_retried_on_the_restarted_worker(gw: Gateway) -> None:
+def test_running_and_waiting_requests_all_finish_after_a_crash(gw: Gateway) -> None:
     before = _worker(gw.url)
     # Two streams fill both sequences; the third waits for one, so it has produced nothing yet.
-    running = [Stream(gw.url, max_tokens=1500) for _ in range(2)]
-    deadline = time.monotonic() + 60
-    while any(len(s.frames) < 3 for s in running) and time.monotonic() < deadline:
-        time.sleep(0.02)
+    running = [Stream(gw.url, max_tokens=120) for _ in range(2)]
+    for s in running:
+        _started(s, 3)
     queued = Stream(gw.url, max_tokens=8)
     time.sleep(0.5)
     assert not queued.frames, "the third request should be waiting for a sequence"
     os.kill(before["pid"], signal.SIGKILL)
-    for s in running:
-        s.wait(30)
-        assert _is_envelope(json.loads(s.frames[-2]), "engine_failed")
-    queued.wait(60)
-    chunks = queued.chunks()
-    assert queued.frames[-1] == "[DONE]" and all("error" not in c for c in chunks)
-    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    for s in (*running, queued):
+        s.wait(120)
+        _finished_cleanly(s)
+
+
+def test_chaos_eight_streams_and_three_kills(gw: Gateway) -> None:
+    """8 concurrent streams, the worker killed 3 times at random moments: 8 of 8 finish whole."""
+    import random
+
+    rng = random.Random(7)
+    streams = [Stream(gw.url, max_tokens=150) for _ in range(8)]
+    _started(streams[0], 3)
+    for _ in range(3):
+        time.sleep(rng.uniform(0.3, 2.0))
+        pid = _worker(gw.url)["pid"]
+        os.kill(pid, signal.SIGKILL)
+        _ready_again(gw.url, pid, timeout=120)
+    for s in streams:
+        s.wait(300)
+        _finished_cleanly(s)
+    assert gw.proc.poll() is None and _chat(gw.url).status_code == 200
+
+
+def test_with_failover_off_a_crash_ends_the_stream_with_an_error_frame(tmp_path: Path) -> None:
+    g = Gateway(tmp_path, "--parallel", "1", env={"GATEWAY_FAILOVER_BUDGET": "0", "GATEWAY_WORKER_MAX_CRASHES": "100"})
+    try:
+        before = _worker(g.url)
+        stream = Stream(g.url, max_tokens=1500)
+        _started(stream)
+        os.kill(before["pid"], signal.SIGKILL)
+        killed = time.monotonic()
+        stream.wait(timeout=30)
+        assert time.monotonic() - killed < 2.0, "the client learnt of the crash too late"
+        assert stream.status == 200 and stream.frames[-1] == "[DONE]"
+        err = json.loads(stream.frames[-2])
+        assert _is_envelope(err, "engine_failed") and "SIGKILL" in err["error"]["message"], err
+    finally:
+        g.stop()
 
 
 def test_worker_crashes_are_counted(gw: Gateway) -> None:
     text = httpx.get(f"{gw.url}/metrics", timeout=10).text
     line = next(ln for ln in text.splitlines() if ln.startswith("gateway_worker_crashes_total{"))
-    assert float(line.rsplit(" ", 1)[1]) >= 4  # the tests above, in this module's order
+    assert float(line.rsplit(" ", 1)[1]) >= 8  # the tests above, in this module's order
 
 
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])

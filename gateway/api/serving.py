@@ -18,15 +18,17 @@ from dataclasses import dataclass, field, replace
 
 from engines.base import (
     ChatMessage,
+    Engine,
     GenerationRequest,
     SamplingParams,
     TokenEvent,
     TokenLogprob,
     Usage,
 )
-from gateway.api import tools
+from gateway.api import reasoning, tools
 from gateway.api.admission import Admission, Ticket
 from gateway.api.errors import APIError, ServerShutdown, invalid, record
+from gateway.api.failover import FailoverPolicy, resumable
 from gateway.api.guards import Drain
 from gateway.conversation import (
     ArgumentsDelta,
@@ -34,6 +36,7 @@ from gateway.conversation import (
     Conversation,
     Finished,
     OutputEvent,
+    ReasoningDelta,
     TextDelta,
     ToolCall,
 )
@@ -108,8 +111,12 @@ class Prepared:
     drain: Drain | None = None
     tool_plan: tools.ToolPlan | None = None  # the output is a constrained tool-call answer
     skipped_tools: tuple[str, ...] = ()  # tools left out: the model does not call tools (models.yaml)
+    reasoning: reasoning.ReasoningPlan | None = None  # None: the model does not reason
     created: int = field(default_factory=lambda: int(time.time()))
     on_complete: CompletionHook | None = None
+    # How each choice's engine stream is opened (with failover); None: the engine's own generate.
+    stream: Callable[[GenerationRequest], AsyncIterator[TokenEvent]] | None = None
+    failovers: int = 0  # the most times a choice continued on another engine (X-Failover)
 
     @property
     def headers(self) -> dict[str, str]:
@@ -119,6 +126,8 @@ class Prepared:
             out["X-Fallback-Reason"] = _header_value(self.loaded.fallback_reason)
         if self.skipped_tools:
             out["X-Skipped-Tools"] = _header_value(", ".join(self.skipped_tools))
+        if self.failovers:
+            out["X-Failover"] = str(self.failovers)
         return out
 
     def release(self) -> None:
@@ -133,9 +142,12 @@ class Prepared:
         output_ids: list[int] = []
         drain = self.drain
         try:
-            async for i, ev in _merge([self.loaded.engine.generate(r) for r in self.requests]):
+            open_stream = self.stream or self.loaded.engine.generate
+            async for i, ev in _merge([open_stream(r) for r in self.requests]):
                 if drain is not None and drain.expired:
                     raise ServerShutdown()
+                if ev.usage is not None and ev.usage.failovers > self.failovers:
+                    self.failovers = ev.usage.failovers
                 self.observer.on_event(i, ev)
                 if finish is None and ev.finish_reason is not None:
                     finish = ev.finish_reason
@@ -163,6 +175,7 @@ class _Collected:
     """A whole (non-stream) answer, per choice, from the neutral output events."""
 
     texts: list[str]  # the answer's text (a tool answer's response, or text beside native calls)
+    reasoning: list[str]  # what a model that thinks wrote before its answer
     raw: list[str]  # what the model wrote (a tool answer cut short is returned as it is)
     tokens: list[list[TokenLogprob]]
     finish: list[str | None]
@@ -213,7 +226,19 @@ class Service:
         self.metrics.admission_wait.labels(spec.id).observe(ticket.waited_s)
         rid = f"{prefix}-{uuid.uuid4().hex[:24]}"
         base = replace(base, request_id=rid)
-        return Prepared(loaded, _fan_out(base, n), rid, observer, ticket, self.drain, on_complete=self.on_complete)
+        p = Prepared(loaded, _fan_out(base, n), rid, observer, ticket, self.drain, on_complete=self.on_complete)
+        settings = self.manager.settings
+        if settings.failover_budget > 0:
+            policy = FailoverPolicy(settings.failover_budget, settings.failover_wait, settings.failover_replay == "exact")
+
+            async def current() -> Engine:
+                return (await self.manager.get(spec)).engine
+
+            def stream(r: GenerationRequest) -> AsyncIterator[TokenEvent]:
+                return resumable(r, loaded.engine, current, policy, spec.id, self.metrics)
+
+            p.stream = stream
+        return p
 
     async def prepare_conversation(self, spec: ModelSpec, conv: Conversation, sp: SamplingParams, n: int,
                                    prefix: str, received: float) -> Prepared:
@@ -226,10 +251,11 @@ class Service:
                               f"tool_choice {conv.tool_choice.mode!r} cannot be met", param=conv.param("tool_choice"))
             skipped = tuple(t.name for t in conv.tools)
             conv = replace(conv, tools=None, tool_choice=None)
+        extra = (await self.manager.get(spec)).engine.info.extra
         native = ""
         if conv.tools and (conv.tool_choice is None or conv.tool_choice.mode != "none"):
             # The serving template decides the tool format: its own (rendered by the template) or ours.
-            native = (await self.manager.get(spec)).engine.info.extra.get("tool_format", "")
+            native = extra.get("tool_format", "")
         try:
             tool_plan = tools.plan(conv, native)
         except tools.ToolRequestError as exc:
@@ -257,10 +283,18 @@ class Service:
                     raise invalid("a json_schema format needs its schema", param=conv.param("output.schema"))
                 schema = json.dumps(fmt.schema)
             sp = replace(sp, structured=fmt.type, json_schema=schema)
-        base = GenerationRequest(request_id="", sampling=sp, messages=tuple(messages), tools_json=tools_json)
+        elif spec.grammar:
+            sp = replace(sp, grammar=spec.grammar)
+        # A grammar from the first token leaves no room to think (a native tool format starts lazily).
+        constrained = sp.structured is not None and not (tool_plan is not None and tool_plan.native
+                                                         and tool_plan.choice.mode == "auto")
+        rplan = reasoning.plan(spec, extra, conv.thinking, constrained)
+        base = GenerationRequest(request_id="", sampling=sp, messages=tuple(messages), tools_json=tools_json,
+                                 thinking=rplan.thinking if rplan is not None else None)
         p = await self.prepare(spec, base, n, prefix, received)
         p.tool_plan = tool_plan
         p.skipped_tools = skipped
+        p.reasoning = rplan
         return p
 
     async def conversation_events(self, p: Prepared) -> AsyncIterator[tuple[int, OutputEvent, TokenEvent]]:
@@ -279,12 +313,30 @@ class Service:
         ended: set[int] = set()  # choices whose answer ended at a repeat
         ids: dict[tuple[int, int], str] = {}
         kinds = {t.name: t.kind for t in p.tool_plan.tools} if p.tool_plan is not None else {}
+        rplan = p.reasoning
+        splitters: dict[int, reasoning.Splitter] = {}
+        thought_tokens: dict[int, int] = {}
+
+        def split(i: int, ev: TokenEvent) -> tuple[list[ReasoningDelta], str]:
+            """The engine event's text as reasoning, and the answer's text that follows it."""
+            if rplan is None or not rplan.split:
+                return [], ev.text
+            sp = splitters.get(i)
+            if sp is None:
+                sp = splitters[i] = reasoning.Splitter(rplan.opened)
+            parts = sp.feed(ev.text)
+            if sp.touched:
+                thought_tokens[i] = thought_tokens.get(i, 0) + len(ev.token_ids)
+            if ev.finish_reason is not None:
+                parts += sp.flush()
+            return ([ReasoningDelta(t) for k, t in parts if k == "reasoning"],
+                    "".join(t for k, t in parts if k == "text"))
 
         def finished(i: int, reason: str | None, whole: bool) -> Finished:
             parser = parsers[i]
             calls = tuple(ToolCall(ids[(i, k)], n, a or "{}", kinds.get(n, "function"))
                           for k, (n, a) in enumerate(parser.calls[:released.get(i, 0)]))
-            return Finished("tool_calls" if calls else (reason or "stop"), calls, whole)
+            return Finished("tool_calls" if calls else (reason or "stop"), calls, whole, thought_tokens.get(i, 0))
 
         def release(i: int) -> list[OutputEvent] | None:
             """The held call is complete: its events, or None when it repeats an earlier call."""
@@ -298,11 +350,14 @@ class Service:
 
         async with contextlib.aclosing(p.events()) as events:
             async for i, ev in events:
+                thought, text = split(i, ev)
+                for r in thought:
+                    yield i, r, ev
                 if p.tool_plan is None:
-                    if ev.text or ev.logprobs:
-                        yield i, TextDelta(ev.text), ev
+                    if text or (ev.logprobs and not thought):
+                        yield i, TextDelta(text), ev
                     if ev.finish_reason is not None:
-                        yield i, Finished(ev.finish_reason), ev
+                        yield i, Finished(ev.finish_reason, reasoning_tokens=thought_tokens.get(i, 0)), ev
                     continue
                 parser = parsers.get(i)
                 if parser is None:
@@ -311,7 +366,7 @@ class Service:
                     if ev.finish_reason is not None:
                         yield i, finished(i, ev.finish_reason, True), ev
                     continue
-                for e in parser.feed(ev.text):
+                for e in parser.feed(text):
                     if i in ended:
                         break
                     if isinstance(e, tools.CallStarted):
@@ -341,7 +396,7 @@ class Service:
 
     async def collect(self, p: Prepared) -> _Collected:
         n = len(p.requests)
-        out = _Collected([""] * n, [""] * n, [[] for _ in range(n)], [None] * n, [()] * n, [True] * n, [])
+        out = _Collected([""] * n, [""] * n, [""] * n, [[] for _ in range(n)], [None] * n, [()] * n, [True] * n, [])
         last: dict[int, TokenEvent] = {}
         async with contextlib.aclosing(self.conversation_events(p)) as events:
             async for i, e, ev in events:
@@ -351,6 +406,8 @@ class Service:
                     out.tokens[i] += ev.logprobs
                 if isinstance(e, TextDelta):
                     out.texts[i] += e.text
+                elif isinstance(e, ReasoningDelta):
+                    out.reasoning[i] += e.text
                 elif isinstance(e, Finished):
                     out.finish[i], out.calls[i], out.whole[i] = e.reason, e.calls, e.whole
                     if ev.usage is not None:

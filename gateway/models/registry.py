@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 log = logging.getLogger(__name__)
 
@@ -204,6 +204,12 @@ class ModelSpec(_Strict):
     compute_units: Literal["ALL", "CPU_AND_NE", "CPU_AND_GPU", "CPU_ONLY"] = Field(
         default="ALL", description="CoreML only: where the model may run"
     )
+    reasoning: Literal["auto", "on", "off"] = Field(
+        default="auto", description="the model thinks in <think>...</think> before it answers (auto: when its chat "
+                                    "template uses those tags); the reasoning is returned apart from the answer, in "
+                                    "each protocol's own form, and requests may turn it off; off: returned as text")
+    grammar: str | None = Field(default=None, description="llama.cpp: a GBNF grammar that this model's free-text "
+                                "answers follow (llama-server's --grammar); a request's JSON format or tools replace it")
     defaults: Defaults = Defaults()
     parity: ParityTolerance | None = Field(default=None, description="parity tolerances for this model")
     embedding: EmbeddingOptions = EmbeddingOptions()
@@ -216,6 +222,12 @@ class ModelSpec(_Strict):
                                   "(helps outputs that copy from the prompt); off when unset")
     replicas: Replicas | None = Field(default=None, description="replicas on a Ray cluster (--cluster ray); "
                                       "the default model keeps 1, others scale from 0, when unset")
+
+    @field_validator("reasoning", "device_sampling", mode="before")
+    @classmethod
+    def _on_off(cls, v: Any) -> Any:
+        # YAML 1.1 reads a bare on/off as a boolean.
+        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
 
     @model_validator(mode="after")
     def _served_somewhere(self) -> ModelSpec:

@@ -28,6 +28,7 @@ from gateway.conversation import (
     Conversation,
     Finished,
     Output,
+    ReasoningDelta,
     TextDelta,
     ToolCall,
     ToolChoice,
@@ -258,11 +259,24 @@ def conversation(req: MessagesRequest | CountTokensRequest, notes: Notes) -> Con
         choice = None  # the only tools were skipped (or none were given): nothing to choose from
     for name in sorted(set(req.model_extra or {}) - _HONOURED - _QUIET):
         notes.ignored.add(name)
-    if req.thinking is not None and req.thinking.get("type") not in (None, "disabled"):
-        notes.ignored.add("thinking")
+    if req.thinking is not None and req.thinking.get("budget_tokens") is not None:
+        notes.ignored.add("thinking.budget_tokens")  # the model thinks as long as it does
     output = _output(getattr(req, "output_config", None), notes)
-    return Conversation(tuple(turns), tools, choice, parallel, output,
+    return Conversation(tuple(turns), tools, choice, parallel, output, thinking(req),
                         params={"tools": "tools", "tool_choice": "tool_choice", "tool_choice.name": "tool_choice.name"})
+
+
+def thinking(req: MessagesRequest | CountTokensRequest) -> bool | None:
+    """`thinking`: disabled answers at once; enabled or adaptive thinks; absent, the model's default
+    (a local model that thinks does so unless told not to, and its thinking blocks are returned)."""
+    kind = (req.thinking or {}).get("type")
+    if kind is None:
+        return None
+    if kind == "disabled":
+        return False
+    if kind in ("enabled", "adaptive"):
+        return True
+    raise invalid(f"thinking.type must be enabled, adaptive or disabled, not {kind!r}", param="thinking.type")
 
 
 def sampling_fields(req: MessagesRequest) -> SimpleNamespace:
@@ -327,21 +341,41 @@ class Assembler:
             return []
         if b["type"] == "tool_use":
             b["input"] = tool_input(self._json)
-        return [("content_block_stop", {"type": "content_block_stop", "index": self.blocks.index(b)})]
+        out: list[tuple[str, dict[str, Any]]] = []
+        if b["type"] == "thinking":
+            # Anthropic signs thinking so it can be checked when sent back; a local model's is not
+            # secret, and the signature is empty (the SDK's accumulator expects the delta).
+            out.append(("content_block_delta", {"type": "content_block_delta", "index": self.blocks.index(b),
+                                                "delta": {"type": "signature_delta", "signature": ""}}))
+        return out + [("content_block_stop", {"type": "content_block_stop", "index": self.blocks.index(b)})]
 
     def _begin(self, block: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
         out = self._close()
         self.blocks.append(block)
         self._open = block
         self._json = ""
-        shown = {**block, "input": {}} if block["type"] == "tool_use" else {**block, "text": ""}
+        if block["type"] == "tool_use":
+            shown = {**block, "input": {}}
+        elif block["type"] == "thinking":
+            shown = {**block, "thinking": "", "signature": ""}
+        else:
+            shown = {**block, "text": ""}
         out.append(("content_block_start", {"type": "content_block_start", "index": len(self.blocks) - 1,
                                             "content_block": shown}))
         return out
 
     def feed(self, e: Any, ev: TokenEvent) -> list[tuple[str, dict[str, Any]]]:
         out: list[tuple[str, dict[str, Any]]] = []
-        if isinstance(e, TextDelta):
+        if isinstance(e, ReasoningDelta):
+            if not e.text:
+                return out
+            if self._open is None or self._open["type"] != "thinking":
+                out += self._begin({"type": "thinking", "thinking": "", "signature": ""})
+            assert self._open is not None
+            self._open["thinking"] += e.text
+            out.append(("content_block_delta", {"type": "content_block_delta", "index": len(self.blocks) - 1,
+                                                "delta": {"type": "thinking_delta", "thinking": e.text}}))
+        elif isinstance(e, TextDelta):
             if not e.text:
                 return out
             if self._open is None or self._open["type"] != "text":

@@ -3,7 +3,8 @@
 lines, with its timing fields in nanoseconds.
 
 What the gateway cannot honour is accepted and named in `X-Ignored-Fields` (Ollama's own server
-ignores unknown options silently): `options` it has no sampler for, `think`, `template`, `context`.
+ignores unknown options silently): `options` it has no sampler for, `template`, `context`. A model
+that thinks returns its reasoning in `thinking`; `think: false` makes it answer at once.
 """
 
 from __future__ import annotations
@@ -197,7 +198,7 @@ def chat_conversation(req: ChatRequest) -> Conversation:
             turns.append(Turn.of("tool", content, tool_call_id=answered.id if answered else None))
         else:
             turns.append(Turn.of(role, content))
-    return Conversation(tuple(turns), _tools(req.tools), None, True, _output(req.format),
+    return Conversation(tuple(turns), _tools(req.tools), None, True, _output(req.format), thinking(req),
                         params={"tools": "tools", "output.schema": "format"})
 
 
@@ -207,7 +208,18 @@ def generate_conversation(req: GenerateRequest) -> Conversation:
     if req.suffix:
         raise invalid("suffix (fill-in-the-middle) is not supported", param="suffix")
     turns = ([Turn.of("system", req.system)] if req.system else []) + [Turn.of("user", req.prompt)]
-    return Conversation(tuple(turns), None, None, True, _output(req.format), params={"output.schema": "format"})
+    return Conversation(tuple(turns), None, None, True, _output(req.format), thinking(req),
+                        params={"output.schema": "format"})
+
+
+def thinking(req: ChatRequest | GenerateRequest) -> bool | None:
+    """`think`: true, or a level ("high", "medium", "low") that a model without levels treats as
+    true; false answers at once; absent, the model's default."""
+    if req.think is None or isinstance(req.think, bool):
+        return req.think
+    if req.think in ("high", "medium", "low"):
+        return True
+    raise invalid(f"think must be true, false, \"high\", \"medium\" or \"low\", not {req.think!r}", param="think")
 
 
 def sampling_fields(options: dict[str, Any] | None, notes: Notes) -> tuple[SimpleNamespace, int | None]:
@@ -297,6 +309,7 @@ class Answer:
     """The answer collected so far (a stream also sends each piece as it comes)."""
 
     text: str = ""
+    thinking: str = ""
     calls: tuple[ToolCall, ...] = ()
     done_reason: str = "stop"
     fields: dict[str, Any] = field(default_factory=dict)

@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from engines.base import GenerationRequest
+from gateway.api import reasoning
 from gateway.api.errors import APIError, invalid, to_api_error
 from gateway.api.notes import Notes
 from gateway.api.ollama import api as ol
@@ -27,7 +28,7 @@ from gateway.api.openai.common import sampling
 from gateway.api.openai.protocol import EmbeddingRequest
 from gateway.api.serving import Prepared, Service, model_spec
 from gateway.api.sse import until_disconnect
-from gateway.conversation import ArgumentsDelta, CallStarted, Finished, TextDelta
+from gateway.conversation import ArgumentsDelta, CallStarted, Finished, ReasoningDelta, TextDelta
 from gateway.models.pool import ModelBusy, ModelManager
 from gateway.models.registry import ModelSpec
 
@@ -123,13 +124,26 @@ async def _load_only(request: Request, spec: ModelSpec, name: str, keep: float |
     return JSONResponse(body)
 
 
+async def _check_think(request: Request, spec: ModelSpec, body: ol.ChatRequest | ol.GenerateRequest) -> None:
+    """`think` for a model that does not think is a 400, as Ollama answers it."""
+    if body.think in (None, False):
+        return
+    manager: ModelManager = request.app.state.manager
+    loaded = await until_disconnect(request, manager.get(spec))
+    if not reasoning.reasons(spec, loaded.engine.info.extra):
+        raise invalid(f'"{body.model}" does not support thinking', param="think")
+
+
 async def _lines(service: Service, p: Prepared, name: str, key: str, timing: ol.Timing, answer: ol.Answer
                  ) -> AsyncIterator[dict[str, Any]]:
     """The answer as Ollama's stream objects; `answer` holds the whole of it at the end."""
 
-    def piece(text: str) -> dict[str, Any]:
-        return {"model": name, "created_at": ol.now(),
-                key: {"role": "assistant", "content": text} if key == "message" else text, "done": False}
+    def piece(text: str, thought: str = "") -> dict[str, Any]:
+        if key == "message":
+            msg = {"role": "assistant", "content": text, **({"thinking": thought} if thought else {})}
+            return {"model": name, "created_at": ol.now(), "message": msg, "done": False}
+        return {"model": name, "created_at": ol.now(), "response": text, **({"thinking": thought} if thought else {}),
+                "done": False}
 
     async with contextlib.aclosing(service.conversation_events(p)) as events:
         async for _i, e, ev in events:
@@ -139,6 +153,10 @@ async def _lines(service: Service, p: Prepared, name: str, key: str, timing: ol.
                 if e.text:
                     answer.text += e.text
                     yield piece(e.text)
+            elif isinstance(e, ReasoningDelta):
+                if e.text:
+                    answer.thinking += e.text
+                    yield piece("", e.text)
             elif isinstance(e, CallStarted | ArgumentsDelta):
                 continue  # Ollama sends calls whole: at the end
             elif isinstance(e, Finished):
@@ -155,11 +173,14 @@ async def _lines(service: Service, p: Prepared, name: str, key: str, timing: ol.
 def _final(name: str, key: str, answer: ol.Answer, whole: bool) -> dict[str, Any]:
     if key == "message":
         msg: dict[str, Any] = {"role": "assistant", "content": answer.text if whole else ""}
+        if whole and answer.thinking:
+            msg["thinking"] = answer.thinking
         if whole and answer.calls:
             msg["tool_calls"] = ol.tool_calls_out(answer.calls)
         out: dict[str, Any] = {"model": name, "created_at": ol.now(), "message": msg}
     else:
-        out = {"model": name, "created_at": ol.now(), "response": answer.text if whole else ""}
+        out = {"model": name, "created_at": ol.now(), "response": answer.text if whole else "",
+               **({"thinking": answer.thinking} if whole and answer.thinking else {})}
     return {**out, "done_reason": answer.done_reason, "done": True, **answer.fields}
 
 
@@ -214,9 +235,8 @@ async def chat(body: ol.ChatRequest, request: Request) -> Response:
     if not body.messages:
         return await _load_only(request, spec, body.model, keep, "message")
     notes = Notes()
-    if body.think not in (None, False):
-        notes.ignored.add("think")
     conv = ol.chat_conversation(body)
+    await _check_think(request, spec, body)
     fields, max_tokens = ol.sampling_fields(body.options, notes)
     sp = sampling(fields, spec, max_tokens)
     timing = ol.Timing(received)
@@ -243,9 +263,8 @@ async def generate(body: ol.GenerateRequest, request: Request) -> Response:
     for name in ("template", "context"):
         if getattr(body, name):
             notes.ignored.add(name)
-    if body.think not in (None, False):
-        notes.ignored.add("think")
     conv = ol.generate_conversation(body)
+    await _check_think(request, spec, body)
     fields, max_tokens = ol.sampling_fields(body.options, notes)
     sp = sampling(fields, spec, max_tokens)
     timing = ol.Timing(received)

@@ -30,6 +30,7 @@ from gateway.conversation import (
     Conversation,
     Finished,
     Output,
+    ReasoningDelta,
     TextDelta,
     ToolCall,
     ToolChoice,
@@ -59,8 +60,25 @@ def conversation(req: ChatCompletionRequest) -> Conversation:
         js = fmt.json_schema
         output = Output(fmt.type, js.schema_ if js is not None else None, js.name if js is not None else "response",
                         js.strict if js is not None else None)
-    return Conversation(turns, tools, choice, req.parallel_tool_calls is not False, output,
+    return Conversation(turns, tools, choice, req.parallel_tool_calls is not False, output, thinking(req),
                         params={"tool_choice.name": "tool_choice.function.name", "output.schema": "response_format.json_schema"})
+
+
+def thinking(req: ChatCompletionRequest) -> bool | None:
+    """What the request asks of a model that thinks: None, its default."""
+    kwargs = req.chat_template_kwargs or {}
+    other = sorted(set(kwargs) - {"enable_thinking"})
+    if other:
+        raise invalid(f"chat_template_kwargs: only enable_thinking is supported, not {', '.join(other)}",
+                      param="chat_template_kwargs")
+    enable = kwargs.get("enable_thinking")
+    if enable is not None and not isinstance(enable, bool):
+        raise invalid("chat_template_kwargs.enable_thinking must be a boolean", param="chat_template_kwargs")
+    if req.reasoning_effort == "none":
+        if enable:
+            raise invalid("reasoning_effort 'none' and enable_thinking true disagree", param="reasoning_effort")
+        return False
+    return enable
 
 
 class ChatService(Service):
@@ -103,6 +121,8 @@ class ChatService(Service):
                 message = AssistantMessage(content=said or None, tool_calls=out)
             else:  # the text; a tool answer's response, or (cut short by max_tokens) what the model wrote
                 message = AssistantMessage(content=c.texts[i] if c.whole[i] else c.raw[i])
+            if p.reasoning is not None and p.reasoning.split:
+                message.reasoning_content = c.reasoning[i] or None
             choices.append(ChatChoice(index=i, message=message, finish_reason=c.finish[i],
                                       logprobs=ChoiceLogprobs(content=chat_logprobs(tuple(c.tokens[i]))) if want_lp else None))
         return ChatCompletion(id=p.response_id, created=p.created, model=model, choices=choices, usage=usage_out(c.usages))
@@ -150,6 +170,8 @@ class ChatService(Service):
                             yield text_chunk(i, e.text)
                         continue
                     delta = Delta(role="assistant" if first else None, content=e.text)
+                elif isinstance(e, ReasoningDelta):
+                    delta = Delta(role="assistant" if first else None, reasoning_content=e.text)
                 elif isinstance(e, CallStarted):
                     delta = Delta(role="assistant" if first else None, tool_calls=[ToolCallDelta(
                         index=e.call, id=e.id, type="function", function=FunctionDelta(name=e.name, arguments=""))])

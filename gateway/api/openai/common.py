@@ -92,6 +92,7 @@ def usage_out(usages: list[Usage]) -> UsageOut:
         completion_tokens_details=CompletionTokensDetails(
             accepted_prediction_tokens=accepted, rejected_prediction_tokens=drafted - accepted
         ) if drafted else None,
+        failovers=max((u.failovers for u in usages), default=0) or None,
     )
 
 

@@ -38,9 +38,10 @@ class ChatMessageIn(_Request):
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None  # assistant turns that called tools
     tool_call_id: str | None = None  # tool turns: the call this result answers
-    # An earlier assistant turn's refusal, as our own responses carry it (`refusal: null`): clients
+    # An earlier assistant turn's refusal and reasoning, as our own responses carry them: clients
     # append the response message to the history unchanged. Not shown to the model.
     refusal: str | None = None
+    reasoning_content: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -125,6 +126,10 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool | None = None
     store: bool | None = None
     metadata: dict[str, str] | None = None
+    # Reasoning models: "none" answers at once (the other efforts think as the model does);
+    # `chat_template_kwargs.enable_thinking` as in vLLM and llama-server.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -177,6 +182,14 @@ class UsageOut(_Response):
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
     completion_tokens_details: CompletionTokensDetails | None = None
+    failovers: int | None = None  # an extension: times the answer continued on another engine
+
+    @model_serializer(mode="wrap")
+    def _failovers_when_any(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out: dict[str, Any] = handler(self)
+        if not out.get("failovers"):
+            out.pop("failovers", None)
+        return out
 
 
 class FunctionCallOut(_Response):
@@ -195,6 +208,14 @@ class AssistantMessage(_Response):
     content: str | None
     refusal: str | None = None
     tool_calls: list[ToolCallOut] | None = None
+    reasoning_content: str | None = None  # what a model that thinks wrote before its answer
+
+    @model_serializer(mode="wrap")
+    def _reasoning_when_any(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out: dict[str, Any] = handler(self)
+        if out.get("reasoning_content") is None:
+            out.pop("reasoning_content", None)
+        return out
 
 
 class _Sparse(_Response):
@@ -237,6 +258,7 @@ class ChatCompletion(_Response):
 class Delta(_Response):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer(mode="wrap")
@@ -348,13 +370,18 @@ class ErrorResponse(_Response):
 
 
 class HealthResponse(BaseModel):
-    """`GET /health`: 200 when the default model can serve, 503 while loading, failed, draining, or
-    degraded (its engine's worker is restarting after a crash; `Retry-After` says when to ask again)."""
+    """`GET /health` and `GET /health/ready`: 200 (`ok`) when the default model can serve, loaded or
+    loadable on demand (unloaded, never loaded yet: its next request loads it); 503 when it cannot:
+    `error` (its load failed, or its files are missing), `loading` (the first load at start-up),
+    `degraded` (its engine's worker is restarting after a crash; `Retry-After` says when to ask
+    again) or `draining`. Other models, failed or not, do not change the verdict."""
 
     status: Literal["ok", "loading", "error", "draining", "degraded"]
-    reason: str | None = None  # degraded: why
+    reason: str | None = None  # why, when the default model is not simply loaded and ready
     default_model: str
-    models: dict[str, dict[str, Any]]  # per model: ready, engine, device, running, waiting, reasons
+    # Every configured model: loaded ones with ready, engine, device, running, waiting and reasons;
+    # the others with `status` loading, failed (and its `error`) or not_loaded.
+    models: dict[str, dict[str, Any]]
     uptime_s: float
     parity: dict[str, Any] | None = None
     inflight: int | None = None  # while draining: API requests still running

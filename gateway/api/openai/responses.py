@@ -32,6 +32,7 @@ from gateway.conversation import (
     Conversation,
     Finished,
     Output,
+    ReasoningDelta,
     TextDelta,
     ToolCall,
     ToolChoice,
@@ -299,7 +300,9 @@ def _output(req: ResponseCreateRequest) -> Output | None:
 
 
 def _note_ignored(req: ResponseCreateRequest, notes: Notes) -> None:
-    for name in ("include", "reasoning", "service_tier", "user", "safety_identifier", "prompt_cache_retention",
+    if req.reasoning and req.reasoning.get("summary") not in (None, "none"):
+        notes.ignored.add("reasoning.summary")  # the reasoning itself is returned, not a summary of it
+    for name in ("include", "service_tier", "user", "safety_identifier", "prompt_cache_retention",
                  "stream_options", "conversation", "prompt", "top_logprobs", "max_tool_calls", "client_metadata"):
         if getattr(req, name) not in (None, [], {}):
             notes.ignored.add(name)
@@ -324,8 +327,9 @@ def conversation(req: ResponseCreateRequest, earlier: tuple[Turn, ...], notes: N
     tools = _tools(req, notes)
     choice = _choice(req, tools, notes)
     _note_ignored(req, notes)
+    effort = (req.reasoning or {}).get("effort")
     conv = Conversation(turns, tools, choice, req.parallel_tool_calls is not False, _output(req),
-                        params={"output.schema": "text.format.schema"})
+                        thinking=False if effort == "none" else None, params={"output.schema": "text.format.schema"})
     return conv, history, listed
 
 
@@ -339,16 +343,22 @@ def sampling_fields(req: ResponseCreateRequest) -> SimpleNamespace:
 # --- output -> response object -------------------------------------------------------------------
 
 
-def usage_obj(usage: Usage | None) -> dict[str, Any]:
+def usage_obj(usage: Usage | None, reasoning_tokens: int = 0) -> dict[str, Any]:
     u = usage or Usage(0, 0)
     return {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": u.cached_tokens},
-            "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": u.prompt_tokens + u.completion_tokens}
 
 
 def message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
     content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status == "completed" or text else []
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
+
+
+def reasoning_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    """The model's reasoning as it wrote it (`reasoning_text`); no summary is made of it."""
+    content = [{"type": "reasoning_text", "text": text}] if status == "completed" or text else []
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": status}
 
 
 def call_item(item_id: str, call: ToolCall, status: str = "completed") -> dict[str, Any]:
@@ -387,7 +397,8 @@ class Run:
     in_band: bool = True  # a failure after the start is a response.failed event (streams), else raised
 
     def response(self, status: str, output: list[dict[str, Any]], usage: Usage | None = None,
-                 incomplete: str | None = None, error: dict[str, Any] | None = None) -> dict[str, Any]:
+                 incomplete: str | None = None, error: dict[str, Any] | None = None,
+                 reasoning_tokens: int = 0) -> dict[str, Any]:
         r = self.req
         fmt: dict[str, Any] = {"type": "text"}
         if r.text is not None and r.text.format is not None:
@@ -400,13 +411,14 @@ class Run:
             "instructions": r.instructions, "max_output_tokens": r.max_output_tokens, "max_tool_calls": r.max_tool_calls,
             "model": r.model, "output": output, "parallel_tool_calls": r.parallel_tool_calls is not False,
             "previous_response_id": r.previous_response_id, "prompt_cache_key": r.prompt_cache_key,
-            "reasoning": {"effort": None, "summary": None}, "safety_identifier": r.safety_identifier,
+            "reasoning": {"effort": (r.reasoning or {}).get("effort"), "summary": None},
+            "safety_identifier": r.safety_identifier,
             "service_tier": "default", "store": self.store,
             "temperature": self.prepared.requests[0].sampling.temperature,
             "text": {"format": fmt, "verbosity": (r.text.verbosity if r.text else None) or "medium"},
             "tool_choice": tool_choice, "tools": r.tools or [], "top_logprobs": r.top_logprobs or 0,
             "top_p": self.prepared.requests[0].sampling.top_p, "truncation": r.truncation or "disabled",
-            "usage": usage_obj(usage) if status in ("completed", "incomplete") else None,
+            "usage": usage_obj(usage, reasoning_tokens) if status in ("completed", "incomplete") else None,
             "user": r.user, "metadata": r.metadata or {},
         }
 
@@ -419,6 +431,8 @@ class Assembler:
         self.items: list[dict[str, Any]] = []
         self.seq = 0
         self._msg: dict[str, Any] | None = None  # the open message item
+        self._thought: dict[str, Any] | None = None  # the open reasoning item
+        self.reasoning_tokens = 0
         self._calls: dict[int, dict[str, Any]] = {}  # call index -> open call item
         self._args: dict[int, tuple[ToolCall, str]] = {}  # call index -> (the call, its arguments so far)
         self.text = ""
@@ -443,6 +457,19 @@ class Assembler:
                            logprobs=[]),
                 self.event("response.content_part.done", item_id=m["id"], output_index=idx, content_index=0, part=part),
                 self.event("response.output_item.done", output_index=idx, item=dict(m))]
+
+    def _close_reasoning(self) -> list[tuple[str, dict[str, Any]]]:
+        r, self._thought = self._thought, None
+        if r is None:
+            return []
+        idx = self.items.index(r)
+        text = r.pop("_text")
+        part = {"type": "reasoning_text", "text": text}
+        r.update(status="completed", content=[part])
+        return [self.event("response.reasoning_text.done", item_id=r["id"], output_index=idx, content_index=0,
+                           text=text),
+                self.event("response.content_part.done", item_id=r["id"], output_index=idx, content_index=0, part=part),
+                self.event("response.output_item.done", output_index=idx, item=dict(r))]
 
     def _close_calls(self, final: dict[int, ToolCall]) -> list[tuple[str, dict[str, Any]]]:
         out = []
@@ -470,9 +497,25 @@ class Assembler:
 
     def feed(self, e: Any, ev: TokenEvent) -> list[tuple[str, dict[str, Any]]]:
         out: list[tuple[str, dict[str, Any]]] = []
-        if isinstance(e, TextDelta):
+        if isinstance(e, ReasoningDelta):
             if not e.text:
                 return out
+            if self._thought is None:
+                self._thought = {**reasoning_item(_id("rs"), "", "in_progress"), "_text": ""}
+                self.items.append(self._thought)
+                idx = len(self.items) - 1
+                shown = {k: v for k, v in self._thought.items() if k != "_text"}
+                out.append(self.event("response.output_item.added", output_index=idx, item=shown))
+                out.append(self.event("response.content_part.added", item_id=self._thought["id"], output_index=idx,
+                                      content_index=0, part={"type": "reasoning_text", "text": ""}))
+            self._thought["_text"] += e.text
+            out.append(self.event("response.reasoning_text.delta", item_id=self._thought["id"],
+                                  output_index=self.items.index(self._thought), content_index=0, delta=e.text))
+            return out
+        if isinstance(e, TextDelta) and not e.text:
+            return out
+        out += self._close_reasoning()
+        if isinstance(e, TextDelta):
             if self._msg is None:
                 self._msg = {**message_item(_id("msg"), "", "in_progress"), "_text": ""}
                 self.items.append(self._msg)
@@ -511,6 +554,7 @@ class Assembler:
         elif isinstance(e, Finished):
             self.finish = e.reason
             self.usage = ev.usage
+            self.reasoning_tokens = e.reasoning_tokens
             self.calls = list(e.calls)
             out += self._close_message()
             out += self._close_calls(dict(enumerate(e.calls)))
@@ -565,7 +609,7 @@ async def generate(service: Any, run: Run) -> AsyncIterator[tuple[str, dict[str,
             "failed", asm.items, error={"code": body.get("code") or "server_error", "message": body["message"]}))
         return
     status, why = asm.status()
-    final = run.response(status, asm.items, asm.usage, why)
+    final = run.response(status, asm.items, asm.usage, why, reasoning_tokens=asm.reasoning_tokens)
     if run.on_final is not None:
         await run.on_final(final, asm.output_turn())
     yield asm.event(f"response.{status}", response=final)

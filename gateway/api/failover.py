@@ -1,0 +1,88 @@
+"""A stream outlives its engine: when the worker under a request dies after it started, the request
+continues on the restarted worker (or the engine the model fell back to) from the tokens it already
+produced, and the client sees one unbroken answer.
+
+The engine is given the same request with `resume_ids` (the tokens already sent): it prefills the
+prompt, feeds those tokens one per step as they were generated (or, with replay "fast", in the same
+prefill), advances its sampler's penalty and grammar state over them, counts them as generated (so
+`max_tokens` and `usage` stay exact) and goes on. Greedy output is then what an uninterrupted run
+gives when the prompt's prefill has the same shape (llama.cpp's results depend on how tokens are
+batched: a prompt taken from the prefix cache, or other sequences in the same steps, can change a
+near-tie, with or without a failover); a seeded sampler starts its random stream again at the
+failover, so seeded text is reproducible only up to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, replace
+
+from engines.base import Engine, EngineCrashed, GenerationRequest, TokenEvent
+from gateway.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FailoverPolicy:
+    budget: int = 2  # failovers per request
+    wait_s: float = 120.0  # for the engine to be back, per failover
+    replay: bool = True  # feed the tokens already sent one per step (GenerationRequest.resume_replay)
+
+
+async def resumable(request: GenerationRequest, engine: Engine, current: Callable[[], Awaitable[Engine]],
+                    policy: FailoverPolicy, model: str, metrics: Metrics) -> AsyncIterator[TokenEvent]:
+    """`engine.generate(request)`, continued after a crash of its worker (`EngineCrashed`) on the
+    engine `current()` returns then, at most `policy.budget` times."""
+    produced: list[int] = []
+    failovers = 0
+    last_token = time.perf_counter()
+    paused_at: float | None = None
+    while True:
+        req = request if failovers == 0 else replace(request, resume_ids=tuple(produced), resume_replay=policy.replay)
+        stream = engine.generate(req).__aiter__()
+        try:
+            while True:
+                try:
+                    if paused_at is None:
+                        ev = await anext(stream)
+                    else:  # the engine must be back in time
+                        ev = await asyncio.wait_for(anext(stream), max(0.0, paused_at + policy.wait_s - time.perf_counter()))
+                except StopAsyncIteration:
+                    return
+                if paused_at is not None:
+                    metrics.failover_pause.labels(model).observe(time.perf_counter() - last_token)
+                    paused_at = None
+                last_token = time.perf_counter()
+                produced.extend(ev.token_ids)
+                if failovers and ev.usage is not None:
+                    ev = replace(ev, usage=replace(ev.usage, failovers=failovers))
+                yield ev
+        except EngineCrashed as exc:
+            crashed: BaseException = exc
+        except TimeoutError:
+            metrics.failovers.labels(model, "gave_up").inc()
+            raise EngineCrashed(f"the engine was not back within {policy.wait_s:.0f} s of losing this stream") from None
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
+        if failovers >= policy.budget:
+            metrics.failovers.labels(model, "gave_up").inc()
+            raise crashed
+        failovers += 1
+        paused_at = time.perf_counter()
+        try:
+            nxt = await asyncio.wait_for(current(), policy.wait_s)
+        except Exception as exc:  # noqa: BLE001 - nowhere to continue: the crash is the answer
+            metrics.failovers.labels(model, "gave_up").inc()
+            raise crashed from exc
+        if produced and nxt.info.extra.get("resume") != "1":  # it cannot continue a stream
+            metrics.failovers.labels(model, "gave_up").inc()
+            raise crashed
+        reason = "restarted" if nxt is engine else "next_engine"
+        metrics.failovers.labels(model, reason).inc()
+        log.warning("request %s: its engine died after %d tokens (%s); continuing on the %s engine",
+                    request.request_id, len(produced), crashed, "restarted" if nxt is engine else "next")
+        engine = nxt
