@@ -83,6 +83,9 @@ async def create_message(body: am.MessagesRequest, request: Request) -> Response
     p = await until_disconnect(request, service.prepare_conversation(spec, conv, sp, 1, "msg", received))
     request.state.observer = p.observer
     notes.skipped_tools.update(p.skipped_tools)
+    if conv.thinking and p.reasoning is None:  # the model does not think: nothing to enable
+        notes.ignored.discard("thinking.budget_tokens")
+        notes.ignored.add("thinking")
     headers = {**p.headers, **notes.headers()}
     asm = am.Assembler(am.message_id(), body.model)
     events = am.generate(service, p, asm, in_band=body.stream)

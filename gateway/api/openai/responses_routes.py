@@ -75,6 +75,9 @@ async def create_response(body: rs.ResponseCreateRequest, request: Request) -> R
 
         run.on_final = save
     notes.skipped_tools.update(p.skipped_tools)
+    if body.reasoning and p.reasoning is None:  # the model does not think: nothing to set
+        notes.ignored.discard("reasoning.summary")
+        notes.ignored.add("reasoning")
     headers = {**p.headers, **notes.headers()}
     events = rs.generate(service, run)
     return await answer_events(request, events, body.stream, headers, p.release, lambda last: last["response"])
