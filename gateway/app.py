@@ -19,6 +19,7 @@ from gateway.api.anthropic.messages import MessageStreamEvent
 from gateway.api.anthropic.routes import router as anthropic_router
 from gateway.api.errors import install_error_handlers
 from gateway.api.guards import Drain, Guards, Policy, is_loopback_bind
+from gateway.api.health import router as health_router
 from gateway.api.ollama.routes import router as ollama_router
 from gateway.api.openai.chat import ChatService
 from gateway.api.openai.completions import CompletionService
@@ -142,6 +143,7 @@ def create_app(
                                  if settings.responses_store else None)
     install_error_handlers(app)
     app.include_router(router)
+    app.include_router(health_router)
     app.include_router(responses_router)
     app.include_router(anthropic_router)
     app.include_router(ollama_router)

@@ -21,7 +21,6 @@ from gateway.api.openai.protocol import (
     EmbeddingList,
     EmbeddingRequest,
     ErrorResponse,
-    HealthResponse,
     ModelCard,
     ModelList,
 )
@@ -163,7 +162,7 @@ def _card(request: Request, spec: Any) -> ModelCard:
         created=request.app.state.started,
         context_length=loaded.engine.info.context_length if loaded is not None else spec.context_length,
         formats=sorted(spec.formats),
-        available=any(manager.registry.local_path(spec, f) is not None for f in spec.formats),
+        available=manager.available(spec),
         loaded=manager.is_loaded(spec.id),
         endpoints=spec.endpoints(),
         description=spec.description,
@@ -207,68 +206,3 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> EmbeddingList:
     **error_responses(401, 403)})
 async def metrics(request: Request) -> Response:
     return Response(generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-
-@router.get("/health", response_model=HealthResponse, responses={
-    503: {"model": HealthResponse, "description": "Not ready: loading, failed, or draining (`Retry-After`)"},
-    **error_responses(403)})
-async def health(request: Request) -> JSONResponse:
-    manager = request.app.state.manager
-    default = manager.registry.default
-    models: dict[str, Any] = {}
-    admission = request.app.state.admission
-    for entry in manager.loaded():
-        h = entry.engine.health()
-        c = entry.candidate
-        models[entry.spec.id] = {
-            "ready": h.ready,
-            "engine": c.label,
-            "device": c.device,
-            "running": h.running,
-            "waiting": h.waiting + admission.waiting(entry.spec.id),
-            "fallback_reason": entry.fallback_reason or None,
-        }
-        if not h.ready and h.detail:
-            models[entry.spec.id]["detail"] = h.detail
-        extra = entry.engine.info.extra
-        # llama.cpp: where tokens are sampled, draft settings, the CPU variant and weight repacking
-        for key in ("sampling", "speculative", "cpu_variant", "repack"):
-            if key in extra:
-                models[entry.spec.id][key] = extra[key]
-        worker_status = getattr(entry.engine, "worker_status", None)
-        if worker_status is not None:
-            models[entry.spec.id]["worker"] = worker_status()
-        cluster_status = getattr(entry.engine, "cluster_status", None)
-        if cluster_status is not None:
-            models[entry.spec.id]["cluster"] = cluster_status()
-    for mid in manager.loading:
-        models.setdefault(mid, {"ready": False, "status": "loading"})
-    for mid, err in manager.load_errors.items():
-        models.setdefault(mid, {"ready": False, "status": "failed", "error": err})
-    for mid, failures in manager.attempts.items():
-        if mid in models and failures:
-            models[mid]["failed_candidates"] = [{"candidate": w, "reason": y} for w, y in failures]
-    ready = default in models and models[default].get("ready", False)
-    status = "ok" if ready else ("loading" if default in manager.loading or request.app.state.preloading else "error")
-    if not ready and manager.is_loaded(default):
-        # Its worker is restarting (after a crash): it will be back, and says when.
-        status = "degraded"
-        body_reason = models[default].get("detail", "restarting")
-    if not request.app.state.preload and not ready and default not in manager.load_errors:
-        status, ready = "ok", True  # lazy mode: the default model loads on first request
-    body = {"status": status, "default_model": default, "models": models, "uptime_s": round(time.time() - request.app.state.started, 1)}
-    if status == "degraded":
-        body["reason"] = body_reason
-    if request.app.state.shadow is not None:
-        body["parity"] = request.app.state.shadow.status()
-    drain = request.app.state.drain
-    if drain.draining:
-        # Load balancers stop sending traffic here; running requests are being finished.
-        body.update(status="draining", inflight=drain.inflight)
-        return JSONResponse(body, status_code=503, headers={"Retry-After": str(drain.retry_after)})
-    headers = {}
-    if status == "degraded":
-        entry = next(e for e in manager.loaded() if e.spec.id == default)
-        retry = getattr(entry.engine, "retry_after", None)
-        headers["Retry-After"] = str(max(1, retry()) if retry is not None else 1)
-    return JSONResponse(body, status_code=200 if ready else 503, headers=headers)

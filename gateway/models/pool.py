@@ -114,6 +114,18 @@ class ModelManager:
         """The model's engine if it is loaded now."""
         return self._loaded.get(model_id)
 
+    def available(self, spec: ModelSpec) -> bool:
+        """Its files are on this machine (no download needed)."""
+        return any(self.registry.local_path(spec, f) is not None for f in spec.formats)
+
+    def loadable(self, spec: ModelSpec) -> bool:
+        """A request could load `spec` now: it is served elsewhere (remote workers, a cluster's
+        replicas), its files are here, or they come from the Hugging Face hub on first use. Says
+        nothing of a load that failed (load_errors)."""
+        if spec.workers or self._cluster is not None:
+            return True
+        return self.available(spec) or any(src.hf is not None for src in spec.formats.values())
+
     def plan(self, spec: ModelSpec) -> Plan:
         return plan(spec, self.host, self.preference, self.registry.formats(spec))
 
@@ -151,7 +163,6 @@ class ModelManager:
                     + "; ".join(f"{r}/{b}: {why}" for (r, b), why in excluded.items())
                 )
             the_plan = dataclasses.replace(the_plan, candidates=kept)
-            await self._make_room()
             if self.settings.rank_by_speed:
                 the_plan = dataclasses.replace(the_plan, candidates=await self._rank_by_speed(spec, kept))
             for ci, cand in enumerate(the_plan.candidates):
@@ -220,13 +231,16 @@ class ModelManager:
                 self.metrics.loads.labels(*labels, "failed").inc()
                 note = cached.note or "cached functional check; re-run with --recheck"
                 return None, f"{cached.reason} ({note})", cached.stage
-            if cached is None and self._checker is not None:
-                result = await asyncio.to_thread(self._checker, cand.runtime, config)
-                if not result.ok:
-                    self.checks.put(key, result, what)
-                    self.metrics.loads.labels(*labels, "failed").inc()
-                    return None, result.reason, result.stage
-                cached = result
+        # Room only now that an engine is about to load: a model whose files are missing, or whose
+        # every way to run is known to fail, must not unload a model that serves.
+        await self._make_room()
+        if self.settings.functional_check and cached is None and self._checker is not None:
+            result = await asyncio.to_thread(self._checker, cand.runtime, config)
+            if not result.ok:
+                self.checks.put(key, result, what)
+                self.metrics.loads.labels(*labels, "failed").inc()
+                return None, result.reason, result.stage
+            cached = result
         engine = self._new_engine(spec, cand, config, last)
         stage = "load"
         try:

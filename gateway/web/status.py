@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel
 
+from engines.base import ModelNotAvailable
 from gateway.api.errors import APIError
 from gateway.api.openai.protocol import ErrorResponse
 from gateway.api.routes import error_responses
@@ -135,7 +136,7 @@ def _model(request: Request, spec: ModelSpec) -> ModelStatus:
         id=spec.id,
         description=spec.description,
         endpoints=spec.endpoints(),
-        available=any(manager.registry.local_path(spec, f) is not None for f in spec.formats),
+        available=manager.available(spec),
         state=("loaded" if entry is not None else "loading" if spec.id in manager.loading
                else "failed" if spec.id in manager.load_errors else "not_loaded"),
         engine=entry.candidate.label if entry else None,
@@ -218,7 +219,9 @@ async def devices(request: Request) -> DevicesResponse:
 
 
 _CONFLICT: dict[int | str, dict[str, Any]] = {
-    409: {"model": ErrorResponse, "description": "The model is loading, or is serving requests (unload)"}}
+    409: {"model": ErrorResponse, "description": "Unload: the model is loading or serving requests (`model_loading`, "
+                                                 "`model_busy`). Load: its files are not on this machine "
+                                                 "(`model_not_installed`; the message says how to install them)"}}
 
 
 @router.post("/models/{model_id:path}/load", responses={**error_responses(401, 403, 404, 503), **_CONFLICT})
@@ -226,7 +229,11 @@ async def load(model_id: str, request: Request) -> ModelStatus:
     """Load the model now (as its first request would): planned, checked, then resident."""
     manager: ModelManager = request.app.state.manager
     spec = model_spec(manager.registry, model_id)
-    await manager.get(spec)
+    try:
+        await manager.get(spec)
+    except ModelNotAvailable as exc:
+        # Not a server fault: the model is configured, but its files are to be installed here first.
+        raise APIError(409, str(exc), code="model_not_installed") from exc
     return _model(request, spec)
 
 
