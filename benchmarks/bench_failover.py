@@ -43,18 +43,21 @@ def _worker_pid(url: str, model: str) -> int | None:
     return int(pid) if pid and m.get("ready") else None
 
 
-def _wait_worker(url: str, model: str, other_than: int | None, timeout: float = 300) -> int:
+def _wait_worker(url: str, model: str, other_than: int | None, timeout: float = 300, standby: bool = False) -> int:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         pid = _worker_pid(url, model)
-        if pid is not None and pid != other_than:
+        m = httpx.get(f"{url}/health", timeout=10).json()["models"].get(model, {})
+        spare = m.get("worker", {}).get("standby", {}).get("ready")
+        if pid is not None and pid != other_than and (spare or not standby):
             return pid
         time.sleep(0.05)
     raise RuntimeError("the worker did not come back")
 
 
-def _round(url: str, model: str, max_tokens: int, kill_at: int, reference: str | None) -> dict[str, Any]:
-    pid = _wait_worker(url, model, None)
+def _round(url: str, model: str, max_tokens: int, kill_at: int, reference: str | None,
+           standby: bool) -> dict[str, Any]:
+    pid = _wait_worker(url, model, None, standby=standby)
     body = {"model": model, "messages": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     arrivals: list[float] = []
@@ -90,8 +93,22 @@ def main() -> int:
     ap.add_argument("--config", default=str(ROOT / "models.yaml"))
     ap.add_argument("--max-tokens", type=int, default=120)
     ap.add_argument("--kill-at", type=int, default=40)
+    ap.add_argument("--standby", action="store_true", help="the model keeps a warm standby worker (models.yaml standby)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.standby:
+        import yaml
+
+        cfg = yaml.safe_load(Path(args.config).read_text())
+        for m in cfg["models"]:
+            if m["id"] == args.model:
+                m["standby"] = True
+        cfg.setdefault("cache_dir", None)
+        if cfg["cache_dir"] is None:
+            del cfg["cache_dir"]
+        tmp = Path(tempfile.mkdtemp()) / "models.yaml"
+        tmp.write_text(yaml.safe_dump(cfg))
+        args.config = str(tmp)
     port = _port()
     url = f"http://127.0.0.1:{port}"
     log = tempfile.NamedTemporaryFile("w", suffix=".log", delete=False)
@@ -106,7 +123,7 @@ def main() -> int:
             "model": args.model, "messages": PROMPT, "max_tokens": args.max_tokens, "temperature": 0,
             "ignore_eos": True}).json()["choices"][0]["message"]["content"]
         for i in range(args.rounds):
-            row = _round(url, args.model, args.max_tokens, args.kill_at, ref)
+            row = _round(url, args.model, args.max_tokens, args.kill_at, ref, args.standby)
             rows.append(row)
             print(f"round {i + 1}: gap {row['gap_s'] * 1000:.0f} ms (usual {row['itl_s'] * 1000:.1f} ms), "
                   f"whole={row['whole']}", file=sys.stderr)
@@ -121,7 +138,8 @@ def main() -> int:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                 if ln.startswith("model name")), platform.processor())
-    print(f"\nFailover gap, {args.model} on {args.engine}; {cpu}, {os.cpu_count()} cores; commit {commit}; "
+    standby = "with a warm standby" if args.standby else "no standby"
+    print(f"\nFailover gap, {args.model} on {args.engine}, {standby}; {cpu}, {os.cpu_count()} cores; commit {commit}; "
           f"{args.rounds} rounds, SIGKILL at token {args.kill_at} of {args.max_tokens}\n")
     print("| gap p50 | gap p95 | gap max | usual ITL (median) | streams whole |")
     print("|---|---|---|---|---|")

@@ -121,13 +121,20 @@ def rss_bytes(pid: int) -> int | None:
     return None
 
 
+# Seconds after a standby took over before the next one starts loading.
+SPARE_DELAY_S = 5.0
+
+_Spawned = tuple[asyncio.subprocess.Process, asyncio.StreamReader, asyncio.StreamWriter, wire.Ready]
+
+
 class LocalWorker:
     """A worker process on this host, started with one end of a socketpair."""
 
     what = "local worker"
 
     def __init__(self, runtime: str, config: EngineConfig, env: dict[str, str] | None = None,
-                 plugins: tuple[str, ...] = (), log_level: str = "info", load_timeout_s: float = 600.0) -> None:
+                 plugins: tuple[str, ...] = (), log_level: str = "info", load_timeout_s: float = 600.0,
+                 standby: bool = False) -> None:
         self.runtime = runtime
         self.config = config
         self.env = env or {}
@@ -136,6 +143,10 @@ class LocalWorker:
         self.load_timeout_s = load_timeout_s
         self.process: asyncio.subprocess.Process | None = None
         self._we_killed = False
+        # A warm standby: a second worker, loaded and waiting, that takes over at once when the
+        # serving one dies (then another is loaded behind it). Costs a second copy of the model.
+        self.standby = standby
+        self._spare: asyncio.Task[_Spawned] | None = None
 
     @property
     def pid(self) -> int | None:
@@ -147,15 +158,69 @@ class LocalWorker:
         return p is not None and p.returncode == -signal.SIGKILL and not self._we_killed
 
     async def open(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, wire.Ready]:
-        ours, theirs = socket.socketpair()
+        """A loaded worker: the standby when one is ready, else a new one."""
+        got = await self._take_spare()
+        if got is None:
+            got = await self._spawn()
+        self.process, reader, writer, ready = got
         self._we_killed = False
+        if self._spare is None and self.standby and self._trusted:
+            # Not at once: loading the next standby would compete with the streams resuming on
+            # this one (its replay and prefill) for the same cores.
+            self._spare = asyncio.create_task(self._spawn(after_s=SPARE_DELAY_S))
+        return reader, writer, ready
+
+    _trusted = False  # the first worker passed its functional check: standbys are worth loading
+
+    def keep_spare(self) -> None:
+        """Load a standby behind the serving worker (when this worker has one)."""
+        self._trusted = True
+        if self.standby and self._spare is None:
+            self._spare = asyncio.create_task(self._spawn())
+
+    def spare_ready(self) -> bool:
+        t = self._spare
+        return t is not None and t.done() and not t.cancelled() and t.exception() is None \
+            and t.result()[0].returncode is None
+
+    def spare_pid(self) -> int | None:
+        return self._spare.result()[0].pid if self.spare_ready() and self._spare is not None else None
+
+    async def _take_spare(self) -> _Spawned | None:
+        task, self._spare = self._spare, None
+        if task is None:
+            return None
+        try:
+            got = await task
+        except Exception as exc:  # noqa: BLE001 - a standby that failed to load: start a new worker
+            log.warning("the standby worker failed to load (%s); starting a new one", exc)
+            return None
+        if got[0].returncode is not None:
+            return None
+        return got
+
+    async def drop_spare(self) -> None:
+        task, self._spare = self._spare, None
+        if task is None:
+            return
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            proc, _reader, writer, _ready = await task
+            writer.close()
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+
+    async def _spawn(self, after_s: float = 0.0) -> _Spawned:
+        await asyncio.sleep(after_s)
+        ours, theirs = socket.socketpair()
         args = [sys.executable, "-m", "engines.worker", "--fd", str(theirs.fileno()), "--log-level", self.log_level]
         for p in self.plugins:
             args += ["--plugin", p]
         try:
             # Its own session: a terminal's Ctrl-C reaches the gateway, which drains and then
             # closes the socket; the worker never outlives it (the socket, and PR_SET_PDEATHSIG).
-            self.process = await asyncio.create_subprocess_exec(
+            process = await asyncio.create_subprocess_exec(
                 *args, pass_fds=(theirs.fileno(),), env={**os.environ, **self.env}, start_new_session=True,
             )
         finally:
@@ -166,12 +231,18 @@ class LocalWorker:
         try:
             ready = await _expect_ready(reader, self.load_timeout_s)
         except (asyncio.IncompleteReadError, ConnectionError) as exc:
-            raise ModelLoadError(f"the worker {await self.exit_reason()} while loading") from exc
+            try:
+                code = await asyncio.wait_for(process.wait(), 2.0)
+                why = _describe_exit(code)
+            except TimeoutError:
+                why = "closed its connection"
+            raise ModelLoadError(f"the worker {why} while loading") from exc
         except BaseException:
             writer.close()
-            self.kill()
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
             raise
-        return reader, writer, ready
+        return process, reader, writer, ready
 
     def kill(self) -> None:
         if self.process is not None and self.process.returncode is None:
@@ -311,6 +382,8 @@ class WorkerEngine:
                 await writer.drain()
             writer.close()
         self._fail_pending(EngineClosed("the model was unloaded"), everything=True)
+        if isinstance(self.connection, LocalWorker):
+            await self.connection.drop_spare()
         if isinstance(self.connection, LocalWorker) and self.connection.process is not None:
             try:
                 await asyncio.wait_for(self.connection.process.wait(), 10.0)
@@ -323,8 +396,11 @@ class WorkerEngine:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
     def trust(self) -> None:
-        """The functional check passed: from now on crashes restart the worker."""
+        """The functional check passed: from now on crashes restart the worker (or hand over to
+        its warm standby, which is loaded now)."""
         self.probation = False
+        if isinstance(self.connection, LocalWorker):
+            self.connection.keep_spare()
 
     def health(self) -> EngineHealth:
         if self.failed:
@@ -355,6 +431,10 @@ class WorkerEngine:
             out["degraded"] = self.degraded
         if isinstance(self.connection, LocalWorker) and self.pid is not None:
             out["rss_bytes"] = rss_bytes(self.pid)
+        if isinstance(self.connection, LocalWorker) and self.connection.standby:
+            spare = self.connection.spare_pid()
+            out["standby"] = {"pid": spare, "rss_bytes": rss_bytes(spare) if spare else None,
+                              "ready": spare is not None}
         return out
 
     # --- the engine interface ------------------------------------------------------------
@@ -586,6 +666,8 @@ class WorkerEngine:
         while True:
             attempt += 1
             delay = s.delay(max(len(self._strikes), attempt))
+            if attempt == 1 and isinstance(self.connection, LocalWorker) and self.connection.spare_ready():
+                delay = 0.0  # the standby is loaded: hand over now (crashes still count toward giving up)
             self._next_restart = time.monotonic() + delay
             await asyncio.sleep(delay)
             if self._closed:

@@ -314,3 +314,39 @@ def test_repeated_crashes_fall_back_to_the_next_candidate(tmp_path: Path) -> Non
         assert "worker crashed" in g.log() or "giving up" in g.log() or "excluded" in g.log()
     finally:
         g.stop()
+
+
+def test_a_warm_standby_takes_over_at_once(tmp_path: Path) -> None:
+    """models.yaml `standby: true`: a second worker waits loaded; when the serving one dies the
+    standby serves the stream on (no restart wait), and another standby is loaded behind it."""
+    cfg = yaml.safe_load((ROOT / "models.yaml").read_text())
+    for m in cfg["models"]:
+        if m["id"] == MODEL:
+            m["standby"] = True
+    (tmp_path / "models.yaml").write_text(yaml.safe_dump(cfg))
+    g = Gateway(tmp_path, "--parallel", "1", "--config", str(tmp_path / "models.yaml"),
+                env={"GATEWAY_WORKER_MAX_CRASHES": "100"})
+    try:
+        deadline = time.monotonic() + 120
+        while not _worker(g.url).get("standby", {}).get("ready") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        before = _worker(g.url)
+        spare = before["standby"]
+        assert spare["ready"] and spare["pid"] not in (None, before["pid"]) and spare["rss_bytes"] > 10 << 20
+        stream = Stream(g.url, max_tokens=120)
+        _started(stream)
+        os.kill(before["pid"], signal.SIGKILL)
+        stream.wait(120)
+        _finished_cleanly(stream)
+        after = _ready_again(g.url, before["pid"])
+        assert after["pid"] == spare["pid"]  # the standby took over
+        deadline = time.monotonic() + 120
+        while not _worker(g.url).get("standby", {}).get("ready") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        again = _worker(g.url)["standby"]
+        assert again["ready"] and again["pid"] not in (spare["pid"], before["pid"])
+        pids = (again["pid"], spare["pid"])
+    finally:
+        g.stop()
+    for pid in pids:  # neither outlives the gateway
+        assert _wait_gone(pid, 10)

@@ -362,7 +362,7 @@ class ModelManager:
         return local_engine(cand, config, self.settings, self.host,
                             on_crash=lambda _why: self.metrics.worker_crashes.labels(*labels).inc(),
                             on_failed=lambda why: self.crashed_out(spec.id, cand, key, why),
-                            can_fall_back=lambda: not last, probation=True)
+                            can_fall_back=lambda: not last, probation=True, standby=spec.standby)
 
     def _config(self, spec: ModelSpec, cand: Candidate, path: str) -> EngineConfig:
         return engine_config(spec, cand, path, self.settings)
@@ -527,13 +527,15 @@ def worker_env(host: HostCapabilities, cand: Candidate) -> dict[str, str]:
 def local_engine(cand: Candidate, config: EngineConfig, settings: Settings, host: HostCapabilities,
                  on_crash: Callable[[str], None] | None = None,
                  on_failed: Callable[[str], None] | None = None,
-                 can_fall_back: Callable[[], bool] | None = None, probation: bool = False) -> Engine:
-    """`cand` with `config`: in a supervised worker process (settings.workers), else in this process."""
+                 can_fall_back: Callable[[], bool] | None = None, probation: bool = False,
+                 standby: bool = False) -> Engine:
+    """`cand` with `config`: in a supervised worker process (settings.workers), else in this process
+    (with `standby`, a second worker loaded and waiting to take over when the first dies)."""
     if not settings.workers:
         return create_engine(cand.runtime, config)
     return WorkerEngine(
         LocalWorker(cand.runtime, config, env=worker_env(host, cand), plugins=settings.worker_plugins,
-                    log_level=settings.log_level, load_timeout_s=settings.check_timeout),
+                    log_level=settings.log_level, load_timeout_s=settings.check_timeout, standby=standby),
         EngineInfo(cand.runtime, cand.backend, cand.device, context_length=config.context_length,
                    parallel=config.parallel),
         supervision(settings), on_crash=on_crash, on_failed=on_failed, can_fall_back=can_fall_back,

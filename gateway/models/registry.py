@@ -208,6 +208,9 @@ class ModelSpec(_Strict):
         default="auto", description="the model thinks in <think>...</think> before it answers (auto: when its chat "
                                     "template uses those tags); the reasoning is returned apart from the answer, in "
                                     "each protocol's own form, and requests may turn it off; off: returned as text")
+    standby: bool = Field(default=False, description="keep a second worker loaded and waiting: when the serving "
+                          "worker dies it takes over at once (streams continue after a shorter pause); costs "
+                          "a second copy of the model in memory")
     grammar: str | None = Field(default=None, description="llama.cpp: a GBNF grammar that this model's free-text "
                                 "answers follow (llama-server's --grammar); a request's JSON format or tools replace it")
     defaults: Defaults = Defaults()
