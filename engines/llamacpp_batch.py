@@ -423,7 +423,9 @@ class BatchScheduler:
                 replaying = isinstance(slot.job, GenJob) and bool(slot.job.forced)
                 draft = self._draft(slot, self._n_batch - n - 1) if drafting and not replaying else []
                 outputs.append((slot, n, draft))
-                add(slot, slot.pending, True)
+                # A replayed token's output is the next replayed token, not a sample: no logits
+                # (the LM head is skipped; the KV cache is computed as in any step).
+                add(slot, slot.pending, not replaying)
                 for t in draft:
                     add(slot, t, True)
                 slot.pending = None
