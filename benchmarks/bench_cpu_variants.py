@@ -95,7 +95,7 @@ def main() -> int:
     if args.child:
         print(json.dumps(asyncio.run(_child(*json.loads(args.child)))), flush=True)
         return 0
-    from engines.ggml_backends import AMX_VARIANTS, variants
+    from engines.llamacpp.ggml_backends import AMX_VARIANTS, variants
 
     if not args.model:
         from gateway.models.registry import load_registry
@@ -114,7 +114,7 @@ def main() -> int:
             results[c].append(_run(args, *c))
             print(f"round {rnd + 1}: {c[0]} repack {'on' if c[1] else 'off'}: {results[c][-1]}", file=sys.stderr)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
-    from engines.ggml_devices import build_report
+    from engines.llamacpp.ggml_devices import build_report
 
     rep = build_report()
     print(f"Machine: {platform.node()}, {_cpu_model()}, {os.cpu_count()} logical CPUs; commit {commit}; "

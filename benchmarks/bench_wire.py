@@ -1,4 +1,4 @@
-"""The cost of the gateway <-> worker wire encoding: msgspec msgpack (what engines/wire.py uses) against
+"""The cost of the gateway <-> worker wire encoding: msgspec msgpack (what engines/worker/wire.py uses) against
 pickle and JSON, for the two messages that matter: one scheduler step's token events for N sequences
 (worker -> gateway, every step) and a chat request (gateway -> worker, once per request).
 
@@ -15,8 +15,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from engines import wire
 from engines.base import ChatMessage, GenerationRequest, SamplingParams, TokenEvent
+from engines.worker import wire
 
 
 def _best(fn: Callable[[], Any], n: int = 2000, repeat: int = 5) -> float:

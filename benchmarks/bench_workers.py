@@ -27,11 +27,11 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks.bench_vs_llama_server import MODEL, _bench, _port, _wait  # noqa: E402
-from engines.worker_client import rss_bytes  # noqa: E402
+from engines.worker.client import rss_bytes  # noqa: E402
 
 
 def _build_id() -> str:
-    out = subprocess.run([sys.executable, "-m", "engines.ggml_devices"], capture_output=True, text=True, cwd=ROOT)
+    out = subprocess.run([sys.executable, "-m", "engines.llamacpp.ggml_devices"], capture_output=True, text=True, cwd=ROOT)
     try:
         r = json.loads(out.stdout)
     except ValueError:

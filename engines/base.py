@@ -193,7 +193,7 @@ class EngineConfig:
     # AVX blocks); False = llama.cpp's --no-repack. A rung of the fallback ladder.
     repack: bool = True
     # llama.cpp builds with loadable CPU variants: the variant to load ("" = auto, the fastest
-    # supported non-AMX one; see engines/ggml_backends.py). Applies per process.
+    # supported non-AMX one; see engines/llamacpp/ggml_backends.py). Applies per process.
     cpu_variant: str = ""
 
 

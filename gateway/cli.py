@@ -143,7 +143,7 @@ def _worker(args: argparse.Namespace) -> int:
     import asyncio
     import ssl
 
-    from engines.worker import serve_tcp
+    from engines.worker.server import serve_tcp
     from gateway.models.pool import ModelManager
 
     host_part, _, port_part = args.listen.rpartition(":")

@@ -66,7 +66,7 @@ class Settings:
     # llama.cpp: sample on the device (auto, on, off); overrides models.yaml's `device_sampling`.
     device_sampling: str | None = None
     # llama.cpp builds with loadable CPU variants: pin one ("haswell", "icelake", "sapphirerapids" for
-    # AMX …); None = auto, the fastest supported non-AMX variant (engines/ggml_backends.py).
+    # AMX …); None = auto, the fastest supported non-AMX variant (engines/llamacpp/ggml_backends.py).
     cpu_variant: str | None = None
     # A serving engine that kept crashing is recorded like a failed check, but only this long
     # (seconds): then it is tried again (its rung of the ladder is retried first).

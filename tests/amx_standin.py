@@ -19,7 +19,7 @@ import signal
 from collections.abc import AsyncIterator
 
 from engines.base import GenerationRequest, TokenEvent
-from engines.llamacpp import LlamaCppEngine
+from engines.llamacpp.engine import LlamaCppEngine
 
 _generate = LlamaCppEngine.generate
 
@@ -43,7 +43,7 @@ async def _crashes(engine: LlamaCppEngine, request: GenerationRequest) -> bool:
         if c.startswith("variant="):
             want = c.split("=", 1)[1]
             if want == "top":
-                from engines.ggml_backends import choose, variants
+                from engines.llamacpp.ggml_backends import choose, variants
 
                 want = choose(variants()).name
             if extra.get("cpu_variant") != want:

@@ -18,8 +18,8 @@ import httpx
 import pytest
 import yaml
 
-from engines.ggml_backends import AMX_VARIANTS, Variant, choose, lower, variants
-from engines.worker_client import Supervision
+from engines.llamacpp.ggml_backends import AMX_VARIANTS, Variant, choose, lower, variants
+from engines.worker.client import Supervision
 from gateway.host.functional_check import CheckCache
 from tests.conftest import MODEL, ROOT
 from tests.test_production import Gateway, _chat
@@ -83,7 +83,7 @@ def test_the_build_runs_on_this_cpu_with_a_variant_chosen_for_it() -> None:
     assert {"x64", "haswell", "sapphirerapids"} <= names, names
     assert next(v for v in found if v.name == "x64").score > 0  # the baseline runs anywhere
     # The variant a probe loads is auto's choice: supported and not AMX.
-    out = subprocess.run([sys.executable, "-m", "engines.ggml_devices"], capture_output=True, text=True, timeout=120,
+    out = subprocess.run([sys.executable, "-m", "engines.llamacpp.ggml_devices"], capture_output=True, text=True, timeout=120,
                          env={k: v for k, v in os.environ.items() if k != "GATEWAY_CPU_VARIANT"}, check=True)
     report = json.loads(out.stdout)
     assert report["cpu_variant"] == choose(found).name and report["cpu_variant"] not in AMX_VARIANTS

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from engines.base import EngineConfig, GenerationRequest, SamplingParams
-from engines.llamacpp import LlamaCppEngine
+from engines.llamacpp.engine import LlamaCppEngine
 from gateway.app import create_app
 from gateway.cli import main as cli
 from gateway.host.hardware import probe_host

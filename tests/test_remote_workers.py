@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from engines.base import EngineInfo, GenerationRequest, ModelLoadError, SamplingParams
-from engines.worker_client import RemoteWorker, Supervision, WorkerEngine
+from engines.worker.client import RemoteWorker, Supervision, WorkerEngine
 from tests.conftest import ROOT, free_port
 from tests.test_production import Gateway
 

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from engines.base import ChatMessage, EngineConfig, GenerationRequest, SamplingParams, ToolCallRecord
-from engines.llamacpp import LlamaCppEngine
+from engines.llamacpp.engine import LlamaCppEngine
 from gateway.app import create_app
 from gateway.models.registry import load_registry
 from gateway.settings import Settings

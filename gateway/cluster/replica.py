@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from engines import wire
 from engines.base import EngineError, GenerationRequest
+from engines.worker import wire
 from gateway.metrics import Metrics
 from gateway.models.pool import Loaded, ModelManager
 from gateway.models.registry import Registry, RegistryFile, _default_cache

@@ -107,7 +107,7 @@ def _without_ladder(check: dict[str, Any] | None) -> dict[str, Any] | None:
 
 def cpu_variants_line(b: Any) -> str:
     """The build's CPU variants: which runs by default, which this CPU cannot run."""
-    from engines.ggml_backends import AMX_VARIANTS
+    from engines.llamacpp.ggml_backends import AMX_VARIANTS
 
     parts = []
     for name, score in b.cpu_variants:

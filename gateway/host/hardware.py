@@ -253,7 +253,7 @@ def probe_llamacpp(vulkan: VulkanInfo, lib_path: str = "") -> LlamaCppBuild:
     env = vulkan_visible_env(vulkan)
     if lib_path:
         env["LLAMA_CPP_LIB_PATH"] = lib_path
-    r = run_child("engines.ggml_devices", env=env)
+    r = run_child("engines.llamacpp.ggml_devices", env=env)
     return LlamaCppBuild(
         installed=bool(r.get("installed")),
         version=r.get("version"),

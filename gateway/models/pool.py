@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engines.base import Engine, EngineConfig, EngineError, EngineInfo, ModelLoadError, ModelNotAvailable
-from engines.ggml_backends import lower
+from engines.llamacpp.ggml_backends import lower
 from engines.registry import create_engine
-from engines.worker_client import LocalWorker, RemoteWorker, Supervision, WorkerEngine
+from engines.worker.client import LocalWorker, RemoteWorker, Supervision, WorkerEngine
 from gateway.host.functional_check import (
     CheckCache,
     CheckResult,

@@ -82,7 +82,7 @@ class WorkerGroup:
         """The group as one engine: the (first reachable) worker's engine, with every worker's sequences."""
         i = first.info
         return EngineInfo(i.runtime, i.backend, i.device, i.version, i.context_length,
-                          sum(m.info.parallel for m in self.members))
+                          sum(m.info.parallel for m in self.members), dict(i.extra))
 
     def pick(self, key: str | None) -> Engine:
         """The worker for a request: its conversation's worker while that one has room (or is no busier

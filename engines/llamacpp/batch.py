@@ -170,7 +170,7 @@ class BatchScheduler:
         self.step_started = 0.0  # perf_counter() when the running step began; 0 between steps
         self._waiting: deque[Job] = deque()
         self._embeds: deque[EmbedJob] = deque()
-        self.embedder: Any = None  # engines.llamacpp_embed.Embedder, set by the engine
+        self.embedder: Any = None  # engines.llamacpp.embed.Embedder, set by the engine
         self._cv = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="llamacpp-batch", daemon=True)

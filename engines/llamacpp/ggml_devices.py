@@ -5,7 +5,7 @@ llama-cpp-python binds llama.h but not ggml-backend.h, yet the devices a build c
 `libllama` already loaded (dlopen returns the loaded copy) and declare the few functions
 we need.
 
-`python -m engines.ggml_devices` prints the installed build as JSON; the host probe runs it
+`python -m engines.llamacpp.ggml_devices` prints the installed build as JSON; the host probe runs it
 in a child process so a backend that crashes while initialising cannot take the gateway down.
 """
 
@@ -18,7 +18,7 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from engines.ggml_backends import ensure_loaded, ggml_lib, lib_dir, variants
+from engines.llamacpp.ggml_backends import ensure_loaded, ggml_lib, lib_dir, variants
 
 DEVICE_TYPES = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel", 4: "meta"}
 

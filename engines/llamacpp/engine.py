@@ -1,7 +1,7 @@
 """The llama.cpp engine (llama-cpp-python): CPU, Vulkan, CUDA and Metal builds alike.
 
 Loads a GGUF with the low-level API, renders chat prompts with the GGUF's Jinja template, and runs
-every request through the continuous-batching scheduler in `engines.llamacpp_batch`.
+every request through the continuous-batching scheduler in `engines.llamacpp.batch`.
 """
 
 from __future__ import annotations
@@ -112,13 +112,13 @@ class LlamaCppEngine:
             raise ModelLoadError(
                 f"llama-cpp-python is not installed ({exc}); run scripts/install-llama-cpp.sh"
             ) from exc
-        from engines.llamacpp_batch import BatchScheduler
+        from engines.llamacpp.batch import BatchScheduler
 
         o = self.options
         if not os.path.isfile(o.model_path):
             raise ModelLoadError(f"model file not found: {o.model_path}")
         _route_native_logs(lc)
-        from engines.ggml_backends import ensure_loaded
+        from engines.llamacpp.ggml_backends import ensure_loaded
 
         try:
             variant = ensure_loaded(o.cpu_variant or None)
@@ -132,7 +132,7 @@ class LlamaCppEngine:
         mparams.use_extra_bufts = o.repack
         # An explicit device list, even an empty one: llama.cpp would otherwise spread the
         # model over every GPU the build sees, and a "CPU" engine would not be on the CPU.
-        from engines.ggml_devices import backends, device_list
+        from engines.llamacpp.ggml_devices import backends, device_list
 
         wanted = [o.device_key] if o.device_key else []
         devices, missing = device_list(wanted)
@@ -197,7 +197,7 @@ class LlamaCppEngine:
             draft_max=o.draft_max,
             draft_streams=o.draft_streams,
         )
-        from engines.llamacpp_embed import Embedder
+        from engines.llamacpp.embed import Embedder
 
         self._embedder = Embedder(model, self._n_ctx_seq, self._n_vocab, threads, o.pooling, o.normalize_embeddings)
         self._sched.embedder = self._embedder
@@ -324,7 +324,7 @@ class LlamaCppEngine:
     # --- generation ------------------------------------------------------------------------
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
-        from engines.llamacpp_batch import GenJob, build_sampler, sampler_key
+        from engines.llamacpp.batch import GenJob, build_sampler, sampler_key
 
         if self._sched is None:
             raise ModelLoadError("model is not loaded")
@@ -387,7 +387,7 @@ class LlamaCppEngine:
             raise InvalidGenerationRequest(f"unsupported JSON schema: {exc}", param=where) from exc
 
     async def embed(self, inputs: list[list[int]]) -> npt.NDArray[np.float32]:
-        from engines.llamacpp_batch import EmbedJob
+        from engines.llamacpp.batch import EmbedJob
 
         if self._sched is None:
             raise ModelLoadError("model is not loaded")
@@ -401,7 +401,7 @@ class LlamaCppEngine:
             self._sched.cancel(job)
 
     async def logits(self, token_ids: list[int]) -> npt.NDArray[np.float32]:
-        from engines.llamacpp_batch import ScoreJob
+        from engines.llamacpp.batch import ScoreJob
 
         if self._sched is None:
             raise ModelLoadError("model is not loaded")

@@ -24,9 +24,9 @@ import ssl
 import sys
 from typing import Any
 
-from engines import wire
 from engines.base import Engine, EngineError, GenerationRequest
 from engines.registry import create_engine
+from engines.worker import wire
 
 log = logging.getLogger("engines.worker")
 PR_SET_PDEATHSIG = 1

@@ -37,7 +37,6 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from engines import wire
 from engines.base import (
     EngineClosed,
     EngineConfig,
@@ -50,6 +49,7 @@ from engines.base import (
     ModelLoadError,
     TokenEvent,
 )
+from engines.worker import wire
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,3 @@
+from engines.worker.server import main
+
+main()
