@@ -44,6 +44,7 @@ async def resumable(request: GenerationRequest, engine: Engine, current: Callabl
     while True:
         req = request if failovers == 0 else replace(request, resume_ids=tuple(produced), resume_replay=policy.replay)
         stream = engine.generate(req).__aiter__()
+        before = len(produced)
         try:
             while True:
                 try:
@@ -68,7 +69,10 @@ async def resumable(request: GenerationRequest, engine: Engine, current: Callabl
             raise EngineCrashed(f"the engine was not back within {policy.wait_s:.0f} s of losing this stream") from None
         finally:
             await stream.aclose()  # type: ignore[attr-defined]
-        if failovers >= policy.budget:
+        # An attempt that died before it produced a token may be what kills the engine (a prompt
+        # that takes a broken kernel; the worker client already re-sent it once): it is not
+        # carried to the next engine, as an unstarted request is not sent a third time.
+        if failovers >= policy.budget or len(produced) == before:
             metrics.failovers.labels(model, "gave_up").inc()
             raise crashed
         failovers += 1
