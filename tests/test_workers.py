@@ -350,3 +350,28 @@ def test_a_warm_standby_takes_over_at_once(tmp_path: Path) -> None:
         g.stop()
     for pid in pids:  # neither outlives the gateway
         assert _wait_gone(pid, 10)
+
+
+def test_a_stream_continues_on_the_next_engine_when_its_own_gives_up(tmp_path: Path) -> None:
+    """One counted crash gives up on that way of running the model (GATEWAY_WORKER_MAX_CRASHES=1):
+    the stream continues on the next rung of the ladder (the same build, repacking off)."""
+    cfg = yaml.safe_load((ROOT / "models.yaml").read_text())
+    cfg["cache_dir"] = str(tmp_path / "cache")  # the crash verdict stays in this test's cache
+    (tmp_path / "models.yaml").write_text(yaml.safe_dump(cfg))
+    g = Gateway(tmp_path, "--parallel", "1", "--config", str(tmp_path / "models.yaml"),
+                env={"GATEWAY_WORKER_MAX_CRASHES": "1"})
+    try:
+        assert httpx.get(f"{g.url}/health", timeout=10).json()["models"][MODEL]["repack"] == "on"
+        before = _worker(g.url)
+        stream = Stream(g.url, max_tokens=150, include_usage=True)
+        _started(stream)
+        os.kill(before["pid"], signal.SIGSEGV)
+        stream.wait(180)
+        _finished_cleanly(stream)
+        assert stream.chunks()[-1]["usage"]["completion_tokens"] == 150
+        model = httpx.get(f"{g.url}/health", timeout=10).json()["models"][MODEL]
+        assert model["repack"] == "off" and model["worker"]["pid"] != before["pid"], model
+        metrics = httpx.get(f"{g.url}/metrics", timeout=10).text
+        assert f'gateway_failovers_total{{model="{MODEL}",reason="next_engine"}} 1.0' in metrics
+    finally:
+        g.stop()
