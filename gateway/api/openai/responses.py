@@ -495,19 +495,25 @@ class Assembler:
         self._args = {}
         return out
 
+    def _open(self, item: dict[str, Any], part: dict[str, Any], out: list[tuple[str, dict[str, Any]]]
+              ) -> dict[str, Any]:
+        """Add an item with one content part that text will stream into (its text kept in `_text`)."""
+        opened = {**item, "_text": ""}
+        self.items.append(opened)
+        idx = len(self.items) - 1
+        out.append(self.event("response.output_item.added", output_index=idx, item=item))
+        out.append(self.event("response.content_part.added", item_id=item["id"], output_index=idx, content_index=0,
+                              part=part))
+        return opened
+
     def feed(self, e: Any, ev: TokenEvent) -> list[tuple[str, dict[str, Any]]]:
         out: list[tuple[str, dict[str, Any]]] = []
         if isinstance(e, ReasoningDelta):
             if not e.text:
                 return out
             if self._thought is None:
-                self._thought = {**reasoning_item(_id("rs"), "", "in_progress"), "_text": ""}
-                self.items.append(self._thought)
-                idx = len(self.items) - 1
-                shown = {k: v for k, v in self._thought.items() if k != "_text"}
-                out.append(self.event("response.output_item.added", output_index=idx, item=shown))
-                out.append(self.event("response.content_part.added", item_id=self._thought["id"], output_index=idx,
-                                      content_index=0, part={"type": "reasoning_text", "text": ""}))
+                self._thought = self._open(reasoning_item(_id("rs"), "", "in_progress"),
+                                           {"type": "reasoning_text", "text": ""}, out)
             self._thought["_text"] += e.text
             out.append(self.event("response.reasoning_text.delta", item_id=self._thought["id"],
                                   output_index=self.items.index(self._thought), content_index=0, delta=e.text))
@@ -517,14 +523,8 @@ class Assembler:
         out += self._close_reasoning()
         if isinstance(e, TextDelta):
             if self._msg is None:
-                self._msg = {**message_item(_id("msg"), "", "in_progress"), "_text": ""}
-                self.items.append(self._msg)
-                idx = len(self.items) - 1
-                shown = {k: v for k, v in self._msg.items() if k != "_text"}
-                out.append(self.event("response.output_item.added", output_index=idx, item=shown))
-                out.append(self.event("response.content_part.added", item_id=self._msg["id"], output_index=idx,
-                                      content_index=0, part={"type": "output_text", "text": "", "annotations": [],
-                                                             "logprobs": []}))
+                self._msg = self._open(message_item(_id("msg"), "", "in_progress"),
+                                       {"type": "output_text", "text": "", "annotations": [], "logprobs": []}, out)
             self._msg["_text"] += e.text
             self.text += e.text
             out.append(self.event("response.output_text.delta", item_id=self._msg["id"],
