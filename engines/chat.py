@@ -47,7 +47,7 @@ class ChatTemplate:
 
     def traits(self) -> dict[str, str]:
         """What the template does with reasoning (engines/thinking.py), for EngineInfo.extra."""
-        return template_traits(lambda kw: self._render([{"role": "user", "content": "Hi"}], True, kw), self.source)
+        return template_traits(lambda turns, kw: self._render(turns, True, kw), self.source)
 
     def _render(self, turns: list[dict[str, Any]], add_generation_prompt: bool, extra: dict[str, Any]) -> str:
         return self._template.render(messages=turns, add_generation_prompt=add_generation_prompt,

@@ -16,19 +16,21 @@ from typing import Any
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 Render = Callable[[dict[str, Any]], str]  # the template's prompt text, given extra template variables
+# The template's prompt text for these turns (with the generation prompt), given extra variables.
+RenderTurns = Callable[[list[dict[str, Any]], dict[str, Any]], str]
 
 
-def template_traits(render: Render, source: str) -> dict[str, str]:
+def template_traits(render: RenderTurns, source: str) -> dict[str, str]:
     """EngineInfo.extra entries for a template: "reasoning": "think" when it knows the tags,
     "thinking_toggle": "1" when it reads `enable_thinking`, "reasoning_open": "1" when its
-    generation prompt opens the block."""
+    generation prompt opens the block (read from a one-message conversation)."""
     if THINK_CLOSE not in source:
         return {}
     out = {"reasoning": "think"}
     if "enable_thinking" in source:
         out["thinking_toggle"] = "1"
     try:
-        if render({}).rstrip().endswith(THINK_OPEN):
+        if render([{"role": "user", "content": "Hi"}], {}).rstrip().endswith(THINK_OPEN):
             out["reasoning_open"] = "1"
     except Exception:  # noqa: BLE001 - a template that cannot render a plain turn: nothing to learn
         pass

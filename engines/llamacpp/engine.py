@@ -218,8 +218,7 @@ class LlamaCppEngine:
     def _reasoning_traits(self) -> dict[str, str]:
         if self._template is None:
             return {}
-        hi = [{"role": "user", "content": "Hi"}]
-        return template_traits(lambda kw: self._template(messages=hi, **kw).prompt, self._template.template)
+        return template_traits(lambda turns, kw: self._template(messages=turns, **kw).prompt, self._template.template)
 
     def _precision(self, lc: Any) -> str:
         """The weights' type as llama.cpp names it ("f16", "q4_1", ...), last word of the model desc."""

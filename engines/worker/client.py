@@ -89,6 +89,15 @@ class Connection(Protocol):
         ...
 
 
+async def _exit_of(process: asyncio.subprocess.Process) -> str:
+    """How a worker process ended, waiting briefly for it ("closed its connection" if it lives on)."""
+    try:
+        code = await asyncio.wait_for(process.wait(), 2.0)
+    except TimeoutError:
+        return "closed its connection"
+    return _describe_exit(code)
+
+
 def _describe_exit(code: int | None) -> str:
     if code is None:
         return "stopped answering"
@@ -147,6 +156,7 @@ class LocalWorker:
         # serving one dies (then another is loaded behind it). Costs a second copy of the model.
         self.standby = standby
         self._spare: asyncio.Task[_Spawned] | None = None
+        self._trusted = False  # the first worker passed its functional check: standbys are worth loading
 
     @property
     def pid(self) -> int | None:
@@ -169,8 +179,6 @@ class LocalWorker:
             # this one (its replay and prefill) for the same cores.
             self._spare = asyncio.create_task(self._spawn(after_s=SPARE_DELAY_S))
         return reader, writer, ready
-
-    _trusted = False  # the first worker passed its functional check: standbys are worth loading
 
     def keep_spare(self) -> None:
         """Load a standby behind the serving worker (when this worker has one)."""
@@ -231,12 +239,7 @@ class LocalWorker:
         try:
             ready = await _expect_ready(reader, self.load_timeout_s)
         except (asyncio.IncompleteReadError, ConnectionError) as exc:
-            try:
-                code = await asyncio.wait_for(process.wait(), 2.0)
-                why = _describe_exit(code)
-            except TimeoutError:
-                why = "closed its connection"
-            raise ModelLoadError(f"the worker {why} while loading") from exc
+            raise ModelLoadError(f"the worker {await _exit_of(process)} while loading") from exc
         except BaseException:
             writer.close()
             with contextlib.suppress(ProcessLookupError):
@@ -253,11 +256,7 @@ class LocalWorker:
     async def exit_reason(self) -> str:
         if self.process is None:
             return "never started"
-        try:
-            code = await asyncio.wait_for(self.process.wait(), 2.0)
-        except TimeoutError:
-            return "closed its connection"
-        return _describe_exit(code)
+        return await _exit_of(self.process)
 
 
 class RemoteWorker:

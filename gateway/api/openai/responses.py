@@ -447,29 +447,26 @@ class Assembler:
 
     def _close_message(self) -> list[tuple[str, dict[str, Any]]]:
         m, self._msg = self._msg, None
-        if m is None:
-            return []
-        idx = self.items.index(m)
-        part = {"type": "output_text", "text": m["_text"], "annotations": [], "logprobs": []}
-        m.update(status="completed", content=[part])
-        text = m.pop("_text")
-        return [self.event("response.output_text.done", item_id=m["id"], output_index=idx, content_index=0, text=text,
-                           logprobs=[]),
-                self.event("response.content_part.done", item_id=m["id"], output_index=idx, content_index=0, part=part),
-                self.event("response.output_item.done", output_index=idx, item=dict(m))]
+        return self._close(m, "response.output_text", lambda text: {
+            "type": "output_text", "text": text, "annotations": [], "logprobs": []}, logprobs=[])
 
     def _close_reasoning(self) -> list[tuple[str, dict[str, Any]]]:
         r, self._thought = self._thought, None
-        if r is None:
+        return self._close(r, "response.reasoning_text", lambda text: {"type": "reasoning_text", "text": text})
+
+    def _close(self, item: dict[str, Any] | None, kind: str, part_of: Callable[[str], dict[str, Any]],
+               **done: Any) -> list[tuple[str, dict[str, Any]]]:
+        """Complete an item opened by `_open`: its text's done event (`kind`.done), then its part's and its own."""
+        if item is None:
             return []
-        idx = self.items.index(r)
-        text = r.pop("_text")
-        part = {"type": "reasoning_text", "text": text}
-        r.update(status="completed", content=[part])
-        return [self.event("response.reasoning_text.done", item_id=r["id"], output_index=idx, content_index=0,
-                           text=text),
-                self.event("response.content_part.done", item_id=r["id"], output_index=idx, content_index=0, part=part),
-                self.event("response.output_item.done", output_index=idx, item=dict(r))]
+        idx = self.items.index(item)
+        text = item.pop("_text")
+        part = part_of(text)
+        item.update(status="completed", content=[part])
+        return [self.event(f"{kind}.done", item_id=item["id"], output_index=idx, content_index=0, text=text, **done),
+                self.event("response.content_part.done", item_id=item["id"], output_index=idx, content_index=0,
+                           part=part),
+                self.event("response.output_item.done", output_index=idx, item=dict(item))]
 
     def _close_calls(self, final: dict[int, ToolCall]) -> list[tuple[str, dict[str, Any]]]:
         out = []
