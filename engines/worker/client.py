@@ -233,17 +233,25 @@ class LocalWorker:
             )
         finally:
             theirs.close()
-        reader, writer = await asyncio.open_connection(sock=ours)
-        writer.write(wire.frame(wire.Hello(wire.PROTOCOL)))
-        writer.write(wire.frame(wire.Load(self.runtime, self.config)))
+        writer: asyncio.StreamWriter | None = None
         try:
+            reader, writer = await asyncio.open_connection(sock=ours)
+            writer.write(wire.frame(wire.Hello(wire.PROTOCOL)))
+            writer.write(wire.frame(wire.Load(self.runtime, self.config)))
             ready = await _expect_ready(reader, self.load_timeout_s)
         except (asyncio.IncompleteReadError, ConnectionError) as exc:
             raise ModelLoadError(f"the worker {await _exit_of(process)} while loading") from exc
         except BaseException:
-            writer.close()
+            # Cancelled (a standby dropped, a load abandoned) or timed out: the process is killed
+            # and reaped here, so that no unreaped child outlives the task that started it.
+            if writer is not None:
+                writer.close()
+            else:
+                ours.close()
             with contextlib.suppress(ProcessLookupError):
                 process.kill()
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(process.wait(), 5.0)
             raise
         return process, reader, writer, ready
 
