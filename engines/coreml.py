@@ -150,7 +150,8 @@ class CoreMLEngine:
             raise ModelLoadError(f"CoreML could not load {d}: {exc}") from exc
         self._pool = WorkerPool(o.parallel, o.max_queue, name="coreml")
         self.info = replace(self.info, context_length=self._n_ctx,
-                            extra={**self.info.extra, **(self._template.traits() if self._template else {})})
+                            extra={**self.info.extra, "resume": "1",
+                                   **(self._template.traits() if self._template else {})})
         log.info("CoreML loaded %s: compute_units=%s ctx=%d", d, o.compute_units, self._n_ctx)
 
     async def close(self) -> None:
@@ -204,18 +205,40 @@ class CoreMLEngine:
             raise InvalidGenerationRequest("grammars are not supported by the coreml runtime", param="grammar")
         prompt = self.render_prompt(request)
         max_new = new_token_budget(prompt, self._n_ctx, sp.max_tokens)
-        async for item in stream_job(pool, lambda job, channel: self._generate_blocking(job, prompt, sp, max_new, channel)):
+        resumed = request.resume_ids
+        if len(resumed) >= max_new:
+            raise InvalidGenerationRequest(f"{len(resumed)} tokens to resume from leave no room for more (limit {max_new})")
+        replay = request.resume_replay
+
+        def run(job: Job[None], channel: EventChannel) -> None:
+            self._generate_blocking(job, prompt, sp, max_new, channel, resumed, replay)
+
+        async for item in stream_job(pool, run):
             yield item
 
     def _generate_blocking(
-        self, job: Job[None], prompt: list[int], sp: SamplingParams, max_new: int, channel: EventChannel
+        self, job: Job[None], prompt: list[int], sp: SamplingParams, max_new: int, channel: EventChannel,
+        resumed: tuple[int, ...] = (), replay: bool = True,
     ) -> None:
         state = self._model.make_state()
         rng = np.random.default_rng(sp.seed)
-        row = self._predict(prompt, len(prompt), state)[-1]
         stopper = StopMatcher(sp.stop)
-        generated: list[int] = []
+        generated: list[int] = list(resumed)
         sent = ""
+        if resumed and not replay:
+            row = self._predict([*prompt, *resumed], len(prompt) + len(resumed), state)[-1]
+        else:
+            row = self._predict(prompt, len(prompt), state)[-1]
+            # A failover: the tokens already sent, one per prediction as they were generated.
+            for i, t in enumerate(resumed, start=1):
+                if job.cancelled:
+                    return
+                row = self._predict([t], len(prompt) + i, state)[-1]
+        if resumed:  # the stop matcher's state, without emitting
+            full = self._tokenizer.decode(generated, skip_special_tokens=False)
+            if not full.endswith("\ufffd"):
+                stopper.push(full)
+                sent = full
         while True:
             if job.cancelled:
                 if job.closing:

@@ -165,7 +165,8 @@ class OrtGenAIEngine:
         self._template = ChatTemplate.from_model_dir(o.model_path, o.chat_template)
         self._pool = WorkerPool(o.parallel, o.max_queue, name="ortgenai")
         self.info = replace(self.info, context_length=self._n_ctx,
-                            extra={**self.info.extra, **(self._template.traits() if self._template else {})})
+                            extra={**self.info.extra, "resume": "1",
+                                   **(self._template.traits() if self._template else {})})
         log.info(
             "ORT GenAI loaded %s: backend=%s device=%s ctx=%d parallel=%d vocab=%d",
             o.model_path, o.backend, o.device, self._n_ctx, o.parallel, self._n_vocab,
@@ -236,7 +237,15 @@ class OrtGenAIEngine:
         _check_supported(sp)
         prompt = self.render_prompt(request)
         max_new = new_token_budget(prompt, self._n_ctx, sp.max_tokens)
-        async for item in stream_job(pool, lambda job, channel: self._generate_blocking(job, prompt, sp, max_new, channel)):
+        resumed = request.resume_ids
+        if len(resumed) >= max_new:
+            raise InvalidGenerationRequest(f"{len(resumed)} tokens to resume from leave no room for more (limit {max_new})")
+        replay = request.resume_replay
+
+        def run(job: Job[None], channel: EventChannel) -> None:
+            self._generate_blocking(job, prompt, sp, max_new, channel, resumed, replay)
+
+        async for item in stream_job(pool, run):
             yield item
 
     def search_options(self, sp: SamplingParams, prompt_len: int, max_new: int) -> dict[str, Any]:
@@ -261,16 +270,31 @@ class OrtGenAIEngine:
         return opts
 
     def _generate_blocking(
-        self, job: Job[None], prompt: list[int], sp: SamplingParams, max_new: int, channel: EventChannel
+        self, job: Job[None], prompt: list[int], sp: SamplingParams, max_new: int, channel: EventChannel,
+        resumed: tuple[int, ...] = (), replay: bool = True,
     ) -> None:
         og = self._og
         params = og.GeneratorParams(self._model)
         params.set_search_options(**self.search_options(sp, len(prompt), max_new))
         gen = og.Generator(self._model, params)
-        gen.append_tokens(np.asarray(prompt, dtype=np.int32))
         stream = self._tokenizer.create_stream()
         stopper = StopMatcher(sp.stop)
-        n = 0
+        if not resumed:
+            gen.append_tokens(np.asarray(prompt, dtype=np.int32))
+        elif replay:
+            # A failover: the tokens already sent go in one per step, as they were generated (each
+            # runs the model on one token, as a decode step does), so greedy output goes on as an
+            # uninterrupted run's would; the repetition penalty sees them in the sequence.
+            gen.append_tokens(np.asarray(prompt, dtype=np.int32))
+            for t in resumed:
+                if job.cancelled:
+                    return
+                gen.append_tokens(np.asarray([t], dtype=np.int32))
+        else:
+            gen.append_tokens(np.asarray([*prompt, *resumed], dtype=np.int32))
+        for t in resumed:  # the detokenizer's and the stop matcher's state, without emitting
+            stopper.push(stream.decode(t))
+        n = len(resumed)
         while True:
             if job.cancelled:
                 if job.closing:

@@ -127,6 +127,37 @@ async def test_loop_prefills_once_then_one_token_per_step(model_dir: Path) -> No
         await e.close()
 
 
+async def test_a_resumed_request_replays_its_tokens_then_continues(model_dir: Path) -> None:
+    """Failover on CoreML: the tokens already sent are fed one per prediction (as they were generated)
+    or with the prompt in one (fast); only what follows is emitted; usage counts every token once."""
+    fake = ScriptedMLModel([4, 5, 6, 7])
+    e = await _engine(model_dir, fake, ctx=64)
+    try:
+        assert e.info.extra["resume"] == "1"
+        n = len(e.render_prompt(_chat("hello")))
+        whole = [ev async for ev in e.generate(_chat("hello", max_tokens=6))]
+        toks = [t for ev in whole for t in ev.token_ids]
+        for replay in (True, False):
+            fake.calls.clear()
+            req = GenerationRequest("r", SamplingParams(temperature=0, max_tokens=6), messages=_chat("hello").messages,
+                                    resume_ids=tuple(toks[:2]), resume_replay=replay)
+            rest = [ev async for ev in e.generate(req)]
+            assert [t for ev in rest for t in ev.token_ids] == toks[2:]
+            assert "".join(ev.text for ev in whole[:2]) + "".join(ev.text for ev in rest) == \
+                "".join(ev.text for ev in whole)
+            assert (rest[-1].usage.completion_tokens, rest[-1].usage.prompt_tokens) == (6, n)
+            feed = [(n, n), (1, n + 1), (1, n + 2)] if replay else [(n + 2, n + 2)]
+            assert fake.calls[:len(feed)] == feed
+        # A stop string the resumed tokens began is still matched after the failover.
+        stop = WORDS[toks[3]]
+        req = GenerationRequest("r", SamplingParams(temperature=0, max_tokens=6, stop=(" " + stop,)),
+                                messages=_chat("hello").messages, resume_ids=tuple(toks[:3]))
+        rest = [ev async for ev in e.generate(req)]
+        assert rest[-1].finish_reason == "stop" and "".join(ev.text for ev in rest) == ""
+    finally:
+        await e.close()
+
+
 async def test_eos_logprobs_logits_and_limits(model_dir: Path) -> None:
     fake = ScriptedMLModel([4, 5, EOS])
     e = await _engine(model_dir, fake, ctx=64, parallel=1)
@@ -250,3 +281,12 @@ async def test_loop_over_traced_decoder_equals_transformers_greedy(
     toks, text, _ = await _run(torch_backed, req)
     assert toks == [int(t) for t in out[0, len(ids):]]
     assert "Paris" in text
+
+
+async def test_a_resumed_request_on_the_traced_decoder_goes_on_as_greedy_did(torch_backed: CoreMLEngine) -> None:
+    req = _chat("Tell a long story about a lighthouse keeper.", max_tokens=24, ignore_eos=True)
+    toks, text, _ = await _run(torch_backed, req)
+    rest, rest_text, finish = await _run(torch_backed, GenerationRequest(
+        "r", req.sampling, messages=req.messages, resume_ids=tuple(toks[:10])))
+    assert rest == toks[10:] and finish == "length"
+    assert text.endswith(rest_text) and rest_text

@@ -126,6 +126,56 @@ async def test_stop_max_tokens_and_seed(engine: OrtGenAIEngine) -> None:
     assert (len(toks), finish) == (40, "length")
 
 
+async def _events(e: OrtGenAIEngine, req: GenerationRequest) -> list[Any]:
+    return [ev async for ev in e.generate(req)]
+
+
+@pytest.mark.parametrize(("cut", "replay"), [(1, True), (17, True), (17, False)])
+async def test_a_resumed_request_continues_exactly_where_the_tokens_stop(engine: OrtGenAIEngine, cut: int,
+                                                                         replay: bool) -> None:
+    """Failover on ORT GenAI: given the tokens already sent, the engine emits only what follows; fed
+    one per step, greedy output equals the uninterrupted run's; usage counts every token once."""
+    assert engine.info.extra["resume"] == "1"
+    chat = (ChatMessage("user", "Tell a long story about a lighthouse keeper."),)
+    whole = GenerationRequest("w", SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), messages=chat)
+    evs = await _events(engine, whole)
+    toks = [t for ev in evs for t in ev.token_ids]
+    text = "".join(ev.text for ev in evs)
+    rest = await _events(engine, GenerationRequest("r", whole.sampling, messages=chat, resume_ids=tuple(toks[:cut]),
+                                                   resume_replay=replay))
+    got = [t for ev in rest for t in ev.token_ids]
+    assert len(got) == 40 - cut
+    if replay:
+        assert got == toks[cut:]
+        assert "".join(ev.text for ev in evs[:cut]) + "".join(ev.text for ev in rest) == text
+    assert rest[-1].finish_reason == "length"
+    assert (rest[-1].usage.completion_tokens, rest[-1].usage.prompt_tokens) == \
+        (40, evs[-1].usage.prompt_tokens)
+    with pytest.raises(InvalidGenerationRequest, match="no room"):
+        await _events(engine, GenerationRequest("r", whole.sampling, messages=chat, resume_ids=tuple(toks)))
+
+
+async def test_a_resumed_request_keeps_its_stop_strings_and_penalty(engine: OrtGenAIEngine) -> None:
+    # A stop string that the resumed tokens began is still held back, then matched.
+    _, full, _ = await _run(engine, _chat(PROMPTS[0], max_tokens=40, ignore_eos=True))
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    cut_run = await _events(engine, _chat(PROMPTS[0], max_tokens=40, ignore_eos=True, stop=(stop,)))
+    assert cut_run[-1].finish_reason == "stop"
+    ids = [t for ev in cut_run for t in ev.token_ids]
+    k = max(1, len(ids) - 1)
+    req = _chat(PROMPTS[0], max_tokens=40, ignore_eos=True, stop=(stop,))
+    again = await _events(engine, GenerationRequest("r", req.sampling, messages=req.messages, resume_ids=tuple(ids[:k])))
+    assert again[-1].finish_reason == "stop" and again[-1].stop_sequence == stop
+    assert "".join(ev.text for ev in cut_run[:k]) + "".join(ev.text for ev in again) == \
+        "".join(ev.text for ev in cut_run)
+    # The repetition penalty sees the resumed tokens: greedy with a penalty goes on as it would have.
+    pen = _chat(PROMPTS[1], max_tokens=30, ignore_eos=True, repeat_penalty=1.3)
+    whole = await _events(engine, pen)
+    toks = [t for ev in whole for t in ev.token_ids]
+    rest = await _events(engine, GenerationRequest("r", pen.sampling, messages=pen.messages, resume_ids=tuple(toks[:12])))
+    assert [t for ev in rest for t in ev.token_ids] == toks[12:]
+
+
 async def test_unsupported_and_too_long_requests_fail_before_generation(engine: OrtGenAIEngine) -> None:
     with pytest.raises(InvalidGenerationRequest, match="logit_bias"):
         await _run(engine, _chat("hi", logit_bias=((1, 5.0),)))
@@ -224,7 +274,7 @@ def test_unknown_backend_is_a_load_error() -> None:
         configure_providers(_RecordingConfig(), _FakeOg, EngineConfig(model_path="m", backend="vulkan"))
 
 
-def test_gateway_serves_chat_through_ortgenai(onnx_fp32: Path, tmp_path: Path, default_registry: Any) -> None:
+def _ortgenai_gateway(onnx_fp32: Path, tmp_path: Path, default_registry: Any) -> ServerThread:
     data = yaml.safe_load((ROOT / "models.yaml").read_text())
     spec = next(m for m in data["models"] if m["id"] == MODEL)
     spec["runtimes"] = ["ortgenai"]
@@ -235,7 +285,11 @@ def test_gateway_serves_chat_through_ortgenai(onnx_fp32: Path, tmp_path: Path, d
     registry = load_registry(cfg, cache_dir=default_registry.cache_dir)
     assert registry.resolve(registry.models[MODEL], "onnx") == onnx_fp32
     settings = Settings.from_env(env={}, config=str(cfg), parallel=2)
-    server = ServerThread(create_app(settings, registry)).start()
+    return ServerThread(create_app(settings, registry)).start()
+
+
+def test_gateway_serves_chat_through_ortgenai(onnx_fp32: Path, tmp_path: Path, default_registry: Any) -> None:
+    server = _ortgenai_gateway(onnx_fp32, tmp_path, default_registry)
     try:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
         msgs: Any = [{"role": "user", "content": PROMPTS[0]}]
@@ -259,6 +313,47 @@ def test_gateway_serves_chat_through_ortgenai(onnx_fp32: Path, tmp_path: Path, d
         pen = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0,
                                              extra_body={"repeat_penalty": 1.3})
         assert pen.choices[0].message.content
+    finally:
+        server.stop()
+
+
+def test_an_ortgenai_worker_killed_mid_stream_does_not_end_the_stream(onnx_fp32: Path, tmp_path: Path,
+                                                                       default_registry: Any) -> None:
+    import os
+    import signal
+    import threading
+    import time
+
+    server = _ortgenai_gateway(onnx_fp32, tmp_path, default_registry)
+    try:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell a long story about a lighthouse keeper."}],
+                "max_tokens": 80, "ignore_eos": True, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}}
+
+        def stream(out: list[dict[str, Any]]) -> None:
+            with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=300) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        out.append(json.loads(line[6:]))
+
+        reference: list[dict[str, Any]] = []
+        stream(reference)
+        worker = httpx.get(f"{server.url}/health").json()["models"][MODEL]["worker"]
+        chunks: list[dict[str, Any]] = []
+        t = threading.Thread(target=stream, args=(chunks,), daemon=True)
+        t.start()
+        deadline = time.monotonic() + 60
+        while len(chunks) < 10 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(worker["pid"], signal.SIGKILL)
+        t.join(120)
+        assert not t.is_alive() and all("error" not in c for c in chunks), chunks[-2:]
+
+        def text(cs: list[dict[str, Any]]) -> str:
+            return "".join(c["choices"][0]["delta"].get("content") or "" for c in cs if c["choices"])
+
+        assert text(chunks) == text(reference)
+        assert chunks[-1]["usage"]["completion_tokens"] == 80 and chunks[-1]["usage"]["failovers"] == 1
     finally:
         server.stop()
 

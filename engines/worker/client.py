@@ -577,7 +577,8 @@ class WorkerEngine:
                     self._settle(msg.id, msg)
         except (asyncio.IncompleteReadError, ConnectionError, wire.ProtocolError) as exc:
             if not self._closed and self._writer is not None:
-                self._writer = None  # stops the watchdog: this loss is handled here
+                lost, self._writer = self._writer, None  # stops the watchdog: this loss is handled here
+                lost.close()  # the dead worker's end of the socket
                 why = await self.connection.exit_reason()
                 if isinstance(exc, wire.ProtocolError):
                     why = f"sent a malformed frame ({exc})"
