@@ -133,6 +133,10 @@ class Usage:
     accepted_draft_tokens: int = 0
     # Times the request continued on another (or the restarted) engine after its engine died.
     failovers: int = 0
+    # Prompt tokens restored from the engine's host-memory prefix cache (part of cached_tokens);
+    # prefix_lookup: "hit", "miss", or "" when the slot's own KV already held the prefix.
+    restored_tokens: int = 0
+    prefix_lookup: str = ""
 
 
 @dataclass(frozen=True)
@@ -159,6 +163,21 @@ class EngineHealth:
     running: int = 0
     waiting: int = 0
     busy_seconds: float = 0.0  # how long the current decode step has run (0 when idle): a watchdog's input
+    prefix_cache: PrefixCacheStats | None = None  # engines with a host-memory prefix cache
+
+
+@dataclass(frozen=True)
+class PrefixCacheStats:
+    """A host-memory prefix cache's counters (since its process started) and size."""
+
+    hits: int = 0
+    misses: int = 0
+    restored_tokens: int = 0
+    saved: int = 0
+    evictions: int = 0
+    entries: int = 0
+    bytes: int = 0
+    limit_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -195,6 +214,12 @@ class EngineConfig:
     # llama.cpp builds with loadable CPU variants: the variant to load ("" = auto, the fastest
     # supported non-AMX one; see engines/llamacpp/ggml_backends.py). Applies per process.
     cpu_variant: str = ""
+    # llama.cpp: the host-memory prefix cache (engines/llamacpp/prefix_cache.py), in MiB; -1 = a
+    # quarter of the memory available at load, at most 8 GiB; 0 = off.
+    prefix_cache_mib: int = -1
+    # llama.cpp: prompt tokens prefilled per step while other sequences are decoding (chunked
+    # prefill); 0 = the device class's default (engines/llamacpp/engine.py PREFILL_BUDGET).
+    prefill_budget: int = 0
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from gateway.host.functional_check import CheckCache
 from gateway.host.hardware import probe_host
 from gateway.host.selection import Preference, SelectionError, plan
 from gateway.models.registry import ModelSpec, Registry, RegistryError, load_registry
-from gateway.settings import ENGINE_CHOICES, Settings, parse_size, split_list
+from gateway.settings import ENGINE_CHOICES, Settings, parse_mib, parse_size, split_list
 
 log = logging.getLogger("gateway")
 
@@ -28,6 +28,8 @@ def _serve(args: argparse.Namespace) -> int:
         allowed_origins=split_list(args.allowed_origins) if args.allowed_origins is not None else None,
         allowed_hosts=split_list(args.allowed_hosts) if args.allowed_hosts is not None else None,
         max_queue=args.max_queue, max_queue_wait=args.max_queue_wait, drain_timeout=args.drain_timeout,
+        prefix_cache=parse_mib(args.prefix_cache) if args.prefix_cache else None,
+        prefill_budget=args.prefill_budget,
         max_body=parse_size(args.max_body) if args.max_body else None, parity_reference=args.parity_reference, parity_sample=args.parity_sample,
         parity_window=args.parity_window, parity_queue=args.parity_queue,
         parity_enforce=True if args.parity_enforce else None,
@@ -223,6 +225,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-queue", type=int, default=None, help="requests that may wait per model (default 64)")
     s.add_argument("--max-queue-wait", type=float, default=None,
                    help="seconds a request may wait for a slot; longer estimated waits get 429 at once (default 30)")
+    s.add_argument("--prefix-cache", default=None,
+                   help="llama.cpp: host memory per model for the KV of conversations that lost their slot, "
+                        "e.g. 2G (default: a quarter of the available memory, at most 8G; 0 = off)")
+    s.add_argument("--prefill-budget", type=int, default=None,
+                   help="llama.cpp: prompt tokens prefilled per step beside running streams "
+                        "(default per device: CPU 64, Vulkan 256, CUDA 512)")
     s.add_argument("--drain-timeout", type=float, default=None,
                    help="seconds running requests get to finish after SIGTERM/SIGINT (default 30)")
     s.add_argument("--max-body", default=None, help="request body limit, e.g. 4M (default 4M)")

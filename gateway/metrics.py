@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from engines.base import EngineHealth, TokenEvent
@@ -149,13 +149,27 @@ class _EngineGauges(Collector):
     def collect(self) -> Iterable[Metric]:
         running = GaugeMetricFamily("gateway_requests_running", "Requests generating now.", labels=LABELS)
         waiting = GaugeMetricFamily("gateway_requests_waiting", "Requests waiting for a free sequence.", labels=LABELS)
+        # The engines' host-memory prefix caches (llama.cpp): counters since the engine's process started.
+        pc = {
+            "hits": CounterMetricFamily("gateway_prefix_cache_hits", "Requests whose prompt prefix was restored from the host-memory prefix cache.", labels=LABELS),
+            "misses": CounterMetricFamily("gateway_prefix_cache_misses", "Requests that looked in the host-memory prefix cache and found no prefix worth restoring.", labels=LABELS),
+            "restored_tokens": CounterMetricFamily("gateway_prefix_cache_restored_tokens", "Prompt tokens restored from the host-memory prefix cache instead of prefilled.", labels=LABELS),
+            "evictions": CounterMetricFamily("gateway_prefix_cache_evictions", "Entries dropped from the host-memory prefix cache to stay within its bound.", labels=LABELS),
+            "bytes": GaugeMetricFamily("gateway_prefix_cache_bytes", "Host memory held by the prefix cache.", labels=LABELS),
+            "limit_bytes": GaugeMetricFamily("gateway_prefix_cache_limit_bytes", "The prefix cache's bound.", labels=LABELS),
+            "entries": GaugeMetricFamily("gateway_prefix_cache_entries", "Sequence states held by the prefix cache.", labels=LABELS),
+        }
         count = 0
         for model, engine, device, h in self._resident():
             running.add_metric([model, engine, device], h.running)
             waiting.add_metric([model, engine, device], h.waiting)
+            if h.prefix_cache is not None:
+                for name, family in pc.items():
+                    family.add_metric([model, engine, device], getattr(h.prefix_cache, name))
             count += 1
         yield running
         yield waiting
+        yield from pc.values()
         yield GaugeMetricFamily("gateway_models_resident", "Models loaded now.", value=count)
 
 

@@ -32,6 +32,10 @@ class Settings:
     max_queue: int = 64  # requests that may wait per model
     preload: bool = True  # load the default model at start-up (/health is 503 until done)
     max_queue_wait: float = 30.0  # seconds a request may wait for a slot; longer estimated waits get 429 at once
+    # llama.cpp's host-memory prefix cache per model, in MiB (None: models.yaml's, else a quarter of
+    # the available memory up to 8 GiB; 0 = off), and prompt tokens per step beside running streams.
+    prefix_cache: int | None = None
+    prefill_budget: int | None = None
     drain_timeout: float = 30.0  # seconds running requests get to finish after SIGTERM/SIGINT
     max_body: int = 4 * 1024 * 1024  # request body limit in bytes (413 beyond)
     max_messages: int = 2048  # chat messages per request
@@ -104,6 +108,8 @@ class Settings:
             max_queue=int(e.get("GATEWAY_MAX_QUEUE", cls.max_queue)),
             preload=e.get("GATEWAY_PRELOAD", "1") not in ("0", "false", "no"),
             max_queue_wait=float(e.get("GATEWAY_MAX_QUEUE_WAIT", cls.max_queue_wait)),
+            prefix_cache=parse_mib(e["GATEWAY_PREFIX_CACHE"]) if e.get("GATEWAY_PREFIX_CACHE") else None,
+            prefill_budget=int(e["GATEWAY_PREFILL_BUDGET"]) if e.get("GATEWAY_PREFILL_BUDGET") else None,
             drain_timeout=float(e.get("GATEWAY_DRAIN_TIMEOUT", cls.drain_timeout)),
             max_body=parse_size(e.get("GATEWAY_MAX_BODY", str(cls.max_body))),
             max_messages=int(e.get("GATEWAY_MAX_MESSAGES", cls.max_messages)),
@@ -170,3 +176,11 @@ def parse_size(value: str) -> int:
     if size <= 0:
         raise ValueError(f"size must be positive: {value!r}")
     return size
+
+
+def parse_mib(value: str) -> int:
+    """MiB from "2048" (a bare number is MiB, as llama-server's --cache-ram), "2G", "512M"; "0" = 0."""
+    v = value.strip()
+    if v.isdigit():
+        return int(v)
+    return parse_size(v) >> 20

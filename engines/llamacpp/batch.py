@@ -33,6 +33,7 @@ from engines.base import (
     TokenLogprob,
     Usage,
 )
+from engines.llamacpp.prefix_cache import MIN_ENTRY_TOKENS, HostPrefixCache
 from engines.text import Detokenizer, StopMatcher, token_logprob
 
 log = logging.getLogger(__name__)
@@ -110,6 +111,8 @@ class _Slot:
     pending: int | None = None  # sampled token not yet decoded
     n_generated: int = 0
     n_cached_prompt: int = 0
+    n_restored: int = 0  # of those, restored from the host-memory prefix cache
+    lookup: str = ""  # the host cache's answer for this request: "hit", "miss" or "" (not asked)
     queue_seconds: float = 0.0
     detok: Detokenizer | None = None
     stopper: StopMatcher | None = None
@@ -145,8 +148,19 @@ class BatchScheduler:
         draft_ngram: int = 0,
         draft_max: int = 0,
         draft_streams: int = 1,
+        host_cache: HostPrefixCache | None = None,
+        identity: str = "",
+        prefill_budget: int = 0,
     ) -> None:
         self._ctx = ctx
+        # Sequences' KV saved to host memory when their slot is reused, restored for a later
+        # prompt that starts the same way (the next turn of a conversation that lost its slot).
+        self.host_cache = host_cache
+        self._identity = identity
+        # Prompt tokens per step while other sequences decode: a long prompt is fed in chunks of
+        # this size between their tokens, so it slows them by a bounded amount instead of
+        # stalling them for its whole prefill. Alone, a prompt takes the whole batch.
+        self._prefill_budget = prefill_budget if prefill_budget > 0 else n_batch
         self._draft_ngram = draft_ngram if draft_max > 0 else 0
         self._draft_max = draft_max
         # Verifying drafts costs every sequence of the step (logits of every draft position come
@@ -283,16 +297,23 @@ class BatchScheduler:
 
     def _start(self, slot: _Slot, job: Job) -> None:
         keep = 0
+        slot.n_restored, slot.lookup = 0, ""
         if isinstance(job, GenJob):
             # Reuse the cached prefix; at least one prompt token must be decoded for logits.
             limit = len(job.prompt_ids) - 1
             keep = min(_common_prefix(slot.cached, job.prompt_ids), limit)
+            self._save(slot, keep)
             # Another sequence (running or finished) may hold a longer prefix: a shared system
             # prompt, the previous turn of this chat. Copy its KV instead of recomputing it.
             donor = max((s for s in self._slots if s is not slot), default=None,
                         key=lambda s: _common_prefix(s.cached, job.prompt_ids))
-            if donor is not None:
-                shared = min(_common_prefix(donor.cached, job.prompt_ids), limit)
+            shared = min(_common_prefix(donor.cached, job.prompt_ids), limit) if donor is not None else 0
+            # Or the host cache, when it holds more of the prompt than any sequence does (the
+            # conversation's last turn, saved when its slot went to another).
+            restored = self._restore(slot, job, max(keep, shared), limit)
+            if restored:
+                keep = restored
+            elif donor is not None:
                 if shared >= keep + MIN_COPY_GAIN:
                     # Sequences live in separate KV streams; llama.cpp copies whole streams
                     # (at the next decode), then we cut the copy back to the shared prefix.
@@ -325,6 +346,48 @@ class BatchScheduler:
                 slot.drafted = slot.accepted = 0
                 slot.draft_len = self._draft_max
         self._place_sampler(slot, job)
+
+    def _save(self, slot: _Slot, keep: int) -> None:
+        """Keep the slot's KV in host memory when the new request would cut it (its conversation
+        may come back after the slot has gone to others)."""
+        host = self.host_cache
+        if host is None or len(slot.cached) < MIN_ENTRY_TOKENS or len(slot.cached) - keep < MIN_COPY_GAIN:
+            return
+        tokens = np.asarray(slot.cached, dtype=np.int32)
+        if host.covers(self._identity, tokens):
+            return
+        size = lc.llama_state_seq_get_size(self._ctx, slot.seq_id)
+        if size <= 0 or size > host.limit_bytes:
+            return
+        buf = (ctypes.c_uint8 * size)()
+        n = lc.llama_state_seq_get_data(self._ctx, buf, size, slot.seq_id)
+        if n > 0:
+            host.put(self._identity, tokens, buf, n)
+
+    def _restore(self, slot: _Slot, job: GenJob, keep: int, limit: int) -> int:
+        """Load the longest host-cached prefix of the prompt into the slot when it beats `keep`
+        (what the slot or another sequence holds) by enough to be worth it: its length, else 0."""
+        host = self.host_cache
+        if host is None or limit - keep < MIN_COPY_GAIN:
+            return 0
+        entry, hit = host.lookup(self._identity, np.asarray(job.prompt_ids, dtype=np.int32), limit)
+        if entry is None or hit < keep + MIN_COPY_GAIN:
+            host.misses += 1
+            slot.lookup = "miss"
+            return 0
+        lc.llama_memory_seq_rm(self._mem, slot.seq_id, -1, -1)
+        slot.cached = []
+        if lc.llama_state_seq_set_data(self._ctx, entry.data, entry.nbytes, slot.seq_id) == 0:
+            log.warning("the host prefix cache's entry of %d tokens did not load; prefilling", len(entry.tokens))
+            lc.llama_memory_seq_rm(self._mem, slot.seq_id, -1, -1)
+            host.misses += 1
+            slot.lookup = "miss"
+            return 0
+        slot.cached = entry.tokens.tolist()
+        host.hits += 1
+        host.restored_tokens += hit
+        slot.n_restored, slot.lookup = hit, "hit"
+        return hit
 
     def _place_sampler(self, slot: _Slot, job: Job) -> None:
         """Sample `job` on the device when it can be, else make sure the sequence has no chain."""
@@ -429,13 +492,17 @@ class BatchScheduler:
                 for t in draft:
                     add(slot, t, True)
                 slot.pending = None
+        # Alone (nothing decoding in this step), prompts fill the batch; beside running streams,
+        # they get at most the prefill budget.
+        prefill_room = self._prefill_budget if n else self._n_batch
         for slot in active:
             job = slot.job
             assert job is not None
             remaining = len(job.prompt_ids) - slot.n_fed
-            if remaining <= 0 or n >= self._n_batch:
+            take = min(remaining, self._n_batch - n, prefill_room)
+            if take <= 0:
                 continue
-            take = min(remaining, self._n_batch - n)
+            prefill_room -= take
             score = isinstance(job, ScoreJob)
             for i in range(slot.n_fed, slot.n_fed + take):
                 last = i == len(job.prompt_ids) - 1
@@ -585,6 +652,8 @@ class BatchScheduler:
             prompt_ids=tuple(job.prompt_ids[:len(job.prompt_ids) - job.resumed]),
             draft_tokens=slot.drafted,
             accepted_draft_tokens=slot.accepted,
+            restored_tokens=min(slot.n_restored, slot.n_cached_prompt),
+            prefix_lookup=slot.lookup,
         )
         self._finish_slot(slot)
         job.emit(

@@ -37,10 +37,20 @@ from engines.base import (
     new_token_budget,
 )
 from engines.bridge import EventChannel, settle_from_thread
+from engines.llamacpp.prefix_cache import HostPrefixCache, default_limit_bytes
 from engines.registry import register_runtime
 from engines.thinking import render_thinking, template_traits
 
 log = logging.getLogger(__name__)
+
+# Prompt tokens per step while other sequences decode (chunked prefill), by backend: a chunk costs
+# the running streams its compute in every step it shares with them. Measured in BENCHMARKS.md
+# ("Prefill interference"); EngineConfig.prefill_budget / models.yaml `prefill_budget` override.
+PREFILL_BUDGET = {"cpu": 64, "vulkan": 256, "cuda": 512, "metal": 256, "rocm": 512}
+
+
+def prefill_budget(backend: str) -> int:
+    return PREFILL_BUDGET.get(backend, 256)
 native_log = logging.getLogger("llama.cpp")
 # ggml.h: NONE=0, DEBUG=1, INFO=2, WARN=3, ERROR=4, CONT=5 (llama_cpp/_logger.py still has the old order).
 _GGML_LEVELS = {1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}
@@ -196,6 +206,9 @@ class LlamaCppEngine:
             draft_ngram=o.draft_ngram,
             draft_max=o.draft_max,
             draft_streams=o.draft_streams,
+            host_cache=self._host_cache(o),
+            identity=self._identity(lc, variant),
+            prefill_budget=o.prefill_budget or prefill_budget(o.backend),
         )
         from engines.llamacpp.embed import Embedder
 
@@ -263,7 +276,25 @@ class LlamaCppEngine:
         running, waiting = self._sched.counts()
         started = self._sched.step_started
         busy = time.perf_counter() - started if started else 0.0
-        return EngineHealth(ready=True, running=running, waiting=waiting, busy_seconds=busy)
+        host = self._sched.host_cache
+        return EngineHealth(ready=True, running=running, waiting=waiting, busy_seconds=busy,
+                            prefix_cache=host.stats() if host is not None else None)
+
+    @staticmethod
+    def _host_cache(o: EngineConfig) -> HostPrefixCache | None:
+        if o.prefix_cache_mib == 0:
+            return None
+        limit = o.prefix_cache_mib << 20 if o.prefix_cache_mib > 0 else default_limit_bytes()
+        return HostPrefixCache(limit)
+
+    def _identity(self, lc: Any, variant: str | None) -> str:
+        """What a saved sequence state depends on: the model file, the build and device, the KV
+        layout. Entries of another identity are never restored (engines/llamacpp/prefix_cache.py)."""
+        o = self.options
+        st = os.stat(o.model_path)
+        return (f"{os.path.realpath(o.model_path)}:{st.st_size}:{st.st_mtime_ns}|llama-cpp-python "
+                f"{lc.__version__} {o.backend} {o.device_key or 'CPU'} {variant or ''} repack={o.repack}"
+                f"|ctx/seq={self._n_ctx_seq} parallel={o.parallel} type_k/v=f16")
 
     # --- text ------------------------------------------------------------------------------
 

@@ -422,7 +422,8 @@ class WorkerEngine:
             if self.crashes:
                 detail += f" after: {self.crashes[-1][1]}"
         return EngineHealth(ready=self._connected.is_set(), detail=detail,
-                            running=running, waiting=outstanding - running, busy_seconds=busy)
+                            running=running, waiting=outstanding - running, busy_seconds=busy,
+                            prefix_cache=self._pong.prefix_cache if self._pong is not None else None)
 
     def retry_after(self) -> int:
         """Seconds until the worker should be back (for Retry-After while it restarts)."""

@@ -29,6 +29,7 @@ from engines.base import (
     InvalidGenerationRequest,
     ModelLoadError,
     ModelNotAvailable,
+    PrefixCacheStats,
     TokenEvent,
 )
 
@@ -131,6 +132,7 @@ class Pong(_Msg, tag="pong"):
     running: int
     waiting: int
     busy_seconds: float  # how long the engine's current step has run (0 when idle)
+    prefix_cache: PrefixCacheStats | None = None  # the engine's host-memory prefix cache
 
 
 ToWorker = Hello | Load | Generate | Cancel | Tokenize | Logits | Embed | Ping | Shutdown

@@ -562,7 +562,14 @@ def engine_config(spec: ModelSpec, cand: Candidate, path: str, settings: Setting
         draft_ngram=spec.speculative.ngram if spec.speculative else 0,
         draft_max=spec.speculative.max_draft if spec.speculative else 0,
         draft_streams=spec.speculative.max_streams if spec.speculative else 0,
+        prefix_cache_mib=_first(settings.prefix_cache, spec.prefix_cache, -1),
+        prefill_budget=_first(settings.prefill_budget, spec.prefill_budget, 0),
     )
+
+
+def _first(*values: int | None) -> int:
+    """The first value that is set (the command line over models.yaml over the default)."""
+    return next(v for v in values if v is not None)
 
 
 def fingerprint_parts(host: HostCapabilities, cand: Candidate) -> tuple[str, str]:

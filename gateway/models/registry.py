@@ -211,6 +211,11 @@ class ModelSpec(_Strict):
     standby: bool = Field(default=False, description="keep a second worker loaded and waiting: when the serving "
                           "worker dies it takes over at once (streams continue after a shorter pause); costs "
                           "a second copy of the model in memory")
+    prefix_cache: int | None = Field(default=None, ge=0, description="llama.cpp: MiB of host memory for the KV of this "
+                                     "model's conversations that lost their sequence slot, restored on their next turn "
+                                     "(default: a quarter of the available memory, at most 8 GiB; 0 = off)")
+    prefill_budget: int | None = Field(default=None, ge=1, description="llama.cpp: prompt tokens prefilled per step while "
+                                       "other sequences decode (default per device: CPU 64, Vulkan 256, CUDA 512)")
     grammar: str | None = Field(default=None, description="llama.cpp: a GBNF grammar that this model's free-text "
                                 "answers follow (llama-server's --grammar); a request's JSON format or tools replace it")
     defaults: Defaults = Defaults()

@@ -1,0 +1,122 @@
+"""Host-memory prefix cache: the KV of sequences that left their slot, restored on a later prompt.
+
+A sequence slot is reused for a new request at every turn of every conversation; with more
+conversations than slots, the KV of a conversation is overwritten before its next turn arrives
+(BENCHMARKS.md: 3-4 % of follow-up prompt tokens from cache with 16 conversations on 8 slots).
+Before a slot's KV is cut, it is saved here (`llama_state_seq_get_data`: the cells of one sequence,
+with their positions); a new request whose prompt starts with a saved entry's tokens gets them
+back into its slot (`llama_state_seq_set_data`) instead of prefilling them.
+
+One per engine, bounded in bytes, least recently used first out. Every entry also carries the
+identity of the engine that wrote it (the model file, the llama.cpp build and device, the KV
+layout): a state is only ever restored into an engine of the same identity.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from engines.base import PrefixCacheStats
+
+# Entries shorter than this are not worth a save (their prefill is cheaper than the bookkeeping).
+MIN_ENTRY_TOKENS = 64
+
+
+def common_prefix(a: npt.NDArray[np.int32], b: npt.NDArray[np.int32]) -> int:
+    """Length of the common prefix of two token arrays."""
+    m = min(len(a), len(b))
+    diff = np.flatnonzero(a[:m] != b[:m])
+    return int(diff[0]) if len(diff) else m
+
+
+@dataclass(eq=False)
+class Entry:
+    identity: str
+    tokens: npt.NDArray[np.int32]  # the tokens whose KV `data` holds, from position 0
+    data: Any  # a ctypes byte array: llama_state_seq_get_data's output
+    nbytes: int
+
+
+@dataclass
+class HostPrefixCache:
+    """LRU of sequence states, at most `limit_bytes` in all."""
+
+    limit_bytes: int
+    _entries: OrderedDict[int, Entry] = field(default_factory=OrderedDict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _next: int = 0
+    bytes: int = 0
+    hits: int = 0
+    misses: int = 0
+    restored_tokens: int = 0
+    saved: int = 0
+    evictions: int = 0
+
+    def lookup(self, identity: str, prompt: npt.NDArray[np.int32], limit: int) -> tuple[Entry | None, int]:
+        """The entry sharing the longest prefix with `prompt` (at most `limit` tokens of it)."""
+        best: tuple[Entry | None, int] = (None, 0)
+        with self._lock:
+            for key, e in self._entries.items():
+                if e.identity != identity:
+                    continue
+                n = min(common_prefix(e.tokens, prompt), limit)
+                if n > best[1]:
+                    best = (e, n)
+                    best_key = key
+            if best[0] is not None:
+                self._entries.move_to_end(best_key)
+        return best
+
+    def covers(self, identity: str, tokens: npt.NDArray[np.int32]) -> bool:
+        """Whether an entry already holds all of `tokens` (then saving them again adds nothing)."""
+        with self._lock:
+            return any(e.identity == identity and len(e.tokens) >= len(tokens)
+                       and common_prefix(e.tokens, tokens) == len(tokens) for e in self._entries.values())
+
+    def put(self, identity: str, tokens: npt.NDArray[np.int32], data: Any, nbytes: int) -> bool:
+        """Keep a sequence's state; entries it extends (the same conversation's earlier turn) go."""
+        if nbytes > self.limit_bytes:
+            return False
+        with self._lock:
+            for key, e in list(self._entries.items()):
+                if e.identity == identity and len(e.tokens) <= len(tokens) \
+                        and common_prefix(e.tokens, tokens) == len(e.tokens):
+                    self._drop(key)
+            while self._entries and self.bytes + nbytes > self.limit_bytes:
+                self._drop(next(iter(self._entries)))
+                self.evictions += 1
+            self._entries[self._next] = Entry(identity, tokens, data, nbytes)
+            self._next += 1
+            self.bytes += nbytes
+            self.saved += 1
+        return True
+
+    def _drop(self, key: int) -> None:
+        e = self._entries.pop(key)
+        self.bytes -= e.nbytes
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def stats(self) -> PrefixCacheStats:
+        return PrefixCacheStats(hits=self.hits, misses=self.misses, restored_tokens=self.restored_tokens,
+                                saved=self.saved, evictions=self.evictions, entries=len(self._entries),
+                                bytes=self.bytes, limit_bytes=self.limit_bytes)
+
+
+def default_limit_bytes() -> int:
+    """A quarter of the memory available now, at most 8 GiB (llama-server's --cache-ram default)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return min(8 << 30, int(line.split()[1]) * 1024 // 4)
+    except OSError:
+        pass
+    return 1 << 30

@@ -1,0 +1,223 @@
+"""The host-memory prefix cache and the prefill budget, on the real model: conversations that lose
+their slot get their prefix back from host memory, with the output of a cold run; the bound holds;
+entries of another engine identity are never used; a long prompt shares steps with a running stream."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from engines.base import ChatMessage, EngineConfig, GenerationRequest, SamplingParams, Usage
+from engines.llamacpp.engine import LlamaCppEngine
+from engines.llamacpp.prefix_cache import MIN_ENTRY_TOKENS, HostPrefixCache, common_prefix
+from gateway.models.registry import load_registry
+from tests.conftest import ROOT
+
+TOPICS = ["a lighthouse keeper", "a baker in Lyon", "a robot learning to paint", "two rival chess clubs"]
+
+
+def _path(model: str) -> tuple[str, Any]:
+    reg = load_registry(ROOT / "models.yaml")
+    spec = reg.models[model]
+    return str(reg.resolve(spec, "gguf")), spec
+
+
+async def _engine(parallel: int = 1, **kw: Any) -> LlamaCppEngine:
+    path, spec = _path("smollm2-135m-instruct")
+    e = LlamaCppEngine(EngineConfig(model_path=path, context_length=2048, parallel=parallel,
+                                    chat_template=spec.chat_template, **kw))
+    await e.load()
+    return e
+
+
+@pytest.fixture
+async def one_slot() -> AsyncIterator[LlamaCppEngine]:
+    e = await _engine(parallel=1, prefix_cache_mib=256)
+    yield e
+    await e.close()
+
+
+def _conversation(topic: str, turns: int, replies: list[str] | None = None) -> tuple[ChatMessage, ...]:
+    msgs = [ChatMessage("system", "You are a storyteller. Answer in long, detailed paragraphs. " * 4)]
+    for i in range(turns):
+        msgs.append(ChatMessage("user", f"Turn {i}: tell me more about {topic}, with names, places and dates. " * 3))
+        if i < turns - 1:
+            msgs.append(ChatMessage("assistant", replies[i] if replies else f"Here is part {i} of the story of {topic}. " * 6))
+    return tuple(msgs)
+
+
+async def _ask(e: LlamaCppEngine, msgs: tuple[ChatMessage, ...], max_tokens: int = 24) -> tuple[str, Usage]:
+    text, usage = "", None
+    async for ev in e.generate(GenerationRequest("t", SamplingParams(temperature=0, max_tokens=max_tokens),
+                                                 messages=msgs)):
+        text += ev.text
+        usage = ev.usage or usage
+    assert usage is not None
+    return text, usage
+
+
+async def test_a_conversation_that_lost_its_slot_gets_its_prefix_from_host_memory(one_slot: LlamaCppEngine) -> None:
+    a1, b1 = _conversation(TOPICS[0], 1), _conversation(TOPICS[1], 1)
+    await _ask(one_slot, a1)
+    await _ask(one_slot, b1)  # takes the only slot: A's KV goes to host memory
+    a2 = _conversation(TOPICS[0], 2)
+    text, usage = await _ask(one_slot, a2)
+    assert usage.prefix_lookup == "hit" and usage.restored_tokens >= MIN_ENTRY_TOKENS
+    assert usage.cached_tokens >= usage.restored_tokens
+    stats = one_slot.health().prefix_cache
+    assert stats is not None and stats.hits >= 1 and stats.saved >= 2 and stats.bytes > 0
+    # The same answer as a cold run (an engine without the cache, fresh).
+    cold = await _engine(parallel=1, prefix_cache_mib=0)
+    try:
+        cold_text, cold_usage = await _ask(cold, a2)
+        assert cold.health().prefix_cache is None
+    finally:
+        await cold.close()
+    assert cold_usage.cached_tokens == 0 and cold_usage.restored_tokens == 0
+    assert text == cold_text and usage.prompt_tokens == cold_usage.prompt_tokens
+
+
+async def test_sixteen_conversations_on_two_slots_keep_their_prefixes() -> None:
+    e = await _engine(parallel=2, prefix_cache_mib=512)
+    try:
+        convs = [f"{t} #{i}" for i in range(4) for t in TOPICS]
+        replies = [(await _ask(e, _conversation(c, 1)))[0] for c in convs]
+        # The next turn carries the model's own reply, as a chat client sends it back.
+        follow = [await _ask(e, _conversation(c, 2, [r]), max_tokens=4) for c, r in zip(convs, replies, strict=True)]
+        cached = sum(u.cached_tokens for _, u in follow)
+        prompt = sum(u.prompt_tokens for _, u in follow)
+        assert cached / prompt > 0.6, (cached, prompt)
+        assert all(u.prefix_lookup == "hit" for _, u in follow[2:])
+    finally:
+        await e.close()
+
+
+async def test_the_cache_never_exceeds_its_bound() -> None:
+    path, spec = _path("smollm2-135m-instruct")
+    # One conversation's state (~170 tokens) is several MiB for SmolLM2: 12 MiB holds a few.
+    e = LlamaCppEngine(EngineConfig(model_path=path, context_length=2048, parallel=1, chat_template=spec.chat_template,
+                                    prefix_cache_mib=12))
+    await e.load()
+    try:
+        host = e._sched.host_cache  # type: ignore[union-attr]
+        assert host is not None and host.limit_bytes == 12 << 20
+        for i in range(8):
+            await _ask(e, _conversation(f"{TOPICS[i % 4]} #{i}", 1), max_tokens=4)
+            assert host.bytes <= host.limit_bytes
+        stats = e.health().prefix_cache
+        assert stats is not None and stats.evictions >= 1 and 1 <= stats.entries <= 3
+    finally:
+        await e.close()
+
+
+def test_entries_of_another_engine_identity_are_never_restored() -> None:
+    cache = HostPrefixCache(limit_bytes=1 << 20)
+    tokens = np.arange(200, dtype=np.int32)
+    cache.put("model-a|cpu", tokens, b"x" * 100, 100)
+    assert cache.lookup("model-b|cpu", tokens, 199) == (None, 0)
+    entry, n = cache.lookup("model-a|cpu", tokens, 199)
+    assert entry is not None and n == 199
+    # A longer state of the same conversation replaces the shorter one; other identities stay.
+    cache.put("model-b|cpu", tokens[:150], b"y" * 100, 100)
+    cache.put("model-a|cpu", np.arange(300, dtype=np.int32), b"z" * 100, 100)
+    assert len(cache) == 2 and cache.covers("model-a|cpu", tokens) and not cache.covers("model-b|cpu", tokens)
+    # LRU within the bound.
+    small = HostPrefixCache(limit_bytes=250)
+    for i in range(4):
+        small.put("m", np.full(100, i, dtype=np.int32), b"", 100)
+    assert len(small) == 2 and small.evictions == 2 and small.bytes == 200
+    assert common_prefix(np.array([1, 2, 3]), np.array([1, 2, 4])) == 2
+
+
+async def test_two_models_in_one_process_keep_their_own_entries() -> None:
+    a = await _engine(parallel=1, prefix_cache_mib=128)
+    path, spec = _path("gemma-3-270m")
+    b = LlamaCppEngine(EngineConfig(model_path=path, context_length=2048, parallel=1, chat_template=spec.chat_template,
+                                    prefix_cache_mib=128))
+    await b.load()
+    try:
+        assert a._sched.host_cache is not b._sched.host_cache  # type: ignore[union-attr]
+        assert a._sched._identity != b._sched._identity  # type: ignore[union-attr]
+        for e in (a, b):
+            await _ask(e, _conversation(TOPICS[0], 1), max_tokens=4)
+            await _ask(e, _conversation(TOPICS[1], 1), max_tokens=4)
+        _, ua = await _ask(a, _conversation(TOPICS[0], 2), max_tokens=4)
+        _, ub = await _ask(b, _conversation(TOPICS[0], 2), max_tokens=4)
+        assert ua.prefix_lookup == ub.prefix_lookup == "hit"
+        for e in (a, b):
+            host = e._sched.host_cache  # type: ignore[union-attr]
+            assert host is not None and {x.identity for x in host._entries.values()} == {e._sched._identity}  # type: ignore[union-attr]
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_a_long_prompt_interleaves_with_a_running_stream() -> None:
+    """The running stream keeps producing tokens while a long prompt is prefilled in chunks of the
+    prefill budget; alone, the same prompt is prefilled in whole batches."""
+    e = await _engine(parallel=2, prefix_cache_mib=0, prefill_budget=32)
+    try:
+        stamps: list[float] = []
+
+        async def stream() -> None:
+            req = GenerationRequest("s", SamplingParams(temperature=0, max_tokens=150, ignore_eos=True),
+                                    prompt="Once upon a time")
+            async for ev in e.generate(req):
+                if ev.token_ids:
+                    stamps.append(time.perf_counter())
+
+        running = asyncio.create_task(stream())
+        while len(stamps) < 5:
+            await asyncio.sleep(0.01)
+        long_prompt = "The history of lighthouses along the northern coast. " * 90  # ~900 tokens
+        t0 = time.perf_counter()
+        first: list[float] = []
+        async for _ev in e.generate(GenerationRequest("l", SamplingParams(temperature=0, max_tokens=2),
+                                                     prompt=long_prompt)):
+            first.append(time.perf_counter())
+        prefill_s = first[0] - t0
+        during = [t for t in stamps if t0 < t < first[0]]
+        await running
+        # ~900 tokens at 32 per step: ~28 steps, each with a token of the running stream.
+        assert len(during) >= 20, (len(during), prefill_s)
+    finally:
+        await e.close()
+
+
+def test_through_the_gateway_usage_and_metrics_show_restored_prefixes(tmp_path: Any) -> None:
+    """Two conversations taking turns on one sequence slot, through a worker process: each follow-up
+    reports its restored prefix as cached prompt tokens, and /metrics counts the cache's work."""
+    import httpx
+    import openai
+
+    from gateway.app import create_app
+    from gateway.settings import Settings
+    from tests.conftest import MODEL, ServerThread
+
+    settings = Settings.from_env(env={}, config=str(ROOT / "models.yaml"), parallel=1, prefix_cache=64)
+    server = ServerThread(create_app(settings, load_registry(ROOT / "models.yaml"))).start()
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        history: dict[str, list[Any]] = {t: [] for t in TOPICS[:2]}
+        cached: list[int] = []
+        for turn in range(3):
+            for topic, msgs in history.items():
+                msgs.append({"role": "user", "content": f"Turn {turn}: more about {topic}, with names and places. " * 3})
+                r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16, temperature=0)
+                msgs.append({"role": "assistant", "content": r.choices[0].message.content})
+                assert r.usage is not None and r.usage.prompt_tokens_details is not None
+                if turn:
+                    cached.append(r.usage.prompt_tokens_details.cached_tokens or 0)
+        assert all(c >= 64 for c in cached), cached
+        metrics = httpx.get(f"{server.url}/metrics").text
+        hits = [ln for ln in metrics.splitlines() if ln.startswith("gateway_prefix_cache_hits_total{")]
+        assert hits and float(hits[0].rsplit(" ", 1)[1]) >= 4, hits
+        limit = [ln for ln in metrics.splitlines() if ln.startswith("gateway_prefix_cache_limit_bytes{")]
+        assert limit and float(limit[0].rsplit(" ", 1)[1]) == 64 << 20
+    finally:
+        server.stop()
