@@ -1,0 +1,343 @@
+"""Agent-sized prompts: conversations beyond the slot count, long stable prefixes, and long prompts
+arriving beside running streams. The gateway (with and without its host-memory prefix cache) vs
+llama-server from the same llama.cpp (its default prompt cache), one run, servers alternated.
+
+    .venv/bin/python benchmarks/bench_prefix_cache.py [--parts conversations,agent,interference]
+
+- conversations: N conversations of 4 turns at once (each turn sends the whole history; the
+  workload of bench_cluster's affinity part) on one server of 8 sequences, N = 8 and 16, SmolLM2:
+  share of follow-up prompt tokens served from cache, follow-up TTFT p50/p95.
+- agent: sessions with a long stable prefix (instructions, tool list) and a growing history,
+  Gemma-3-270M at 32k context, more sessions than sequences: TTFT of each turn after the first, as
+  a share of a cold prefill of the same prefix.
+- interference: streams decoding while a long prompt arrives (Gemma-3-270M): the running streams'
+  inter-token latency p50/p99 while it is prefilled, and its TTFT against the same prompt alone;
+  the gateway at several prefill budgets.
+
+Prints Markdown tables with machine and commit; --json keeps every number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+SMOL, GEMMA = "smollm2-135m-instruct", "gemma-3-270m"
+WORDS = ("file", "tool", "call", "schema", "path", "read", "write", "shell", "patch", "apply", "search", "result",
+         "error", "retry", "branch", "commit", "test", "build", "json", "string", "number", "array", "object",
+         "limit", "offset", "query", "match", "line", "column", "token", "agent", "review", "diff", "merge")
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def text_of(n_words: int, seed: int) -> str:
+    """Varied text (no long repeats a tokenizer would compress): ~1.3 tokens a word."""
+    rng = random.Random(seed)
+    lines = []
+    for i in range(0, n_words, 12):
+        lines.append(f"{i // 12}. " + " ".join(rng.choice(WORDS) for _ in range(12)) + ".")
+    return "\n".join(lines)
+
+
+@dataclass
+class Server:
+    name: str
+    cmd: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    port: int = 0
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> Server:
+        self.port = _port()
+        cmd = [c.replace("{port}", str(self.port)) for c in self.cmd]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **self.env},
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise RuntimeError(f"{self.name} not ready")
+
+    def __exit__(self, *exc: object) -> None:
+        assert self.proc is not None
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def gateway(model: str, parallel: int, *extra: str, name: str = "gateway") -> Server:
+    return Server(name, [sys.executable, "-m", "gateway.cli", "serve", "--port", "{port}", "--model", model,
+                         "--parallel", str(parallel), "--max-queue-wait", "600", *extra],
+                  env={"GATEWAY_LOG_LEVEL": "warning"})
+
+
+def llama_server(bin_dir: str, model_path: str, parallel: int, ctx: int, template: str | None, *extra: str) -> Server:
+    threads = str(os.cpu_count() or 1)
+    cmd = [f"{bin_dir}/llama-server", "-m", model_path, "--port", "{port}", "-np", str(parallel),
+           "-c", str(ctx * parallel), "-t", threads, "-tb", threads, *extra]
+    if template:
+        path = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-template-{abs(hash(template))}.jinja"
+        path.write_text(template)
+        cmd += ["--jinja", "--chat-template-file", str(path)]
+    return Server("llama-server", cmd)
+
+
+@dataclass
+class Reply:
+    ttft: float
+    stamps: list[float]
+    text: str
+    prompt_tokens: int
+    cached: int | None
+
+
+async def ask(client: httpx.AsyncClient, url: str, model: str, messages: list[dict[str, str]], max_tokens: int,
+              ignore_eos: bool = False, stamps: list[float] | None = None) -> Reply:
+    """One streamed chat request; `stamps` (when given) collects token arrival times even if the
+    request is cancelled."""
+    body: dict[str, Any] = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+                            "stream": True, "stream_options": {"include_usage": True}}
+    if ignore_eos:
+        body["ignore_eos"] = True
+    t0 = time.perf_counter()
+    stamps = [] if stamps is None else stamps
+    text: list[str] = []
+    usage: dict[str, Any] = {}
+    timings: dict[str, Any] = {}
+    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{url}: {r.status_code} {(await r.aread())[:300]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            usage = chunk.get("usage") or usage
+            timings = chunk.get("timings") or timings
+            for ch in chunk.get("choices", []):
+                piece = ch.get("delta", {}).get("content")
+                if piece:
+                    stamps.append(time.perf_counter())
+                    text.append(piece)
+    details = usage.get("prompt_tokens_details") or {}
+    cached = details.get("cached_tokens")
+    if cached is None and "cache_n" in timings:  # llama-server's own field
+        cached = timings["cache_n"]
+    return Reply(stamps[0] - t0 if stamps else time.perf_counter() - t0, stamps, "".join(text),
+                 usage.get("prompt_tokens", 0), cached)
+
+
+def pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * (len(s) - 1) + 0.5))] if s else float("nan")
+
+
+# --- conversations beyond the slot count ------------------------------------------------------
+
+async def conversations(url: str, n: int, turns: int) -> dict[str, float]:
+    follow: list[Reply] = []
+
+    async def one(i: int, client: httpx.AsyncClient) -> None:
+        messages = [{"role": "system", "content": f"You are assistant number {i}. " + "Answer briefly and politely. " * 30}]
+        for t in range(turns):
+            messages.append({"role": "user", "content": f"Question {t} of conversation {i}: name a colour and a city."})
+            r = await ask(client, url, SMOL, messages, 24)
+            messages.append({"role": "assistant", "content": r.text})
+            if t:
+                follow.append(r)
+
+    async with httpx.AsyncClient(timeout=600) as client:
+        await asyncio.gather(*(one(i, client) for i in range(n)))
+    ttfts = [r.ttft * 1000 for r in follow]
+    known = [r for r in follow if r.cached is not None]
+    return {"cached_share": sum(r.cached or 0 for r in known) / max(1, sum(r.prompt_tokens for r in known)),
+            "ttft_p50_ms": statistics.median(ttfts), "ttft_p95_ms": pct(ttfts, 0.95), "turns": len(follow)}
+
+
+# --- agent sessions: a long stable prefix, a growing history ----------------------------------
+
+async def agent(url: str, sessions: int, turns: int, prefix_words: int) -> dict[str, Any]:
+    per_turn: dict[int, list[float]] = {}
+
+    async def one(i: int, client: httpx.AsyncClient) -> None:
+        messages = [{"role": "user", "content": "Instructions and tools:\n" + text_of(prefix_words, 1000 + i)}]
+        for t in range(turns):
+            if t:
+                messages.append({"role": "user", "content": f"Step {t}: " + text_of(90, 50_000 + 100 * i + t)})
+            r = await ask(client, url, GEMMA, messages, 32, ignore_eos=True)
+            messages.append({"role": "assistant", "content": r.text})
+            per_turn.setdefault(t, []).append(r.ttft)
+
+    async with httpx.AsyncClient(timeout=1800) as client:
+        await asyncio.gather(*(one(i, client) for i in range(sessions)))
+        # A cold prefill of a prefix of the same size, alone.
+        cold = await ask(client, url, GEMMA, [{"role": "user", "content": "Instructions and tools:\n"
+                                                + text_of(prefix_words, 999)}], 1)
+    later = [x for t, xs in per_turn.items() if t for x in xs]
+    return {"cold_ms": cold.ttft * 1000, "cold_prompt_tokens": cold.prompt_tokens,
+            "first_turn_p50_ms": statistics.median(per_turn[0]) * 1000,
+            "later_p50_ms": statistics.median(later) * 1000, "later_p95_ms": pct(later, 0.95) * 1000,
+            "later_p50_share": statistics.median(later) / cold.ttft, "later_max_share": max(later) / cold.ttft}
+
+
+# --- a long prompt arriving beside running streams -------------------------------------------
+
+async def interference(url: str, streams: int, long_words: int) -> dict[str, float]:
+    async with httpx.AsyncClient(timeout=1800) as client:
+        alone = await ask(client, url, GEMMA, [{"role": "user", "content": text_of(long_words, 7)}], 1)
+        stamps_of: list[list[float]] = [[] for _ in range(streams)]
+        running = [asyncio.create_task(ask(client, url, GEMMA, [{"role": "user", "content": f"Story {i}: once upon a time"}],
+                                           4096, ignore_eos=True, stamps=stamps_of[i])) for i in range(streams)]
+        await asyncio.sleep(3.0)  # all streams decoding
+        t0 = time.perf_counter()
+        beside = await ask(client, url, GEMMA, [{"role": "user", "content": text_of(long_words, 8)}], 1)
+        t1 = t0 + beside.ttft
+        await asyncio.sleep(2.0)
+        for task in running:
+            task.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
+    # Inter-token gaps of the running streams while the long prompt was prefilled, and before it.
+    during: list[float] = []
+    before: list[float] = []
+    for st in stamps_of:
+        for a, b in zip(st, st[1:], strict=False):
+            (during if t0 <= b <= t1 else before if b < t0 else []).append((b - a) * 1000)
+    return {"alone_ttft_ms": alone.ttft * 1000, "beside_ttft_ms": beside.ttft * 1000,
+            "ttft_ratio": beside.ttft / alone.ttft, "prompt_tokens": beside.prompt_tokens,
+            "itl_before_p50_ms": statistics.median(before) if before else float("nan"),
+            "itl_during_p50_ms": statistics.median(during) if during else float("nan"),
+            "itl_during_p99_ms": pct(during, 0.99), "itl_during_max_ms": max(during) if during else float("nan"),
+            "gaps_during": len(during)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--parts", default="conversations,agent,interference")
+    ap.add_argument("--backend", default="cpu", help="cpu or cuda (llama-server build and gateway --engine)")
+    ap.add_argument("--server-bin", default=None, help="an existing llama-server build's bin dir")
+    ap.add_argument("--parallel", type=int, default=8, help="sequences per server, conversations part")
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--agent-sessions", type=int, default=4)
+    ap.add_argument("--agent-parallel", type=int, default=2, help="fewer sequences than sessions: the cache's case")
+    ap.add_argument("--agent-turns", type=int, default=10)
+    ap.add_argument("--agent-prefix-words", type=int, default=9000, help="~12k tokens")
+    ap.add_argument("--agent-model", default=GEMMA)
+    ap.add_argument("--streams", type=int, default=8)
+    ap.add_argument("--long-words", type=int, default=12000, help="~16k tokens")
+    ap.add_argument("--budgets", default="64,256", help="gateway prefill budgets to compare")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    parts = set(args.parts.split(","))
+    sys.path.insert(0, str(ROOT))
+    from gateway.models.registry import load_registry
+
+    reg = load_registry(ROOT / "models.yaml")
+    smol_path = str(reg.resolve(reg.models[SMOL], "gguf"))
+    gemma = reg.models[GEMMA]
+    gemma_path = str(reg.resolve(gemma, "gguf"))
+    bin_dir = args.server_bin or subprocess.run(
+        ["bash", str(ROOT / "benchmarks/build-llama-server.sh"), args.backend], check=True, capture_output=True, text=True
+    ).stdout.strip().splitlines()[-1]
+    ngl = ["-ngl", "99"] if args.backend != "cpu" else []
+    engine = ["--engine", args.backend] if args.backend != "cpu" else ["--engine", "cpu"]
+    raw: dict[str, Any] = {}
+
+    if "conversations" in parts:
+        servers = [gateway(SMOL, args.parallel, *engine),
+                   gateway(SMOL, args.parallel, *engine, "--prefix-cache", "0", name="gateway, no host cache"),
+                   llama_server(bin_dir, smol_path, args.parallel, reg.models[SMOL].context_length, None, *ngl)]
+        for srv in servers:
+            with srv:
+                for n in (args.parallel, 2 * args.parallel):
+                    r = asyncio.run(conversations(srv.url, n, args.turns))
+                    raw.setdefault("conversations", {}).setdefault(srv.name, {})[n] = r
+                    print(f"conversations {srv.name:<24} n={n:<3} {r}", file=sys.stderr, flush=True)
+
+    if "agent" in parts:
+        servers = [gateway(GEMMA, args.agent_parallel, *engine),
+                   gateway(GEMMA, args.agent_parallel, *engine, "--prefix-cache", "0", name="gateway, no host cache"),
+                   llama_server(bin_dir, gemma_path, args.agent_parallel, gemma.context_length, gemma.chat_template, *ngl)]
+        for srv in servers:
+            with srv:
+                r = asyncio.run(agent(srv.url, args.agent_sessions, args.agent_turns, args.agent_prefix_words))
+                raw.setdefault("agent", {})[srv.name] = r
+                print(f"agent {srv.name:<24} {r}", file=sys.stderr, flush=True)
+
+    if "interference" in parts:
+        servers = [gateway(GEMMA, args.streams + 1, *engine, "--prefill-budget", b, "--prefix-cache", "0",
+                           name=f"gateway, budget {b}") for b in args.budgets.split(",")]
+        servers.append(llama_server(bin_dir, gemma_path, args.streams + 1, gemma.context_length, gemma.chat_template,
+                                    "--cache-ram", "0", *ngl))
+        for srv in servers:
+            with srv:
+                r = asyncio.run(interference(srv.url, args.streams, args.long_words))
+                raw.setdefault("interference", {})[srv.name] = r
+                print(f"interference {srv.name:<24} {r}", file=sys.stderr, flush=True)
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                if ln.startswith("model name")), platform.processor())
+    print(f"\nmachine: {cpu}, {os.cpu_count()} cores, {platform.platform()}; commit {commit}; llama-server from {bin_dir}\n")
+    if "conversations" in raw:
+        print(f"Conversations of {args.turns} turns on {args.parallel} sequences ({SMOL}); follow-up turns:\n")
+        print("| server | conversations | prompt tokens from cache | follow-up TTFT p50 ms | p95 ms |")
+        print("|---|---|---|---|---|")
+        for name, by_n in raw["conversations"].items():
+            for n, r in by_n.items():
+                print(f"| {name} | {n} | {r['cached_share'] * 100:.0f} % | {r['ttft_p50_ms']:.0f} | {r['ttft_p95_ms']:.0f} |")
+    if "agent" in raw:
+        print(f"\nAgent sessions: {args.agent_sessions} at once on {args.agent_parallel} sequences, {args.agent_turns} "
+              f"turns, ~{args.agent_prefix_words} words of stable prefix ({GEMMA}, 32k context):\n")
+        print("| server | cold prefill ms (tokens) | first turn p50 ms | later turns p50 / p95 ms | later p50 / max as share of cold |")
+        print("|---|---|---|---|---|")
+        for name, r in raw["agent"].items():
+            print(f"| {name} | {r['cold_ms']:.0f} ({r['cold_prompt_tokens']}) | {r['first_turn_p50_ms']:.0f} | "
+                  f"{r['later_p50_ms']:.0f} / {r['later_p95_ms']:.0f} | {r['later_p50_share'] * 100:.1f} % / "
+                  f"{r['later_max_share'] * 100:.1f} % |")
+    if "interference" in raw:
+        print(f"\nPrefill interference: {args.streams} streams decoding while a long prompt arrives ({GEMMA}):\n")
+        print("| server | long prompt tokens | TTFT alone ms | TTFT beside streams ms (ratio) | "
+              "streams' ITL before p50 ms | during p50 / p99 / max ms |")
+        print("|---|---|---|---|---|---|")
+        for name, r in raw["interference"].items():
+            print(f"| {name} | {r['prompt_tokens']} | {r['alone_ttft_ms']:.0f} | {r['beside_ttft_ms']:.0f} "
+                  f"({r['ttft_ratio']:.2f}) | {r['itl_before_p50_ms']:.1f} | {r['itl_during_p50_ms']:.1f} / "
+                  f"{r['itl_during_p99_ms']:.1f} / {r['itl_during_max_ms']:.1f} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(raw, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
