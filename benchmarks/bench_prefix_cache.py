@@ -65,6 +65,7 @@ class Server:
     env: dict[str, str] = field(default_factory=dict)
     port: int = 0
     proc: subprocess.Popen[bytes] | None = None
+    log: Path | None = None  # the server's output
 
     @property
     def url(self) -> str:
@@ -73,8 +74,9 @@ class Server:
     def __enter__(self) -> Server:
         self.port = _port()
         cmd = [c.replace("{port}", str(self.port)) for c in self.cmd]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **self.env},
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.log = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-{self.name.replace(' ', '').replace(',', '-')}.log"
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **self.env}, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -97,9 +99,12 @@ class Server:
             self.proc.wait()
 
 
+CONFIG = str(ROOT / "models.yaml")
+
+
 def gateway(model: str, parallel: int, *extra: str, name: str = "gateway") -> Server:
     return Server(name, [sys.executable, "-m", "gateway.cli", "serve", "--port", "{port}", "--model", model,
-                         "--parallel", str(parallel), "--max-queue-wait", "600", *extra],
+                         "--config", CONFIG, "--parallel", str(parallel), "--max-queue-wait", "600", *extra],
                   env={"GATEWAY_LOG_LEVEL": "warning"})
 
 
@@ -187,41 +192,52 @@ async def conversations(url: str, n: int, turns: int) -> dict[str, float]:
 
 # --- agent sessions: a long stable prefix, a growing history ----------------------------------
 
-async def agent(url: str, sessions: int, turns: int, prefix_words: int) -> dict[str, Any]:
+async def agent(url: str, model: str, sessions: int, turns: int, prefix_words: int) -> dict[str, Any]:
     per_turn: dict[int, list[float]] = {}
+    later_replies: list[Reply] = []
+
+    # The later turns are measured after every session's first (cold) turn: otherwise they would
+    # queue behind other sessions' cold prefills, which says nothing about the cache.
+    first_done = asyncio.Barrier(sessions)
 
     async def one(i: int, client: httpx.AsyncClient) -> None:
         messages = [{"role": "user", "content": "Instructions and tools:\n" + text_of(prefix_words, 1000 + i)}]
         for t in range(turns):
+            if t == 1:
+                await first_done.wait()
             if t:
                 messages.append({"role": "user", "content": f"Step {t}: " + text_of(90, 50_000 + 100 * i + t)})
-            r = await ask(client, url, GEMMA, messages, 32, ignore_eos=True)
+            r = await ask(client, url, model, messages, 32, ignore_eos=True)
             messages.append({"role": "assistant", "content": r.text})
             per_turn.setdefault(t, []).append(r.ttft)
+            if t:
+                later_replies.append(r)
 
     async with httpx.AsyncClient(timeout=1800) as client:
         await asyncio.gather(*(one(i, client) for i in range(sessions)))
         # A cold prefill of a prefix of the same size, alone.
-        cold = await ask(client, url, GEMMA, [{"role": "user", "content": "Instructions and tools:\n"
+        cold = await ask(client, url, model, [{"role": "user", "content": "Instructions and tools:\n"
                                                 + text_of(prefix_words, 999)}], 1)
     later = [x for t, xs in per_turn.items() if t for x in xs]
     return {"cold_ms": cold.ttft * 1000, "cold_prompt_tokens": cold.prompt_tokens,
             "first_turn_p50_ms": statistics.median(per_turn[0]) * 1000,
             "later_p50_ms": statistics.median(later) * 1000, "later_p95_ms": pct(later, 0.95) * 1000,
-            "later_p50_share": statistics.median(later) / cold.ttft, "later_max_share": max(later) / cold.ttft}
+            "later_p50_share": statistics.median(later) / cold.ttft, "later_max_share": max(later) / cold.ttft,
+            "later_cached_share": sum(r.cached or 0 for r in later_replies) / max(1, sum(r.prompt_tokens for r in later_replies)),
+            "later_ttfts_ms": [round(x * 1000) for x in later]}
 
 
 # --- a long prompt arriving beside running streams -------------------------------------------
 
-async def interference(url: str, streams: int, long_words: int) -> dict[str, float]:
+async def interference(url: str, model: str, streams: int, long_words: int) -> dict[str, float]:
     async with httpx.AsyncClient(timeout=1800) as client:
-        alone = await ask(client, url, GEMMA, [{"role": "user", "content": text_of(long_words, 7)}], 1)
+        alone = await ask(client, url, model, [{"role": "user", "content": text_of(long_words, 7)}], 1)
         stamps_of: list[list[float]] = [[] for _ in range(streams)]
-        running = [asyncio.create_task(ask(client, url, GEMMA, [{"role": "user", "content": f"Story {i}: once upon a time"}],
+        running = [asyncio.create_task(ask(client, url, model, [{"role": "user", "content": f"Story {i}: once upon a time"}],
                                            4096, ignore_eos=True, stamps=stamps_of[i])) for i in range(streams)]
         await asyncio.sleep(3.0)  # all streams decoding
         t0 = time.perf_counter()
-        beside = await ask(client, url, GEMMA, [{"role": "user", "content": text_of(long_words, 8)}], 1)
+        beside = await ask(client, url, model, [{"role": "user", "content": text_of(long_words, 8)}], 1)
         t1 = t0 + beside.ttft
         await asyncio.sleep(2.0)
         for task in running:
@@ -252,7 +268,11 @@ def main() -> int:
     ap.add_argument("--agent-parallel", type=int, default=2, help="fewer sequences than sessions: the cache's case")
     ap.add_argument("--agent-turns", type=int, default=10)
     ap.add_argument("--agent-prefix-words", type=int, default=9000, help="~12k tokens")
-    ap.add_argument("--agent-model", default=GEMMA)
+    ap.add_argument("--model", default=GEMMA, help="model id of the agent and interference parts")
+    ap.add_argument("--long-model", default=None, help="model id of the interference part (default --model): "
+                    "its context_length bounds the KV of streams + 1 sequences")
+    ap.add_argument("--config", default=None, help="models.yaml with those models (default: the repo's)")
+    ap.add_argument("--agent-skip-nocache", action="store_true", help="leave out the gateway without its host cache")
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--long-words", type=int, default=12000, help="~16k tokens")
     ap.add_argument("--budgets", default="64,256", help="gateway prefill budgets to compare")
@@ -262,9 +282,11 @@ def main() -> int:
     sys.path.insert(0, str(ROOT))
     from gateway.models.registry import load_registry
 
-    reg = load_registry(ROOT / "models.yaml")
-    smol_path = str(reg.resolve(reg.models[SMOL], "gguf"))
-    gemma = reg.models[GEMMA]
+    global CONFIG
+    CONFIG = str(Path(args.config).resolve()) if args.config else CONFIG
+    reg = load_registry(CONFIG)
+    smol_path = str(reg.resolve(reg.models[SMOL], "gguf")) if "conversations" in parts else ""
+    gemma = reg.models[args.model]
     gemma_path = str(reg.resolve(gemma, "gguf"))
     bin_dir = args.server_bin or subprocess.run(
         ["bash", str(ROOT / "benchmarks/build-llama-server.sh"), args.backend], check=True, capture_output=True, text=True
@@ -285,23 +307,27 @@ def main() -> int:
                     print(f"conversations {srv.name:<24} n={n:<3} {r}", file=sys.stderr, flush=True)
 
     if "agent" in parts:
-        servers = [gateway(GEMMA, args.agent_parallel, *engine),
-                   gateway(GEMMA, args.agent_parallel, *engine, "--prefix-cache", "0", name="gateway, no host cache"),
+        servers = [gateway(args.model, args.agent_parallel, *engine),
+                   gateway(args.model, args.agent_parallel, *engine, "--prefix-cache", "0", name="gateway, no host cache"),
                    llama_server(bin_dir, gemma_path, args.agent_parallel, gemma.context_length, gemma.chat_template, *ngl)]
+        if args.agent_skip_nocache:  # every later turn re-prefills the whole prefix: an hour on 2 cores
+            servers.pop(1)
         for srv in servers:
             with srv:
-                r = asyncio.run(agent(srv.url, args.agent_sessions, args.agent_turns, args.agent_prefix_words))
+                r = asyncio.run(agent(srv.url, args.model, args.agent_sessions, args.agent_turns, args.agent_prefix_words))
                 raw.setdefault("agent", {})[srv.name] = r
                 print(f"agent {srv.name:<24} {r}", file=sys.stderr, flush=True)
 
     if "interference" in parts:
-        servers = [gateway(GEMMA, args.streams + 1, *engine, "--prefill-budget", b, "--prefix-cache", "0",
+        long_id = args.long_model or args.model
+        long_spec = reg.models[long_id]
+        servers = [gateway(long_id, args.streams + 1, *engine, "--prefill-budget", b, "--prefix-cache", "0",
                            name=f"gateway, budget {b}") for b in args.budgets.split(",")]
-        servers.append(llama_server(bin_dir, gemma_path, args.streams + 1, gemma.context_length, gemma.chat_template,
-                                    "--cache-ram", "0", *ngl))
+        servers.append(llama_server(bin_dir, str(reg.resolve(long_spec, "gguf")), args.streams + 1,
+                                    long_spec.context_length, long_spec.chat_template, "--cache-ram", "0", *ngl))
         for srv in servers:
             with srv:
-                r = asyncio.run(interference(srv.url, args.streams, args.long_words))
+                r = asyncio.run(interference(srv.url, long_id, args.streams, args.long_words))
                 raw.setdefault("interference", {})[srv.name] = r
                 print(f"interference {srv.name:<24} {r}", file=sys.stderr, flush=True)
 
@@ -318,7 +344,7 @@ def main() -> int:
                 print(f"| {name} | {n} | {r['cached_share'] * 100:.0f} % | {r['ttft_p50_ms']:.0f} | {r['ttft_p95_ms']:.0f} |")
     if "agent" in raw:
         print(f"\nAgent sessions: {args.agent_sessions} at once on {args.agent_parallel} sequences, {args.agent_turns} "
-              f"turns, ~{args.agent_prefix_words} words of stable prefix ({GEMMA}, 32k context):\n")
+              f"turns, ~{args.agent_prefix_words} words of stable prefix ({args.model}, {gemma.context_length} context):\n")
         print("| server | cold prefill ms (tokens) | first turn p50 ms | later turns p50 / p95 ms | later p50 / max as share of cold |")
         print("|---|---|---|---|---|")
         for name, r in raw["agent"].items():
@@ -326,7 +352,8 @@ def main() -> int:
                   f"{r['later_p50_ms']:.0f} / {r['later_p95_ms']:.0f} | {r['later_p50_share'] * 100:.1f} % / "
                   f"{r['later_max_share'] * 100:.1f} % |")
     if "interference" in raw:
-        print(f"\nPrefill interference: {args.streams} streams decoding while a long prompt arrives ({GEMMA}):\n")
+        print(f"\nPrefill interference: {args.streams} streams decoding while a long prompt arrives "
+              f"({args.long_model or args.model}):\n")
         print("| server | long prompt tokens | TTFT alone ms | TTFT beside streams ms (ratio) | "
               "streams' ITL before p50 ms | during p50 / p99 / max ms |")
         print("|---|---|---|---|---|---|")

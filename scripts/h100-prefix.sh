@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Agent-sized prompts on the lent H100 (issue 28), as run there: a Llama-3-8B-shaped Q4_K_M GGUF
+# with random weights, the gateway on the CUDA build and llama-server from the same source.
+# That machine has CUDA 13, Python 3.12 and no package registry; what it lacks travels in
+# git-ignored folders, each call under 64 MiB:
+#   .whl/          cp312 wheels of requirements/serve.txt (pip download --python-version 3.12)
+#   .dev28/        llama-src-tools.tar.gz: the pinned llama-cpp-python sdist without docs, tests,
+#                  other backends and vocab files, but with llama-server, llama-quantize, gguf-py and
+#                  models/ggml-vocab-llama-bpe.gguf (Llama 3's tokenizer and hyperparameters)
+#   scripts/h100-prefix.sh setup     install the wheels, unpack the source, start the CUDA build
+#   scripts/h100-prefix.sh model     wait for the build; write the F16 GGUF and quantize it to Q4_K_M
+#   scripts/h100-prefix.sh agent|interference   bench_prefix_cache.py's part on CUDA -> $OUT
+set -uo pipefail
+W=/tmp/h28
+mkdir -p "$W/site"
+export PYTHONPATH="$W/site:$W/src:$PWD" LLAMA_CPP_LIB_PATH="$W/build/bin" PYTHONUNBUFFERED=1
+V="$W/src/vendor/llama.cpp"
+case "${1:-}" in
+setup)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$W/site" .whl/*.whl
+  rm -rf "$W/src" && mkdir -p "$W/src" && tar xzf .dev28/llama-src-tools.tar.gz -C "$W/src" --strip-components=1
+  cat > "$W/build.sh" <<EOS
+set -e
+cmake -S $V -B $W/build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DBUILD_SHARED_LIBS=ON \
+  -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF \
+  -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DCMAKE_BUILD_TYPE=Release -DCMAKE_SHARED_LINKER_FLAGS=-Wl,--exclude-libs,ALL
+cmake --build $W/build --target llama llama-server llama-quantize -j 16
+EOS
+  setsid bash -c "time bash $W/build.sh > $W/build.log 2>&1; echo EXIT \$? >> $W/build.log" < /dev/null > /dev/null 2>&1 &
+  echo "build started"; nvidia-smi -L; python3 --version; lscpu | grep -E "Model name|amx" | head -2
+  ;;
+model)
+  # The F16 file is written while the build runs; then quantized.
+  if [ ! -s "$W/llama8b-f16.gguf" ]; then
+    PYTHONPATH="$V/gguf-py:$W/site" python3 benchmarks/make_random_llama8b.py "$V/models/ggml-vocab-llama-bpe.gguf" \
+      "$W/llama8b-f16.gguf" --ctx 32768
+  fi
+  for _ in $(seq 400); do grep -q "^EXIT" "$W/build.log" 2>/dev/null && break; sleep 1; done
+  tail -4 "$W/build.log"
+  [ -s "$W/llama8b-q4_k_m.gguf" ] || "$W/build/bin/llama-quantize" "$W/llama8b-f16.gguf" "$W/llama8b-q4_k_m.gguf" Q4_K_M 16 | tail -3
+  ls -la "$W"/*.gguf
+  cat > "$W/models.yaml" <<EOY
+default: llama3-8b-random
+models:
+  - id: llama3-8b-random
+    description: Llama-3-8B-shaped, random weights, Q4_K_M (speed only)
+    context_length: 32768
+    formats: {gguf: {path: $W/llama8b-q4_k_m.gguf}}
+  - id: llama3-8b-random-13k
+    description: the same file, 13k tokens per sequence (33 sequences fit the H100 with it)
+    context_length: 13312
+    formats: {gguf: {path: $W/llama8b-q4_k_m.gguf}}
+EOY
+  ;;
+agent)
+  python3 benchmarks/bench_prefix_cache.py --backend cuda --server-bin "$W/build/bin" --config "$W/models.yaml" \
+    --parts agent --model llama3-8b-random --agent-sessions 4 --agent-parallel 2 --json "$OUT/agent.json" 2>&1 | tail -14 | tee "$OUT/agent.md"
+  ;;
+interference)
+  python3 benchmarks/bench_prefix_cache.py --backend cuda --server-bin "$W/build/bin" --config "$W/models.yaml" \
+    --parts interference --model llama3-8b-random --long-model llama3-8b-random-13k --streams 32 \
+    --long-words 9000 --budgets "${BUDGETS:-512,2048}" --json "$OUT/interference.json" 2>&1 | tail -14 | tee "$OUT/interference.md"
+  ;;
+esac
