@@ -174,6 +174,7 @@ class PrefixCacheStats:
     misses: int = 0
     restored_tokens: int = 0
     saved: int = 0
+    skipped_saves: int = 0  # states not saved because prefilling their new part is quicker than the copy
     evictions: int = 0
     entries: int = 0
     bytes: int = 0

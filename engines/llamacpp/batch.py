@@ -161,6 +161,13 @@ class BatchScheduler:
         # this size between their tokens, so it slows them by a bounded amount instead of
         # stalling them for its whole prefill. Alone, a prompt takes the whole batch.
         self._prefill_budget = prefill_budget if prefill_budget > 0 else n_batch
+        # Measured here (moving averages; None until seen): prompt tokens per second, and bytes per
+        # second of saving a sequence's state to host memory and of loading one back. They decide
+        # whether a save or a restore is worth its copy: on a GPU behind PCIe, copying a long
+        # conversation's KV can cost as much as prefilling it again.
+        self.prefill_tps: float | None = None
+        self.save_bps: float | None = None
+        self.restore_bps: float | None = None
         self._draft_ngram = draft_ngram if draft_max > 0 else 0
         self._draft_max = draft_max
         # Verifying drafts costs every sequence of the step (logits of every draft position come
@@ -354,13 +361,21 @@ class BatchScheduler:
         if host is None or len(slot.cached) < MIN_ENTRY_TOKENS or len(slot.cached) - keep < MIN_COPY_GAIN:
             return
         tokens = np.asarray(slot.cached, dtype=np.int32)
-        if host.covers(self._identity, tokens):
+        _, covered = host.lookup(self._identity, tokens, len(tokens), touch=False)
+        if covered == len(tokens):
             return
         size = lc.llama_state_seq_get_size(self._ctx, slot.seq_id)
         if size <= 0 or size > host.limit_bytes:
             return
-        buf = (ctypes.c_uint8 * size)()
-        n = lc.llama_state_seq_get_data(self._ctx, buf, size, slot.seq_id)
+        # Worth it when prefilling what no entry holds yet would take longer than the copy.
+        tail = len(tokens) - max(covered, keep)
+        if self.save_bps and self.prefill_tps and tail / self.prefill_tps < size / self.save_bps:
+            host.skipped_saves += 1
+            return
+        buf = np.empty(size, dtype=np.uint8)  # not zeroed: the copy fills it
+        t0 = time.perf_counter()
+        n = lc.llama_state_seq_get_data(self._ctx, buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), size, slot.seq_id)
+        self.save_bps = _ema(self.save_bps, n / max(time.perf_counter() - t0, 1e-6))
         if n > 0:
             host.put(self._identity, tokens, buf, n)
 
@@ -371,13 +386,18 @@ class BatchScheduler:
         if host is None or limit - keep < MIN_COPY_GAIN:
             return 0
         entry, hit = host.lookup(self._identity, np.asarray(job.prompt_ids, dtype=np.int32), limit)
-        if entry is None or hit < keep + MIN_COPY_GAIN:
-            host.misses += 1
+        if entry is None or hit < keep + MIN_COPY_GAIN or (
+                self.restore_bps and self.prefill_tps and (hit - keep) / self.prefill_tps < entry.nbytes / self.restore_bps):
+            host.misses += 1  # nothing, or nothing that loads faster than it prefills
             slot.lookup = "miss"
             return 0
         lc.llama_memory_seq_rm(self._mem, slot.seq_id, -1, -1)
         slot.cached = []
-        if lc.llama_state_seq_set_data(self._ctx, entry.data, entry.nbytes, slot.seq_id) == 0:
+        t0 = time.perf_counter()
+        read = lc.llama_state_seq_set_data(self._ctx, entry.data.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)),
+                                           entry.nbytes, slot.seq_id)
+        self.restore_bps = _ema(self.restore_bps, entry.nbytes / max(time.perf_counter() - t0, 1e-6))
+        if read == 0:
             log.warning("the host prefix cache's entry of %d tokens did not load; prefilling", len(entry.tokens))
             lc.llama_memory_seq_rm(self._mem, slot.seq_id, -1, -1)
             host.misses += 1
@@ -495,6 +515,7 @@ class BatchScheduler:
         # Alone (nothing decoding in this step), prompts fill the batch; beside running streams,
         # they get at most the prefill budget.
         prefill_room = self._prefill_budget if n else self._n_batch
+        decoding = n
         for slot in active:
             job = slot.job
             assert job is not None
@@ -513,6 +534,7 @@ class BatchScheduler:
         if n == 0:
             return
         batch.n_tokens = n
+        step_started = time.perf_counter()
         rc = lc.llama_decode(self._ctx, batch)
         if rc != 0:
             reason = "no free KV cache space" if rc == 1 else f"llama_decode returned {rc}"
@@ -527,6 +549,9 @@ class BatchScheduler:
                     self._verify(slot, idx, draft)
                 else:
                     self._sample(slot, idx)
+        prompt_tokens = n - decoding
+        if prompt_tokens >= 64:  # a step mostly of prompt: its rate (the sampling above waited for it)
+            self.prefill_tps = _ema(self.prefill_tps, n / max(time.perf_counter() - step_started, 1e-6))
 
     # --- speculative decoding: n-gram drafts from the sequence's own text ---------------------
 
@@ -689,6 +714,10 @@ def _free_job(job: Job) -> None:
     if isinstance(job, GenJob) and job.sampler is not None:
         lc.llama_sampler_free(job.sampler)
         job.sampler = None
+
+
+def _ema(old: float | None, new: float, weight: float = 0.3) -> float:
+    return new if old is None else (1 - weight) * old + weight * new
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

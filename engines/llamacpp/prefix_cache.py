@@ -39,7 +39,7 @@ def common_prefix(a: npt.NDArray[np.int32], b: npt.NDArray[np.int32]) -> int:
 class Entry:
     identity: str
     tokens: npt.NDArray[np.int32]  # the tokens whose KV `data` holds, from position 0
-    data: Any  # a ctypes byte array: llama_state_seq_get_data's output
+    data: npt.NDArray[np.uint8]  # llama_state_seq_get_data's output
     nbytes: int
 
 
@@ -56,20 +56,23 @@ class HostPrefixCache:
     misses: int = 0
     restored_tokens: int = 0
     saved: int = 0
+    skipped_saves: int = 0  # states not saved: their new part prefills faster than the copy
     evictions: int = 0
 
-    def lookup(self, identity: str, prompt: npt.NDArray[np.int32], limit: int) -> tuple[Entry | None, int]:
-        """The entry sharing the longest prefix with `prompt` (at most `limit` tokens of it)."""
+    def lookup(self, identity: str, prompt: npt.NDArray[np.int32], limit: int,
+               touch: bool = True) -> tuple[Entry | None, int]:
+        """The entry sharing the longest prefix with `prompt` (at most `limit` tokens of it); with
+        `touch`, it becomes the most recently used."""
         best: tuple[Entry | None, int] = (None, 0)
+        best_key = -1
         with self._lock:
             for key, e in self._entries.items():
                 if e.identity != identity:
                     continue
                 n = min(common_prefix(e.tokens, prompt), limit)
                 if n > best[1]:
-                    best = (e, n)
-                    best_key = key
-            if best[0] is not None:
+                    best, best_key = (e, n), key
+            if best[0] is not None and touch:
                 self._entries.move_to_end(best_key)
         return best
 
@@ -106,7 +109,7 @@ class HostPrefixCache:
 
     def stats(self) -> PrefixCacheStats:
         return PrefixCacheStats(hits=self.hits, misses=self.misses, restored_tokens=self.restored_tokens,
-                                saved=self.saved, evictions=self.evictions, entries=len(self._entries),
+                                saved=self.saved, skipped_saves=self.skipped_saves, evictions=self.evictions, entries=len(self._entries),
                                 bytes=self.bytes, limit_bytes=self.limit_bytes)
 
 
