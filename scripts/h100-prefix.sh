@@ -54,7 +54,8 @@ EOY
   ;;
 agent)
   python3 benchmarks/bench_prefix_cache.py --backend cuda --server-bin "$W/build/bin" --config "$W/models.yaml" \
-    --parts agent --model llama3-8b-random --agent-sessions 4 --agent-parallel 2 --json "$OUT/agent.json" 2>&1 | tail -14 | tee "$OUT/agent.md"
+    --parts agent --model llama3-8b-random --agent-sessions 4 --agent-parallel "${AGENT_PARALLEL:-2}" \
+    --json "$OUT/agent-p${AGENT_PARALLEL:-2}.json" 2>&1 | tail -14 | tee "$OUT/agent-p${AGENT_PARALLEL:-2}.md"
   ;;
 interference)
   python3 benchmarks/bench_prefix_cache.py --backend cuda --server-bin "$W/build/bin" --config "$W/models.yaml" \
