@@ -100,6 +100,9 @@ class Server:
 
 
 CONFIG = str(ROOT / "models.yaml")
+# llama-server closes idle connections after 5 s; a pooled one reused later fails ("Server
+# disconnected"): each request opens its own connection, on both servers.
+NO_KEEPALIVE = httpx.Limits(max_keepalive_connections=0)
 
 
 def gateway(model: str, parallel: int, *extra: str, name: str = "gateway") -> Server:
@@ -182,7 +185,7 @@ async def conversations(url: str, n: int, turns: int) -> dict[str, float]:
             if t:
                 follow.append(r)
 
-    async with httpx.AsyncClient(timeout=600) as client:
+    async with httpx.AsyncClient(timeout=600, limits=NO_KEEPALIVE) as client:
         await asyncio.gather(*(one(i, client) for i in range(n)))
     ttfts = [r.ttft * 1000 for r in follow]
     known = [r for r in follow if r.cached is not None]
@@ -213,7 +216,7 @@ async def agent(url: str, model: str, sessions: int, turns: int, prefix_words: i
             if t:
                 later_replies.append(r)
 
-    async with httpx.AsyncClient(timeout=1800) as client:
+    async with httpx.AsyncClient(timeout=1800, limits=NO_KEEPALIVE) as client:
         await asyncio.gather(*(one(i, client) for i in range(sessions)))
         # A cold prefill of a prefix of the same size, alone.
         cold = await ask(client, url, model, [{"role": "user", "content": "Instructions and tools:\n"
@@ -230,7 +233,7 @@ async def agent(url: str, model: str, sessions: int, turns: int, prefix_words: i
 # --- a long prompt arriving beside running streams -------------------------------------------
 
 async def interference(url: str, model: str, streams: int, long_words: int) -> dict[str, float]:
-    async with httpx.AsyncClient(timeout=1800) as client:
+    async with httpx.AsyncClient(timeout=1800, limits=NO_KEEPALIVE) as client:
         alone = await ask(client, url, model, [{"role": "user", "content": text_of(long_words, 7)}], 1)
         stamps_of: list[list[float]] = [[] for _ in range(streams)]
         running = [asyncio.create_task(ask(client, url, model, [{"role": "user", "content": f"Story {i}: once upon a time"}],
