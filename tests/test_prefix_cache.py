@@ -221,3 +221,25 @@ def test_through_the_gateway_usage_and_metrics_show_restored_prefixes(tmp_path: 
         assert limit and float(limit[0].rsplit(" ", 1)[1]) == 64 << 20
     finally:
         server.stop()
+
+
+async def test_a_conversation_goes_back_to_its_own_free_sequence() -> None:
+    """With two free sequences, a long follow-up goes to the one holding its conversation (not the
+    lowest, which holds another's): nothing is copied, nothing evicted to host memory."""
+    e = await _engine(parallel=2, prefix_cache_mib=64)
+    try:
+        b1, a1 = _conversation(TOPICS[1] + " " + "and more " * 60, 1), _conversation(TOPICS[0] + " " + "and more " * 60, 1)
+        first = asyncio.create_task(_ask(e, b1, max_tokens=40))  # takes sequence 0
+        await asyncio.sleep(0.3)
+        reply, _ = await _ask(e, a1, max_tokens=8)  # sequence 1
+        await first
+        sched = e._sched
+        assert sched is not None and sched.host_cache is not None
+        copies, saved = sched.prefix_copies, sched.host_cache.saved
+        _, usage = await _ask(e, _conversation(TOPICS[0] + " " + "and more " * 60, 2, [reply]), max_tokens=4)
+        assert usage.cached_tokens >= 256
+        assert (sched.prefix_copies, sched.host_cache.saved) == (copies, saved)
+        prompt = sched._slots[1].cached  # the follow-up ran on sequence 1, its conversation's
+        assert len(prompt) > usage.cached_tokens
+    finally:
+        await e.close()

@@ -45,6 +45,10 @@ EmitFn = Callable[[TokenEvent | BaseException], None]
 # whole stream (a few MB for a small model), prefill of 16 tokens costs more on any backend.
 MIN_COPY_GAIN = 16
 
+# A prompt goes to the free sequence already holding its prefix (instead of the lowest free one)
+# when that prefix is at least this long and at least half the prompt.
+OWN_SLOT_TOKENS = 256
+
 # Seconds an idle sequence keeps its device sampler chain. llama.cpp builds every attached chain
 # into every step's graph (idle ones on a dummy row), so chains left on idle sequences slow down the
 # few that run: on the H100 one stream fell from ~700 to ~600 tok/s after a 16-stream burst. Kept
@@ -295,12 +299,24 @@ class BatchScheduler:
         # 8 running sequences spread over ids 0-15 cost as much as 16. Measured on the H100 after
         # a 16-stream burst: 8 streams fell from ~2000 to ~850 tok/s when new requests took the
         # free slot with the longest cached prefix. A longer prefix held by another slot is still
-        # reused: `_start` copies it into the chosen stream.
+        # reused: `_start` copies it into the chosen stream. The exception: a free slot that holds
+        # most of a long prompt (a conversation's own sequence, its next turn) keeps it, rather
+        # than evicting another conversation's KV to copy this one's over.
         free = [s for s in self._slots if s.job is None]
         while self._waiting and free:
             job = self._waiting.popleft()
-            slot = free.pop(0)
+            slot = self._slot_for(job, free)
+            free.remove(slot)
             self._start(slot, job)
+
+    @staticmethod
+    def _slot_for(job: Job, free: list[_Slot]) -> _Slot:
+        if isinstance(job, GenJob) and len(free) > 1 and len(job.prompt_ids) >= 2 * OWN_SLOT_TOKENS:
+            held = [_common_prefix(s.cached, job.prompt_ids) for s in free]
+            best = max(range(len(free)), key=held.__getitem__)
+            if held[best] >= OWN_SLOT_TOKENS and 2 * held[best] >= len(job.prompt_ids) and held[best] > held[0]:
+                return free[best]
+        return free[0]
 
     def _start(self, slot: _Slot, job: Job) -> None:
         keep = 0
