@@ -328,3 +328,12 @@ def new_token_budget(prompt: list[int], n_ctx: int, max_tokens: int | None) -> i
     room = n_ctx - len(prompt)
     return min(max_tokens, room) if max_tokens is not None else room
 
+
+
+
+def resumed_tokens(request: GenerationRequest, max_new: int) -> tuple[int, ...]:
+    """The tokens a failover resumes from (GenerationRequest.resume_ids), checked to leave room for more."""
+    resumed = request.resume_ids
+    if len(resumed) >= max_new:
+        raise InvalidGenerationRequest(f"{len(resumed)} tokens to resume from leave no room for more (limit {max_new})")
+    return resumed

@@ -36,6 +36,7 @@ from engines.base import (
     TokenLogprob,
     Usage,
     new_token_budget,
+    resumed_tokens,
 )
 from engines.bridge import EventChannel, Job, WorkerPool, call_job, pool_health, stream_job
 from engines.chat import ChatTemplate
@@ -237,9 +238,7 @@ class OrtGenAIEngine:
         _check_supported(sp)
         prompt = self.render_prompt(request)
         max_new = new_token_budget(prompt, self._n_ctx, sp.max_tokens)
-        resumed = request.resume_ids
-        if len(resumed) >= max_new:
-            raise InvalidGenerationRequest(f"{len(resumed)} tokens to resume from leave no room for more (limit {max_new})")
+        resumed = resumed_tokens(request, max_new)
         replay = request.resume_replay
 
         def run(job: Job[None], channel: EventChannel) -> None:

@@ -35,6 +35,7 @@ from engines.base import (
     TokenEvent,
     arguments_value,
     new_token_budget,
+    resumed_tokens,
 )
 from engines.bridge import EventChannel, settle_from_thread
 from engines.llamacpp.prefix_cache import HostPrefixCache, default_limit_bytes
@@ -361,9 +362,7 @@ class LlamaCppEngine:
         prompt = self.render_prompt(request)
         sp = request.sampling
         max_new = new_token_budget(prompt, self._n_ctx_seq, sp.max_tokens)
-        resumed = list(request.resume_ids)
-        if len(resumed) >= max_new:
-            raise InvalidGenerationRequest(f"{len(resumed)} tokens to resume from leave no room for more (limit {max_new})")
+        resumed = list(resumed_tokens(request, max_new))
         what = "tools" if sp.tools else "response_format"  # the request parameter a grammar error is about
         grammar = self._grammar(sp.structured, sp.json_schema, what)
         if grammar is None and sp.grammar:
