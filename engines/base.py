@@ -329,8 +329,6 @@ def new_token_budget(prompt: list[int], n_ctx: int, max_tokens: int | None) -> i
     return min(max_tokens, room) if max_tokens is not None else room
 
 
-
-
 def resumed_tokens(request: GenerationRequest, max_new: int) -> tuple[int, ...]:
     """The tokens a failover resumes from (GenerationRequest.resume_ids), checked to leave room for more."""
     resumed = request.resume_ids

@@ -326,21 +326,16 @@ def test_an_ortgenai_worker_killed_mid_stream_does_not_end_the_stream(onnx_fp32:
 
     server = _ortgenai_gateway(onnx_fp32, tmp_path, default_registry)
     try:
-        body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell a long story about a lighthouse keeper."}],
-                "max_tokens": 80, "ignore_eos": True, "temperature": 0, "stream": True,
-                "stream_options": {"include_usage": True}}
+        from tests.test_workers import _protocol_stream
 
-        def stream(out: list[dict[str, Any]]) -> None:
-            with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=300) as r:
-                for line in r.iter_lines():
-                    if line.startswith("data: ") and line != "data: [DONE]":
-                        out.append(json.loads(line[6:]))
-
+        body = {"messages": [{"role": "user", "content": "Tell a long story about a lighthouse keeper."}],
+                "max_tokens": 80, "ignore_eos": True, "temperature": 0, "stream_options": {"include_usage": True}}
         reference: list[dict[str, Any]] = []
-        stream(reference)
+        _protocol_stream(server.url, "/v1/chat/completions", body, reference)
         worker = httpx.get(f"{server.url}/health").json()["models"][MODEL]["worker"]
         chunks: list[dict[str, Any]] = []
-        t = threading.Thread(target=stream, args=(chunks,), daemon=True)
+        t = threading.Thread(target=_protocol_stream, args=(server.url, "/v1/chat/completions", body, chunks),
+                             daemon=True)
         t.start()
         deadline = time.monotonic() + 60
         while len(chunks) < 10 and time.monotonic() < deadline:

@@ -334,9 +334,9 @@ class BatchScheduler:
             # Or the host cache, when it holds more of the prompt than any sequence does (the
             # conversation's last turn, saved when its slot went to another).
             restored = self._restore(slot, job, max(keep, shared), limit)
-            if restored:
-                keep = restored
-            elif donor is not None:
+            # A restore that failed to load has emptied the sequence: nothing of it is kept then.
+            keep = restored or min(keep, len(slot.cached))
+            if not restored and donor is not None:
                 if shared >= keep + MIN_COPY_GAIN:
                     # Sequences live in separate KV streams; llama.cpp copies whole streams
                     # (at the next decode), then we cut the copy back to the shared prefix.
@@ -401,11 +401,11 @@ class BatchScheduler:
         host = self.host_cache
         if host is None or limit - keep < MIN_COPY_GAIN:
             return 0
+        slot.lookup = "miss"
         entry, hit = host.lookup(self._identity, np.asarray(job.prompt_ids, dtype=np.int32), limit)
         if entry is None or hit < keep + MIN_COPY_GAIN or (
                 self.restore_bps and self.prefill_tps and (hit - keep) / self.prefill_tps < entry.nbytes / self.restore_bps):
             host.misses += 1  # nothing, or nothing that loads faster than it prefills
-            slot.lookup = "miss"
             return 0
         lc.llama_memory_seq_rm(self._mem, slot.seq_id, -1, -1)
         slot.cached = []
@@ -417,7 +417,6 @@ class BatchScheduler:
             log.warning("the host prefix cache's entry of %d tokens did not load; prefilling", len(entry.tokens))
             lc.llama_memory_seq_rm(self._mem, slot.seq_id, -1, -1)
             host.misses += 1
-            slot.lookup = "miss"
             return 0
         slot.cached = entry.tokens.tolist()
         host.hits += 1
