@@ -57,7 +57,7 @@ def create_app(
     if settings.model:
         if registry.get(settings.model) is None:
             raise ValueError(f"unknown model {settings.model!r}; models.yaml defines {sorted(registry.models)}")
-        registry.default = settings.model
+        registry.default = registry.get(settings.model).id  # type: ignore[union-attr]  # an alias names its model
     metrics = Metrics(queue_limit_s=settings.max_queue_wait)
     host = host if host is not None else probe_host()
     # A worker process is itself the isolation the child-process check gives an in-process engine.

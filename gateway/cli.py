@@ -44,6 +44,13 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         registry = load_registry(settings.config)
         default = registry.get(settings.model or registry.default)
+        if default is None and settings.model:
+            pulled = _pull_first(settings.model)
+            if pulled is False:
+                return 1
+            if pulled:
+                registry.refresh_user()
+                default = registry.get(settings.model)
         if default is None:
             print(f"error: unknown model {settings.model!r}; known: {', '.join(registry.models)}", file=sys.stderr)
             return 2
@@ -104,6 +111,152 @@ def _models(args: argparse.Namespace) -> int:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    return 0
+
+
+def _human(n: float, unit: str = "B") -> str:
+    for prefix in ("", "K", "M", "G", "T"):
+        if abs(n) < 1024 or prefix == "T":
+            return f"{n:.0f} {prefix}{unit}" if prefix == "" else f"{n:.1f} {prefix}i{unit}"
+        n /= 1024
+    return f"{n:.1f}"
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.0f}M" if n else ""
+
+
+def _pull(args: argparse.Namespace) -> int:
+    from gateway.models.hub import PullError, parse_name, pull
+
+    name = parse_name(args.name)
+    if name is None:
+        print(f"error: {args.name!r} is not a Hub model name; use hf.co/<user>/<repo>[:<quant>]", file=sys.stderr)
+        return 2
+    logging.basicConfig(level="WARNING", format="%(levelname)s %(name)s: %(message)s")
+    try:
+        done = pull(name, context=args.context)
+    except PullError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    p = done.entry["pulled"]
+    print(f"{'already present' if done.already else 'pulled'}: {done.model_id} ({p['quant']}, "
+          f"{_count(p['parameters'])} parameters, {_human(p['size_bytes'])}, context {done.entry['context_length']}"
+          f" of {p['context_trained']} trained)")
+    print(f"  file: {done.path}")
+    print(f"  registered in {done.registry_file}")
+    print(f"  serve it: gateway serve --model {done.model_id}")
+    return 0
+
+
+def _pull_first(model: str) -> bool | None:
+    """`serve --model hf.co/...` of a model not pulled yet: pull it now (None: not a Hub name;
+    False: the pull failed, said on stderr)."""
+    from gateway.models.hub import PullError, parse_name, pull
+
+    name = parse_name(model)
+    if name is None:
+        return None
+    log.info("%s is not pulled yet: pulling it", model)
+    try:
+        done = pull(name)
+    except PullError as exc:
+        print(f"error: cannot pull {model}: {exc}", file=sys.stderr)
+        return False
+    log.info("pulled %s into %s", done.model_id, done.path)
+    return True
+
+
+def _gateway_models(url: str) -> dict[str, dict[str, object]] | None:
+    """The running gateway's view of its models (/health), or None when no gateway answers at `url`."""
+    import httpx
+
+    try:
+        r = httpx.get(url.rstrip("/") + "/health", timeout=3.0)
+        body = r.json()
+    except (httpx.HTTPError, ValueError):
+        return None
+    models = body.get("models") if isinstance(body, dict) else None
+    return models if isinstance(models, dict) else None
+
+
+def _default_url() -> str:
+    s = Settings.from_env()
+    host = "127.0.0.1" if s.host in ("0.0.0.0", "::", "") else s.host
+    return f"http://{host}:{s.port}"
+
+
+def _ls(args: argparse.Namespace) -> int:
+    try:
+        registry = load_registry(args.config or Settings.from_env().config)
+    except RegistryError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    running = _gateway_models(args.url or _default_url())
+    rows = [("ID", "SOURCE", "QUANT", "PARAMS", "CONTEXT", "SIZE", "LOADED")]
+    for spec in registry.models.values():
+        path = registry.local_path(spec, "gguf") if "gguf" in spec.formats else None
+        src = spec.formats.get("gguf")
+        if spec.pulled is not None and src is not None and src.hf is not None:
+            source = f"hf.co/{src.hf.repo}"
+        elif src is not None and src.pypi is not None:
+            source = f"pypi:{src.pypi.package or src.pypi.module}"
+        elif src is not None and src.hf is not None:
+            source = f"hf.co/{src.hf.repo}"
+        elif spec.workers:
+            source = "remote workers"
+        else:
+            source = "path" if src is not None and src.path else ",".join(spec.formats) or "-"
+        quant = params = ""
+        size = "not downloaded"
+        if path is not None:
+            try:
+                from gateway.models.gguf_info import GGUFError, read_gguf
+
+                info = read_gguf(path)
+                quant, params = info.quantization, _count(info.parameters)
+                size = _human(sum(f.stat().st_size for f in info.files))
+            except (GGUFError, OSError):
+                size = _human(path.stat().st_size)
+        if spec.pulled is not None:
+            quant = spec.pulled.quant or quant
+        state = "?" if running is None else (
+            "yes" if running.get(spec.id, {}).get("engine") else str(running.get(spec.id, {}).get("status", "no")))
+        rows.append((spec.id + (" *" if spec.id == registry.default else ""), source, quant, params,
+                     str(spec.context_length), size, state))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    if running is None:
+        print(f"(no gateway answers at {args.url or _default_url()}: LOADED unknown)")
+    return 0
+
+
+def _rm(args: argparse.Namespace) -> int:
+    from gateway.models.hub import remove
+
+    try:
+        registry = load_registry(args.config or Settings.from_env().config)
+    except RegistryError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    spec = registry.get(args.id)
+    if spec is None:
+        print(f"error: no model {args.id!r}; `gateway ls` lists them", file=sys.stderr)
+        return 2
+    if spec.id not in registry.user_files:
+        print(f"error: {spec.id!r} is defined in {registry.file_path}, not pulled: edit that file to remove it",
+              file=sys.stderr)
+        return 2
+    running = _gateway_models(args.url or _default_url())
+    if running is not None and (running.get(spec.id, {}).get("engine") or
+                                running.get(spec.id, {}).get("status") == "loading"):
+        print(f"error: {spec.id!r} is loaded by the gateway at {args.url or _default_url()}; unload it first "
+              f"(POST /models/{spec.id}/unload, or the web page)", file=sys.stderr)
+        return 1
+    freed, kept = remove(registry, spec)
+    print(f"removed {spec.id}: freed {_human(freed)}"
+          + (f"; kept {len(kept)} file(s) other models use: {', '.join(kept)}" if kept else ""))
     return 0
 
 
@@ -245,6 +398,20 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--config", default=None)
     m.add_argument("--download", metavar="ID", help="fetch (or assemble) the model's files now")
     m.set_defaults(func=_models)
+    pl = sub.add_parser("pull", help="download a GGUF from the Hugging Face Hub by name and register it")
+    pl.add_argument("name", help="hf.co/<user>/<repo>[:<quant>] (Q4_K_M when no quantisation is named)")
+    pl.add_argument("--context", type=int, default=None,
+                    help="context length to register (default: the model's trained length, at most 8192)")
+    pl.set_defaults(func=_pull)
+    ls = sub.add_parser("ls", help="list models: source, quantisation, size on disk, loaded or not")
+    ls.add_argument("--config", default=None, help="models.yaml path")
+    ls.add_argument("--url", default=None, help="the running gateway asked what is loaded (default: this host's)")
+    ls.set_defaults(func=_ls)
+    rm = sub.add_parser("rm", help="remove a pulled model and the files only it uses")
+    rm.add_argument("id", help="the model's id (as `gateway ls` shows it)")
+    rm.add_argument("--config", default=None, help="models.yaml path")
+    rm.add_argument("--url", default=None, help="the running gateway asked whether it is loaded")
+    rm.set_defaults(func=_rm)
     c = sub.add_parser("convert", help="convert a model's GGUF to an ORT GenAI or CoreML artifact in the cache")
     c.add_argument("--model", help="model id (models.yaml's default otherwise)")
     c.add_argument("--to", choices=("onnx", "coreml"), required=True, help="target format")

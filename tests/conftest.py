@@ -27,6 +27,10 @@ MODEL = "smollm2-135m-instruct"
 # before any engine loads, as `gateway serve` does.
 VULKAN = probe_vulkan()
 os.environ.update(vulkan_visible_env(VULKAN))
+# Models a developer pulled (`gateway pull`) are not the tests' business: an empty user registry,
+# which tests that pull fill in their own folders.
+_USER_MODELS = Path(os.environ.get("TMPDIR", "/tmp")) / f"gateway-test-models-{os.getpid()}"
+os.environ["GATEWAY_MODELS_DIR"] = str(_USER_MODELS)
 
 
 def free_port() -> int:

@@ -44,6 +44,22 @@ class HfSource(_Strict):
     repo: str
     file: str
     revision: str = "main"
+    parts: list[str] = Field(default_factory=list, description="the other files of a split GGUF "
+                             "(`-00002-of-00003.gguf` ...), fetched beside `file`; llama.cpp loads them from it")
+
+
+class PulledInfo(_Strict):
+    """What `gateway pull` recorded about a model it registered (models.d/)."""
+
+    name: str = Field(description="the name it was pulled by, e.g. hf.co/user/repo:Q4_K_M")
+    quant: str = ""
+    size_bytes: int = 0
+    parameters: int = 0
+    context_trained: int = 0
+    architecture: str = ""
+    chat_template: bool = True
+    sha256: dict[str, str] = Field(default_factory=dict)
+    pulled_at: str = ""
 
 
 class ConvertedSource(_Strict):
@@ -230,6 +246,9 @@ class ModelSpec(_Strict):
                                   "(helps outputs that copy from the prompt); off when unset")
     replicas: Replicas | None = Field(default=None, description="replicas on a Ray cluster (--cluster ray); "
                                       "the default model keeps 1, others scale from 0, when unset")
+    keep_alive: float | None = Field(default=None, description="seconds the model stays loaded after its last "
+                                     "request (-1: until evicted; 0: unloaded at once); --keep-alive otherwise")
+    pulled: PulledInfo | None = Field(default=None, description="set by `gateway pull` (models.d/ entries)")
 
     @field_validator("reasoning", "device_sampling", mode="before")
     @classmethod
@@ -289,10 +308,40 @@ class Registry:
         self.cache_dir = cache_dir
         self.models = {m.id: m for m in spec.models}
         self.default = spec.default or spec.models[0].id
+        self.user_files: dict[str, Path] = {}  # pulled models -> their models.d/ entry
+        self.user_dir: Path | None = None
+        self.file_path: Path | None = None  # models.yaml
+        self._user_seen: tuple[tuple[str, int], ...] = ()
 
     def get(self, model_id: str) -> ModelSpec | None:
         """The model a request names: by id, by an exact alias, or by the first alias pattern that
-        matches (clients such as Claude Code ask for their own model names)."""
+        matches (clients such as Claude Code ask for their own model names). A name not found looks
+        again in the user registry, which `gateway pull` may have added to since."""
+        found = self._get(model_id)
+        if found is None and self.user_dir is not None and self._user_stamp() != self._user_seen:
+            self.refresh_user()
+            found = self._get(model_id)
+        return found
+
+    def _user_stamp(self) -> tuple[tuple[str, int], ...]:
+        assert self.user_dir is not None
+        try:
+            return tuple(sorted((f.name, f.stat().st_mtime_ns) for f in self.user_dir.glob("*.yaml")))
+        except OSError:
+            return ()
+
+    def refresh_user(self) -> None:
+        """Read the user registry again: models pulled since are added, removed ones dropped (a
+        model models.yaml defines is never touched)."""
+        if self.user_dir is None:
+            return
+        for mid in list(self.user_files):
+            self.models.pop(mid, None)
+        self.user_files.clear()
+        self._user_seen = self._user_stamp()
+        _merge_user(self, self.user_dir)
+
+    def _get(self, model_id: str) -> ModelSpec | None:
         found = self.models.get(model_id)
         if found is not None:
             return found
@@ -326,10 +375,11 @@ class Registry:
         try:
             from huggingface_hub import try_to_load_from_cache
 
-            hit = try_to_load_from_cache(src.hf.repo, src.hf.file, revision=src.hf.revision)
+            hits = [try_to_load_from_cache(src.hf.repo, f, revision=src.hf.revision)
+                    for f in (src.hf.file, *src.hf.parts)]
         except Exception:  # noqa: BLE001 - an unreadable cache is just "not downloaded"
             return None
-        return Path(hit) if isinstance(hit, str) else None
+        return Path(hits[0]) if all(isinstance(h, str) for h in hits) else None  # type: ignore[arg-type]
 
     def resolve(self, spec: ModelSpec, fmt: str) -> Path:
         """The model's file, fetching or assembling it if needed.  Blocking."""
@@ -431,7 +481,10 @@ class Registry:
         from huggingface_hub.errors import LocalEntryNotFoundError
 
         try:
-            # Shows huggingface-hub's own progress bar on a TTY.
+            # Shows huggingface-hub's own progress bar on a TTY. A split model's other files land in
+            # the same snapshot folder, where llama.cpp looks for them.
+            for part in src.parts:
+                hf_hub_download(src.repo, part, revision=src.revision)
             return Path(hf_hub_download(src.repo, src.file, revision=src.revision))
         except LocalEntryNotFoundError as exc:
             raise ModelUnavailable(
@@ -485,7 +538,57 @@ def _to_python(node: yaml.Node, path: tuple[Any, ...], lines: dict[tuple[Any, ..
     return yaml.safe_load(yaml.serialize(node))
 
 
-def load_registry(path: str | Path, cache_dir: str | Path | None = None) -> Registry:
+def load_registry(path: str | Path, cache_dir: str | Path | None = None, user_dir: str | Path | None = None) -> Registry:
+    """models.yaml, plus the models `gateway pull` registered (`user_dir`, models.d/ by default).
+    A pulled model whose id models.yaml already has is left out (models.yaml wins), and so is an
+    alias of it that another model owns; both with a warning."""
+    registry = _load_file(path, cache_dir)
+    from gateway.models.hub import user_models_dir
+
+    registry.user_dir = Path(user_dir) if user_dir is not None else user_models_dir()
+    registry.refresh_user()
+    return registry
+
+
+def read_user_entry(path: Path) -> ModelSpec:
+    """One models.d/ entry; RegistryError names the file and key when it is invalid."""
+    try:
+        node = yaml.compose(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise RegistryError(f"{path}: cannot read: {exc}") from exc
+    if node is None:
+        raise RegistryError(f"{path}: empty file")
+    lines: dict[tuple[Any, ...], int] = {}
+    data = _to_python(node, (), lines)
+    try:
+        return ModelSpec.model_validate(data)
+    except ValidationError as exc:
+        raise RegistryError(_describe(path, exc, data, lines)) from None
+
+
+def _merge_user(registry: Registry, directory: Path) -> None:
+    if not directory.is_dir():
+        return
+    taken = set(registry.models) | {a for m in registry.models.values() for a in m.aliases if not _GLOB.search(a)}
+    for f in sorted(directory.glob("*.yaml")):
+        try:
+            spec = read_user_entry(f)
+        except RegistryError as exc:
+            log.warning("skipping a pulled model's entry: %s", exc)
+            continue
+        if spec.id in taken:
+            log.warning("%s: model %r is also in models.yaml, which wins", f, spec.id)
+            continue
+        aliases = [a for a in spec.aliases if a not in taken]
+        if len(aliases) != len(spec.aliases):
+            log.info("%s: aliases %s belong to another model", f, sorted(set(spec.aliases) - set(aliases)))
+            spec = spec.model_copy(update={"aliases": aliases})
+        registry.models[spec.id] = spec
+        registry.user_files[spec.id] = f
+        taken |= {spec.id, *aliases}
+
+
+def _load_file(path: str | Path, cache_dir: str | Path | None = None) -> Registry:
     path = Path(path)
     try:
         text = path.read_text()
@@ -504,7 +607,9 @@ def load_registry(path: str | Path, cache_dir: str | Path | None = None) -> Regi
     except ValidationError as exc:
         raise RegistryError(_describe(path, exc, data, lines)) from None
     cache = Path(cache_dir or spec.cache_dir or _default_cache())
-    return Registry(spec, path.resolve().parent, cache.expanduser())
+    registry = Registry(spec, path.resolve().parent, cache.expanduser())
+    registry.file_path = path
+    return registry
 
 
 def _default_cache() -> Path:

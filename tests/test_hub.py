@@ -1,0 +1,253 @@
+"""`gateway pull / ls / rm` against a local stand-in of the Hugging Face Hub (tests/hub_standin.py),
+serving the real GGUF files of the test models through the endpoints huggingface-hub uses."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gateway.models.gguf_info import read_gguf
+from gateway.models.hub import HubName, RemoteFile, choose, parse_name, quant_of
+from gateway.models.registry import load_registry
+from tests.conftest import ROOT
+from tests.hub_standin import HubStandIn, Repo, split_gguf
+
+pytestmark = pytest.mark.timeout(600)
+
+SMOL = "test-org/SmolLM2-135M-Instruct-GGUF"
+GEMMA = "test-org/gemma-3-270m-GGUF"
+SPLIT = "test-org/SmolLM2-split-GGUF"
+GATED = "test-org/gated-GGUF"
+TOKEN = "hf_standin_token_0123456789"
+SMOL_FILE = "SmolLM2-135M-Instruct-Q4_1.gguf"
+
+
+def _file(model_id: str) -> Path:
+    registry = load_registry(ROOT / "models.yaml", user_dir="/nonexistent")
+    return registry.resolve(registry.get(model_id), "gguf")  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HubStandIn]:
+    smol = _file("smollm2-135m-instruct")
+    gemma = _file("gemma-3-270m")
+    shards = split_gguf(smol, tmp_path_factory.mktemp("split") / "smollm2-Q4_1.gguf", 3)
+    hub = HubStandIn(repos={
+        SMOL: Repo({SMOL_FILE: smol, "SmolLM2-135M-Instruct-Q8_0.gguf": smol, "README.md": ROOT / "README.md"}),
+        GEMMA: Repo({"gemma-3-270m-Q4_K_M.gguf": gemma, "gemma-3-270m-Q8_0.gguf": gemma}),
+        SPLIT: Repo({f"Q4_1/{p.name}": p for p in shards}),
+        GATED: Repo({SMOL_FILE: smol}, gated_token=TOKEN),
+    }).start()
+    yield hub
+    hub.stop()
+
+
+@pytest.fixture
+def env(hub: HubStandIn, tmp_path: Path) -> dict[str, str]:
+    hub.log.clear()
+    out = {k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")}
+    out.update(HF_ENDPOINT=hub.url, HF_HOME=str(tmp_path / "hf"), GATEWAY_MODELS_DIR=str(tmp_path / "models.d"),
+               HF_HUB_DISABLE_TELEMETRY="1", HF_HUB_ETAG_TIMEOUT="30", HF_HUB_DOWNLOAD_TIMEOUT="30")
+    return out
+
+
+def gateway(env: dict[str, str], *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "gateway.cli", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def entries(env: dict[str, str]) -> dict[str, dict]:
+    d = Path(env["GATEWAY_MODELS_DIR"])
+    return {e["id"]: e for e in (yaml.safe_load(f.read_text()) for f in d.glob("*.yaml"))} if d.is_dir() else {}
+
+
+def blobs(env: dict[str, str]) -> list[Path]:
+    return [p for p in (Path(env["HF_HOME"]) / "hub").glob("models--*/blobs/*") if p.is_file()]
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+# --- names and choices (no network) ---------------------------------------------------------
+
+
+def test_names_and_quantisations() -> None:
+    assert parse_name("hf.co/bartowski/Llama-3.2-1B-Instruct-GGUF:Q4_K_M") == \
+        HubName("bartowski/Llama-3.2-1B-Instruct-GGUF", "Q4_K_M")
+    assert parse_name("https://huggingface.co/u/r") == HubName("u/r")
+    assert parse_name("u/r@v1.0:q8_0") == HubName("u/r", "q8_0", "v1.0")
+    assert parse_name("smollm2-135m-instruct") is None
+    assert parse_name("hf.co/not a repo") is None
+    assert quant_of("Llama-3.2-1B-Instruct-Q4_K_M.gguf") == "Q4_K_M"
+    assert quant_of("gemma-3-270m-q4_k_m.gguf") == "Q4_K_M"
+    assert quant_of("Q8_0/model-Q8_0-00001-of-00002.gguf") == "Q8_0"
+    assert quant_of("model.IQ4_XS.gguf") == "IQ4_XS"
+    assert quant_of("model-f16.gguf") == "F16"
+    files = [RemoteFile(n, 10, None) for n in ("m-Q8_0.gguf", "m-Q4_K_M.gguf", "m-Q4_K_S.gguf", "mmproj-m-f16.gguf")]
+    assert choose(files, None, "u/r").files[0].path == "m-Q4_K_M.gguf"
+    assert choose(files, "q4_k_s", "u/r").files[0].path == "m-Q4_K_S.gguf"
+    with pytest.raises(Exception, match="has no Q4_K.*Q4_K_M, Q4_K_S, Q8_0"):
+        choose(files, "Q4_K", "u/r")
+    split = [RemoteFile(f"d/m-Q4_K_M-0000{i}-of-00003.gguf", 10, None) for i in (2, 1, 3)]
+    assert [f.path for f in choose(split, None, "u/r").files] == [
+        f"d/m-Q4_K_M-0000{i}-of-00003.gguf" for i in (1, 2, 3)]
+    with pytest.raises(Exception, match="split in 3 files but the repository has 2"):
+        choose(split[:2], None, "u/r")
+
+
+# --- pulls ---------------------------------------------------------------------------------
+
+
+def test_pull_by_repo_and_quant_then_again(hub: HubStandIn, env: dict[str, str]) -> None:
+    r = gateway(env, "pull", f"hf.co/{SMOL}:Q4_1")
+    assert r.returncode == 0, r.stderr
+    model_id = f"hf.co/{SMOL}:Q4_1"
+    assert f"pulled: {model_id}" in r.stdout
+    e = entries(env)[model_id]
+    info = read_gguf(_file("smollm2-135m-instruct"))
+    assert e["context_length"] == 8192 and e["pulled"]["context_trained"] == info.context_length
+    assert e["pulled"]["parameters"] == info.parameters == 134515008
+    assert e["formats"]["gguf"]["hf"] == {"repo": SMOL, "file": SMOL_FILE, "revision": hub.repos[SMOL].commit}
+    assert [digest(b) for b in blobs(env)] == [digest(_file("smollm2-135m-instruct"))]
+    assert hub.downloads(SMOL_FILE) == [""]
+    again = gateway(env, "pull", f"{SMOL}:q4_1")  # the short spelling, any case
+    assert again.returncode == 0 and f"already present: {model_id}" in again.stdout, again.stderr
+    assert hub.downloads(SMOL_FILE) == [""], "a present, verified file is not downloaded again"
+
+
+def test_pull_default_quantisation_and_unknown_one(hub: HubStandIn, env: dict[str, str]) -> None:
+    r = gateway(env, "pull", GEMMA)
+    assert r.returncode == 0, r.stderr
+    e = entries(env)[f"hf.co/{GEMMA}:Q4_K_M"]
+    assert e["formats"]["gguf"]["hf"]["file"] == "gemma-3-270m-Q4_K_M.gguf"
+    assert e["context_length"] == 8192 and e["pulled"]["context_trained"] == 32768
+    assert f"hf.co/{GEMMA}" in e["aliases"] and GEMMA in e["aliases"]  # the name it was pulled by
+    assert e["pulled"]["chat_template"] is False  # this GGUF has none: said, not invented
+    bad = gateway(env, "pull", f"hf.co/{SMOL}:Q3_K_S")
+    assert bad.returncode == 1
+    assert f"{SMOL} has no Q3_K_S GGUF; it has: Q4_1, Q8_0" in bad.stderr
+    missing = gateway(env, "pull", "hf.co/test-org/no-such-repo")
+    assert missing.returncode == 1 and "no repository test-org/no-such-repo" in missing.stderr
+
+
+def test_pull_split_gguf_into_one_folder(hub: HubStandIn, env: dict[str, str]) -> None:
+    r = gateway(env, "pull", f"hf.co/{SPLIT}")
+    assert r.returncode == 0, r.stderr
+    e = entries(env)[f"hf.co/{SPLIT}:Q4_1"]
+    src = e["formats"]["gguf"]["hf"]
+    assert src["file"] == "Q4_1/smollm2-Q4_1-00001-of-00003.gguf"
+    assert src["parts"] == [f"Q4_1/smollm2-Q4_1-0000{i}-of-00003.gguf" for i in (2, 3)]
+    registry = load_registry(ROOT / "models.yaml", user_dir=env["GATEWAY_MODELS_DIR"])
+    spec = registry.get(f"{SPLIT}:Q4_1")
+    assert spec is not None
+    os.environ["HF_HOME"], old = env["HF_HOME"], os.environ.get("HF_HOME")
+    try:
+        first = registry.local_path(spec, "gguf")
+    finally:
+        os.environ.pop("HF_HOME") if old is None else os.environ.update(HF_HOME=old)
+    # HF_HOME is read by huggingface-hub at import: the path is found from the entry instead.
+    first = first or next(Path(env["HF_HOME"]).glob("hub/models--*split*/snapshots/*/Q4_1/*00001-of-00003.gguf"))
+    assert sorted(p.name for p in first.parent.iterdir()) == [
+        f"smollm2-Q4_1-0000{i}-of-00003.gguf" for i in (1, 2, 3)]
+    assert read_gguf(first).parameters == 134515008  # the tensors of all three files
+
+
+def test_interrupted_download_resumes(hub: HubStandIn, env: dict[str, str]) -> None:
+    # A connection dropped mid-file: the rest is asked for with a Range request.
+    hub.cut[SMOL_FILE], hub.cut_at = 1, 10 << 20
+    r = gateway(env, "pull", f"{SMOL}:Q4_1")
+    assert r.returncode == 0, r.stderr
+    assert hub.downloads(SMOL_FILE) == ["", f"bytes={10 << 20}-"]
+    assert [digest(b) for b in blobs(env)] == [digest(_file("smollm2-135m-instruct"))]
+
+
+def test_pull_killed_midway_resumes_where_it_stopped(hub: HubStandIn, env: dict[str, str]) -> None:
+    hub.pace_bps = 20e6  # ~5 s for the file: time to stop the pull halfway
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "pull", f"{SMOL}:Q4_1"], cwd=ROOT, env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        part: list[Path] = []
+        while time.monotonic() < deadline:
+            part = list((Path(env["HF_HOME"]) / "hub").glob("models--*/blobs/*.incomplete"))
+            if part and part[0].stat().st_size > 20 << 20:
+                break
+            time.sleep(0.1)
+        proc.kill()
+        proc.wait()
+        assert part, "the download never started"
+        kept = part[0].stat().st_size
+    finally:
+        hub.pace_bps = 0
+    assert not entries(env), "a pull that did not finish registers nothing"
+    r = gateway(env, "pull", f"{SMOL}:Q4_1")
+    assert r.returncode == 0, r.stderr
+    resumed = hub.downloads(SMOL_FILE)[-1]
+    assert resumed.startswith("bytes=") and int(resumed[6:-1]) >= kept - (1 << 20), (resumed, kept)
+    assert [digest(b) for b in blobs(env)] == [digest(_file("smollm2-135m-instruct"))]
+
+
+def test_corrupted_download_is_rejected(hub: HubStandIn, env: dict[str, str]) -> None:
+    hub.corrupt[SMOL_FILE] = 2  # wrong twice: the pull gives up
+    r = gateway(env, "pull", f"{SMOL}:Q4_1")
+    assert r.returncode == 1
+    assert "has SHA-256" in r.stderr and "twice; the download was removed" in r.stderr
+    assert not blobs(env) and not entries(env)
+    hub.corrupt[SMOL_FILE] = 1  # wrong once: fetched again, and right
+    r = gateway(env, "pull", f"{SMOL}:Q4_1")
+    assert r.returncode == 0, r.stderr
+    assert len(hub.downloads(SMOL_FILE)) == 4
+    assert [digest(b) for b in blobs(env)] == [digest(_file("smollm2-135m-instruct"))]
+
+
+def test_two_pulls_of_one_model_at_once(hub: HubStandIn, env: dict[str, str]) -> None:
+    hub.pace_bps = 50e6
+    try:
+        procs = [subprocess.Popen([sys.executable, "-m", "gateway.cli", "pull", f"{SMOL}:Q4_1"], cwd=ROOT, env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+        outs = [p.communicate(timeout=300) for p in procs]
+    finally:
+        hub.pace_bps = 0
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert len(hub.downloads(SMOL_FILE)) == 1, "the second pull waits for the first one's file"
+    assert [digest(b) for b in blobs(env)] == [digest(_file("smollm2-135m-instruct"))]
+    assert list(entries(env)) == [f"hf.co/{SMOL}:Q4_1"]
+
+
+def test_gated_repository_needs_the_token(hub: HubStandIn, env: dict[str, str]) -> None:
+    r = gateway(env, "pull", f"{GATED}:Q4_1")
+    assert r.returncode == 1 and "is gated" in r.stderr and "HF_TOKEN" in r.stderr
+    r = gateway({**env, "HF_TOKEN": TOKEN}, "pull", f"{GATED}:Q4_1")
+    assert r.returncode == 0, r.stderr
+
+
+def test_ls_and_rm(hub: HubStandIn, env: dict[str, str]) -> None:
+    for name in (f"{SMOL}:Q4_1", f"{SMOL}:Q8_0", GEMMA):
+        assert gateway(env, "pull", name).returncode == 0
+    ls = gateway(env, "ls", "--url", "http://127.0.0.1:9")
+    assert ls.returncode == 0, ls.stderr
+    rows = {line.split()[0]: line for line in ls.stdout.splitlines()[1:]}
+    assert f"hf.co/{SMOL}" in rows[f"hf.co/{SMOL}:Q4_1"] and "135M" in rows[f"hf.co/{SMOL}:Q4_1"]
+    assert "Q4_K_M" in rows[f"hf.co/{GEMMA}:Q4_K_M"] and "268M" in rows[f"hf.co/{GEMMA}:Q4_K_M"]
+    assert "smollm2-135m-instruct" in rows and "LOADED unknown" in ls.stdout
+    # Q4_1 and Q8_0 of the stand-in are the same bytes, one blob: removing one keeps it for the other.
+    assert len(blobs(env)) == 2
+    r = gateway(env, "rm", f"hf.co/{SMOL}:Q8_0", "--url", "http://127.0.0.1:9")
+    assert r.returncode == 0, r.stderr
+    assert "kept 1 file(s) other models use" in r.stdout and len(blobs(env)) == 2
+    r = gateway(env, "rm", f"{SMOL}:Q4_1", "--url", "http://127.0.0.1:9")  # by alias
+    freed = f"freed {_file('smollm2-135m-instruct').stat().st_size / 2**20:.1f} MiB"
+    assert r.returncode == 0 and freed in r.stdout, r.stdout + r.stderr
+    assert len(blobs(env)) == 1 and list(entries(env)) == [f"hf.co/{GEMMA}:Q4_K_M"]
+    refused = gateway(env, "rm", "smollm2-135m-instruct")
+    assert refused.returncode == 2 and "not pulled" in refused.stderr
+    assert gateway(env, "rm", "no-such-model").returncode == 2
