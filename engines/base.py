@@ -280,6 +280,14 @@ class ModelLoadError(EngineError):
     """The model could not be loaded on this runtime/device."""
 
 
+class ModelTooLarge(ModelLoadError):
+    """The model does not fit its device's memory budget even alone (the message has the numbers)."""
+
+
+class NoRoom(ModelLoadError):
+    """The model fits its budget, but the models holding that memory are busy and stayed busy."""
+
+
 class ModelNotAvailable(EngineError):
     """The model's files are not present and cannot be obtained."""
 

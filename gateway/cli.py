@@ -11,7 +11,7 @@ from gateway.host.functional_check import CheckCache
 from gateway.host.hardware import probe_host
 from gateway.host.selection import Preference, SelectionError, plan
 from gateway.models.registry import ModelSpec, Registry, RegistryError, load_registry
-from gateway.settings import ENGINE_CHOICES, Settings, parse_mib, parse_size, split_list
+from gateway.settings import ENGINE_CHOICES, Settings, parse_duration, parse_mib, parse_size, split_list
 
 log = logging.getLogger("gateway")
 
@@ -24,6 +24,11 @@ def _serve(args: argparse.Namespace) -> int:
         host=args.host, port=args.port, config=args.config, model=args.model, engine=args.engine,
         runtime=args.runtime, device=args.device,
         max_resident=args.max_models, parallel=args.parallel, threads=args.threads,
+        memory_budget=parse_size(args.memory_budget) if args.memory_budget else None,
+        gpu_memory_budget=parse_size(args.gpu_memory_budget) if args.gpu_memory_budget else None,
+        memory_reserve=parse_size(args.memory_reserve) if args.memory_reserve else None,
+        keep_alive=parse_duration(args.keep_alive) if args.keep_alive else None,
+        keep_default=False if args.unload_default else None,
         api_key=args.api_key, api_key_file=args.api_key_file, metrics_api_key=args.metrics_api_key,
         allowed_origins=split_list(args.allowed_origins) if args.allowed_origins is not None else None,
         allowed_hosts=split_list(args.allowed_hosts) if args.allowed_hosts is not None else None,
@@ -364,7 +369,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=None, help="port (default 8080)")
     s.add_argument("--config", default=None, help="models.yaml path")
-    s.add_argument("--max-models", type=int, default=None, help="models kept loaded (LRU, default 2)")
+    s.add_argument("--max-models", type=int, default=None,
+                   help="models kept loaded at most (default: as many as the memory budgets allow)")
+    s.add_argument("--memory-budget", default=None,
+                   help="RAM the models may take, e.g. 12G (default: the machine's memory less --memory-reserve)")
+    s.add_argument("--gpu-memory-budget", default=None,
+                   help="memory the models may take on each GPU (default: its memory less 5%%, at least 512M)")
+    s.add_argument("--memory-reserve", default=None,
+                   help="memory left to the system and other programs (default: 10%% of RAM, at least 1G)")
+    s.add_argument("--keep-alive", default=None,
+                   help="how long an idle model stays loaded: 300, 5m, 1h; -1 = until evicted (default 5m)")
+    s.add_argument("--unload-default", action="store_true",
+                   help="let the default model unload after --keep-alive too (it stays loaded otherwise)")
     s.add_argument("--parallel", type=int, default=None, help="sequences decoded together per model")
     s.add_argument("--threads", type=int, default=None, help="CPU threads per model (default: all cores)")
     s.add_argument("--api-key", default=None,

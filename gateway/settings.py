@@ -26,7 +26,17 @@ class Settings:
     engine: str = "auto"
     runtime: str | None = None  # pin a runtime: llamacpp, ortgenai, coreml
     device: str | None = None  # GPU index or part of its name
-    max_resident: int = 2  # models kept loaded at once (LRU)
+    max_resident: int = 0  # models kept loaded at once (LRU); 0 = as many as the memory budgets allow
+    # Memory-aware residency (gateway/models/memory.py): bytes models may take in RAM / on each GPU
+    # (None: the device's memory less memory_reserve, or 10% of it, at least 1 GiB).
+    memory_budget: int | None = None
+    gpu_memory_budget: int | None = None
+    memory_reserve: int | None = None
+    # Seconds a model stays loaded after its last request (Ollama's keep_alive, default 5 minutes;
+    # negative: until evicted); models.yaml `keep_alive` and Ollama requests override it. The default
+    # model stays unless keep_default is off.
+    keep_alive: float = 300.0
+    keep_default: bool = True
     parallel: int | None = None  # sequences per model; models.yaml / runtime default when unset
     threads: int = 0  # CPU threads per model; 0 = all cores
     max_queue: int = 64  # requests that may wait per model
@@ -103,6 +113,11 @@ class Settings:
             runtime=e.get("GATEWAY_RUNTIME") or None,
             device=e.get("GATEWAY_DEVICE") or None,
             max_resident=int(e.get("GATEWAY_MAX_MODELS", cls.max_resident)),
+            memory_budget=parse_size(e["GATEWAY_MEMORY_BUDGET"]) if e.get("GATEWAY_MEMORY_BUDGET") else None,
+            gpu_memory_budget=parse_size(e["GATEWAY_GPU_MEMORY_BUDGET"]) if e.get("GATEWAY_GPU_MEMORY_BUDGET") else None,
+            memory_reserve=parse_size(e["GATEWAY_MEMORY_RESERVE"]) if e.get("GATEWAY_MEMORY_RESERVE") else None,
+            keep_alive=parse_duration(e.get("GATEWAY_KEEP_ALIVE", str(cls.keep_alive))),
+            keep_default=e.get("GATEWAY_KEEP_DEFAULT", "1") not in ("0", "false", "no"),
             parallel=int(e["GATEWAY_PARALLEL"]) if e.get("GATEWAY_PARALLEL") else None,
             threads=int(e.get("GATEWAY_THREADS", cls.threads)),
             max_queue=int(e.get("GATEWAY_MAX_QUEUE", cls.max_queue)),
@@ -184,3 +199,20 @@ def parse_mib(value: str) -> int:
     if v.isdigit():
         return int(v)
     return parse_size(v) >> 20
+
+
+def parse_duration(value: str) -> float:
+    """Seconds from "300", "5m", "1h30m", "45s", "0" or a negative number (Ollama's keep_alive spelling)."""
+    import re
+
+    v = value.strip().lower()
+    try:
+        return float(v)
+    except ValueError:
+        pass
+    parts = re.fullmatch(r"(-)?(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s)?", v)
+    if not v or parts is None or not any(parts.groups()[1:]):
+        raise ValueError(f"not a duration: {value!r} (e.g. 300, 5m, 1h, 0, -1)")
+    sign, h, m, sec = parts.groups()
+    total = float(h or 0) * 3600 + float(m or 0) * 60 + float(sec or 0)
+    return -total if sign else total

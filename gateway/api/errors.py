@@ -21,6 +21,8 @@ from engines.base import (
     InvalidGenerationRequest,
     ModelLoadError,
     ModelNotAvailable,
+    ModelTooLarge,
+    NoRoom,
 )
 from gateway.api.admission import GateClosed, Rejected
 from gateway.api.openai.protocol import ErrorBody, ErrorResponse
@@ -127,6 +129,10 @@ def from_engine_error(exc: EngineError) -> APIError:
         return APIError(503, str(exc), type="server_error", code="engine_unloaded")
     if isinstance(exc, ModelNotAvailable):
         return APIError(503, str(exc), type="server_error", code="model_not_available")
+    if isinstance(exc, ModelTooLarge):
+        return APIError(503, str(exc), type="server_error", code="insufficient_memory")
+    if isinstance(exc, NoRoom):
+        return APIError(503, str(exc), type="server_error", code="insufficient_memory", headers={"Retry-After": "5"})
     if isinstance(exc, ModelLoadError):
         return APIError(503, str(exc), type="server_error", code="model_load_failed")
     return APIError(500, f"engine failure: {exc}", type="server_error", code="engine_error")

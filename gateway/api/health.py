@@ -57,6 +57,16 @@ def _models(request: Request) -> dict[str, dict[str, Any]]:
         for key in ("sampling", "speculative", "cpu_variant", "repack"):
             if key in extra:
                 row[key] = extra[key]
+        memory: dict[str, Any] = {"held_bytes": {d: manager.held(entry, d) for d in manager.budgets
+                                                 if manager.held(entry, d)}}
+        if entry.need is not None:
+            memory["estimate"] = {"ram_bytes": entry.need.host, "gpu_bytes": entry.need.gpu, "device": entry.need.device,
+                                  "context": entry.need.context, "parallel": entry.need.parallel}
+        if entry.fitted:
+            memory["sized_down"] = entry.fitted
+        keep = manager.keep_alive_of(entry)
+        memory["keep_alive_s"] = keep
+        row["memory"] = memory
         worker_status = getattr(entry.engine, "worker_status", None)
         if worker_status is not None:
             row["worker"] = worker_status()
@@ -106,7 +116,10 @@ def health_response(request: Request) -> JSONResponse:
     models = _models(request)
     status, reason = _verdict(request, models)
     body: dict[str, Any] = {"status": status, "default_model": manager.registry.default, "models": models,
-                            "uptime_s": round(time.time() - request.app.state.started, 1)}
+                            "uptime_s": round(time.time() - request.app.state.started, 1),
+                            "memory": manager.memory_status()}
+    if manager.pulls:
+        body["pulls"] = [p.as_dict() for p in manager.pulls.values()]
     if reason is not None:
         body["reason"] = reason
     if request.app.state.shadow is not None:

@@ -413,7 +413,7 @@ def _download(repo: str, commit: str, f: RemoteFile, part: Path, progress: PullP
 
     import httpx
     from huggingface_hub import constants, hf_hub_url
-    from huggingface_hub.utils import build_hf_headers
+    from huggingface_hub.utils._headers import build_hf_headers
     from tqdm.auto import tqdm
 
     url = hf_hub_url(repo, f.path, revision=commit)

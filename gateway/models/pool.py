@@ -12,8 +12,18 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from engines.base import Engine, EngineConfig, EngineError, EngineInfo, ModelLoadError, ModelNotAvailable
+from engines.base import (
+    Engine,
+    EngineConfig,
+    EngineError,
+    EngineInfo,
+    ModelLoadError,
+    ModelNotAvailable,
+    ModelTooLarge,
+    NoRoom,
+)
 from engines.llamacpp.ggml_backends import lower
 from engines.registry import create_engine
 from engines.worker.client import LocalWorker, RemoteWorker, Supervision, WorkerEngine
@@ -28,6 +38,7 @@ from gateway.host.functional_check import (
 from gateway.host.hardware import HostCapabilities, LlamaCppBuild, probe_host, vulkan_visible_env
 from gateway.host.selection import Candidate, Plan, Preference, SelectionError, plan
 from gateway.metrics import Metrics
+from gateway.models.memory import MiB, Need, default_reserve, estimate, fit, gguf_info
 from gateway.models.registry import ModelSpec, ModelUnavailable, Registry
 from gateway.models.routing import WorkerGroup
 from gateway.settings import Settings
@@ -57,6 +68,39 @@ class Loaded:
     plan: Plan | None = None
     check_key: str = ""  # its functional-check cache entry
     config: EngineConfig | None = None  # how it runs (its rung of the fallback ladder)
+    need: Need | None = None  # its estimated memory (None: not estimated, e.g. not a GGUF)
+    fitted: str = ""  # what was sized down to fit the memory budget ("" when nothing)
+    keep_alive: float | None = None  # set by a request (Ollama's keep_alive); else the model's default
+
+
+def memory_budgets(host: HostCapabilities, settings: Settings) -> dict[str, int]:
+    """Bytes models may take per device: "cpu" (RAM) and each GPU ("cuda:0", "vulkan:1")."""
+    out: dict[str, int] = {}
+    total = host.cpu.memory_bytes
+    if settings.memory_budget is not None:
+        out["cpu"] = settings.memory_budget
+    elif total:
+        out["cpu"] = total - (settings.memory_reserve if settings.memory_reserve is not None else default_reserve(total))
+    gpus = [(f"cuda:{d.index}", d.memory_bytes) for d in host.cuda.devices]
+    gpus += [(f"vulkan:{d.index}", d.device_local_bytes) for d in host.vulkan.devices if d.type != "cpu"]
+    for key, size in gpus:
+        if settings.gpu_memory_budget is not None:
+            out[key] = settings.gpu_memory_budget
+        elif size:
+            out[key] = size - (settings.memory_reserve if settings.memory_reserve is not None else
+                               min(max(512 * MiB, size // 20), size // 2))
+    return out
+
+
+def device_of(cand: Candidate, host: HostCapabilities) -> str:
+    """The budget a candidate draws on: "cpu" for the CPU (and a software Vulkan device), else its GPU's."""
+    if cand.backend in ("cuda", "vulkan") and cand.device_index is not None:
+        if cand.backend == "vulkan":
+            dev = next((d for d in host.vulkan.devices if d.index == cand.device_index), None)
+            if dev is not None and dev.type == "cpu":
+                return "cpu"
+        return f"{cand.backend}:{cand.device_index}"
+    return "cpu"
 
 
 class ModelManager:
@@ -103,6 +147,11 @@ class ModelManager:
         self.excluded: dict[str, dict[tuple[str, str], str]] = {}
         self._closing: set[asyncio.Task[None]] = set()
         self.speeds: dict[str, dict[str, float]] = {}  # model -> engine label -> measured tok/s
+        self.budgets = memory_budgets(self.host, settings)
+        self._reserved: dict[str, Need] = {}  # loads under way: the memory they will take
+        self._reaper: asyncio.Task[None] | None = None
+        self.reap_interval = 1.0  # seconds between keep_alive checks
+        self.pulls: dict[str, Any] = {}  # Hub pulls in progress (name -> hub.PullProgress), for the web page
 
     def is_loaded(self, model_id: str) -> bool:
         return model_id in self._loaded
@@ -139,11 +188,120 @@ class ModelManager:
                     entry = await self._load(spec)
         self._loaded.move_to_end(spec.id)
         entry.last_used = time.monotonic()
+        if self._reaper is None or self._reaper.done():
+            self._reaper = asyncio.get_running_loop().create_task(self._reap())
         return entry
+
+    # --- memory and keep_alive ----------------------------------------------------------
+
+    def need(self, cand: Candidate, config: EngineConfig) -> Need | None:
+        """The estimated memory of `config` on `cand` (llama.cpp GGUFs; None for other formats)."""
+        if cand.runtime != "llamacpp":
+            return None
+        info = gguf_info(config.model_path)
+        if info is None:
+            return None
+        return estimate(info, config.context_length, config.parallel, device_of(cand, self.host), config.n_batch)
+
+    def held(self, entry: Loaded, device: str) -> int:
+        """Bytes `entry` holds on `device`: its estimate, or its worker's measured resident memory
+        when that is more (the host prefix cache fills it as conversations lose their slots)."""
+        est = entry.need.on(device) if entry.need is not None else 0
+        if device == "cpu":
+            status = getattr(entry.engine, "worker_status", None)
+            if status is not None:
+                try:
+                    st = status()
+                except Exception:  # noqa: BLE001 - a worker between restarts has no numbers
+                    st = {}
+                rss = (st.get("rss_bytes") or 0) + ((st.get("standby") or {}).get("rss_bytes") or 0)
+                est = max(est, rss)
+        return est
+
+    def used(self, device: str, without: str | None = None) -> int:
+        """Bytes held on `device` by the loaded models and the loads under way (their estimates)."""
+        loaded = sum(self.held(e, device) for k, e in self._loaded.items() if k != without)
+        return loaded + sum(n.on(device) for k, n in self._reserved.items() if k != without)
+
+    def memory_status(self) -> dict[str, Any]:
+        """Budgets and what the loaded models hold, per device (for /health and the web page)."""
+        return {d: {"budget_bytes": b, "used_bytes": self.used(d)} for d, b in self.budgets.items()}
+
+    def _fit(self, spec: ModelSpec, cand: Candidate, config: EngineConfig) -> tuple[EngineConfig, Need | None, str]:
+        """`config` sized down (fewer sequences, then a shorter context) where the model would not
+        fit its device's budget; ModelTooLarge when it cannot fit even then."""
+        if cand.runtime != "llamacpp":
+            return config, None, ""
+        info = gguf_info(config.model_path)
+        device = device_of(cand, self.host)
+        room_host = self.budgets.get("cpu")
+        if info is None or room_host is None:
+            return config, None, ""
+        room_gpu = self.budgets.get(device) if device != "cpu" else None
+        if device != "cpu" and room_gpu is None:
+            room_gpu = None  # a GPU whose memory the probe does not know: only RAM is checked
+        need, changed = fit(info, config.context_length, config.parallel, device, room_host, room_gpu, config.n_batch,
+                            min_context=min(2048, config.context_length))
+        too_big = need.host > room_host or (room_gpu is not None and need.gpu > room_gpu)
+        if too_big:
+            budget = f"{room_host / MiB:.0f} MiB RAM" + (f", {room_gpu / MiB:.0f} MiB on {device}" if room_gpu else "")
+            raise ModelTooLarge(
+                f"model {spec.id!r} needs {need.describe()} even with one sequence and a {need.context}-token "
+                f"context; the budget is {budget} (--memory-budget, --gpu-memory-budget, --memory-reserve)")
+        if changed:
+            log.warning("%s sized down to fit the memory budget of %s: %s (needs %s)", spec.id, device, changed,
+                        need.describe())
+            config = dataclasses.replace(config, parallel=need.parallel, context_length=need.context)
+        return config, need, changed
+
+    def keep_alive_of(self, entry: Loaded) -> float:
+        """Seconds `entry` stays loaded once idle (negative: until evicted)."""
+        if entry.keep_alive is not None:
+            return entry.keep_alive
+        if entry.spec.keep_alive is not None:
+            return entry.spec.keep_alive
+        if self.settings.keep_default and entry.spec.id == self.registry.default:
+            return -1.0
+        return self.settings.keep_alive
+
+    def set_keep_alive(self, model_id: str, seconds: float | None) -> None:
+        """A request's keep_alive for `model_id` (None: the model's default again), counted from now."""
+        entry = self._loaded.get(model_id)
+        if entry is not None:
+            entry.keep_alive = seconds
+            entry.last_used = time.monotonic()
+
+    def expires(self, entry: Loaded) -> float | None:
+        """The unix time `entry` is unloaded at if no request comes (None: it is not)."""
+        keep = self.keep_alive_of(entry)
+        if keep < 0:
+            return None
+        return time.time() + max(0.0, entry.last_used + keep - time.monotonic())
+
+    async def _reap(self) -> None:
+        """Unload models idle for longer than their keep_alive."""
+        while True:
+            await asyncio.sleep(self.reap_interval)
+            now = time.monotonic()
+            for mid, entry in list(self._loaded.items()):
+                if entry.candidate.format in ("ray", "remote") or mid in self.loading:
+                    continue
+                if not _idle(entry.engine):
+                    entry.last_used = now
+                    continue
+                keep = self.keep_alive_of(entry)
+                if keep < 0 or now - entry.last_used < keep:
+                    continue
+                try:
+                    if await self.unload(mid):
+                        log.info("unloaded %s: idle for %.0f s (keep_alive %s s)", mid, now - entry.last_used, keep)
+                except ModelBusy:
+                    pass
 
     async def _load(self, spec: ModelSpec) -> Loaded:
         self.loading.add(spec.id)
         failures: list[tuple[str, str]] = []
+        too_large: list[ModelTooLarge] = []
         self.attempts[spec.id] = failures
         try:
             if spec.workers:
@@ -170,13 +328,20 @@ class ModelManager:
                     path = await asyncio.to_thread(self.registry.resolve, spec, cand.format)
                 except ModelUnavailable as exc:
                     raise ModelNotAvailable(str(exc)) from exc
-                rungs = ladder(cand, self._config(spec, cand, str(path)), self.host, self.settings)
+                try:
+                    base, need, fitted = self._fit(spec, cand, self._config(spec, cand, str(path)))
+                except ModelTooLarge as exc:
+                    failures.append((f"{cand.label} on {cand.device}", str(exc)))
+                    too_large.append(exc)
+                    log.warning("%s cannot run on %s: %s", spec.id, cand.device, exc)
+                    continue
+                rungs = ladder(cand, base, self.host, self.settings)
                 for ri, config in enumerate(rungs):
                     # The ladder inside one build first (repacking off, then a lower CPU variant),
                     # then the next candidate; the last rung of the last candidate never gives up.
                     last = ci == len(the_plan.candidates) - 1 and ri == len(rungs) - 1
                     t0 = time.perf_counter()
-                    engine, why, stage = await self._try(spec, cand, config, last)
+                    engine, why, stage = await self._try(spec, cand, config, last, need)
                     if engine is None:
                         failures.append((describe(cand, config), why))
                         self.metrics.fallbacks.labels(spec.id, cand.label, "check_failed").inc()
@@ -197,13 +362,15 @@ class ModelManager:
                     reasons += [f"{r}/{b}: {why}" for (r, b), why in excluded.items()]
                     reasons += [f"{what}: {why}" for what, why in failures]
                     entry = Loaded(spec, engine, cand, dt, time.monotonic(), "; ".join(reasons), the_plan,
-                                   self._key(cand, config), config)
+                                   self._key(cand, config), config, need, fitted)
                     level = logging.WARNING if entry.fallback_reason else logging.INFO
                     log.log(level, "serving %s on %s, loaded in %.2fs%s", spec.id, describe(cand, config), dt,
                             f"; fell back because {entry.fallback_reason}" if entry.fallback_reason else "")
                     self._loaded[spec.id] = entry
                     self.load_errors.pop(spec.id, None)
                     return entry
+            if too_large and len(too_large) == len(failures):
+                raise too_large[0] if len(too_large) == 1 else ModelTooLarge("; ".join(str(e) for e in too_large))
             raise ModelLoadError(
                 f"model {spec.id!r} could not be loaded: " + "; ".join(f"{w}: {y}" for w, y in failures)
             )
@@ -212,12 +379,13 @@ class ModelManager:
             raise
         finally:
             self.loading.discard(spec.id)
+            self._reserved.pop(spec.id, None)
 
     def _key(self, cand: Candidate, config: EngineConfig) -> str:
         return fingerprint(cand.runtime, config, *fingerprint_parts(self.host, cand))
 
     async def _try(self, spec: ModelSpec, cand: Candidate, config: EngineConfig,
-                   last: bool = True) -> tuple[Engine | None, str, str]:
+                   last: bool = True, need: Need | None = None) -> tuple[Engine | None, str, str]:
         """Functional check (cached), load, then the check's work (one token when a pass is cached).
         (engine, "", "") or (None, why, stage); stage "load": it failed to load without crashing.
         `last`: no other way to serve the model follows this one."""
@@ -233,7 +401,9 @@ class ModelManager:
                 return None, f"{cached.reason} ({note})", cached.stage
         # Room only now that an engine is about to load: a model whose files are missing, or whose
         # every way to run is known to fail, must not unload a model that serves.
-        await self._make_room()
+        await self._make_room(need, spec.id)
+        if need is not None:
+            self._reserved[spec.id] = need  # at once: a load that starts meanwhile counts it
         if self.settings.functional_check and cached is None and self._checker is not None:
             result = await asyncio.to_thread(self._checker, cand.runtime, config)
             if not result.ok:
@@ -431,19 +601,43 @@ class ModelManager:
         await entry.engine.close()
         return True
 
-    async def _make_room(self) -> None:
-        """Unload least recently used idle models until one more fits (models served by a cluster's
-        replicas hold nothing here and do not count)."""
-        while len(here := [k for k, v in self._loaded.items() if v.candidate.format != "ray"]) >= max(1, self.settings.max_resident):
-            victim = next((k for k in here if _idle(self._loaded[k].engine)), None)
-            if victim is None:
+    async def _make_room(self, need: Need | None = None, for_model: str = "") -> None:
+        """Unload least recently used idle models until `need` fits every device's budget and one
+        more model is within --max-models (models served by a cluster's replicas or remote workers
+        hold nothing here and do not count). Models that hold the memory but are busy are waited
+        for, up to --max-queue-wait: then NoRoom."""
+        deadline = time.monotonic() + self.settings.max_queue_wait
+        while True:
+            here = [k for k, v in self._loaded.items() if v.candidate.format not in ("ray", "remote")]
+            short = [d for d in self.budgets if need is not None and need.on(d)
+                     and self.used(d) + need.on(d) > self.budgets[d]]
+            full = self.settings.max_resident > 0 and len(here) >= self.settings.max_resident
+            if not short and not full:
+                return
+            victims = [k for k in here if _idle(self._loaded[k].engine)
+                       and (full or any(self.held(self._loaded[k], d) for d in short))]
+            if victims:
+                entry = self._loaded.pop(victims[0])
+                why = (f"to make room for {for_model or 'another model'} on {', '.join(short)}" if short
+                       else "least recently used")
+                log.info("unloading %s (%s)", victims[0], why)
+                await entry.engine.close()
+                continue
+            if not short:
                 log.warning("all %d resident models are busy; loading one more", len(here))
                 return
-            entry = self._loaded.pop(victim)
-            log.info("unloading %s (least recently used)", victim)
-            await entry.engine.close()
+            if time.monotonic() >= deadline:
+                assert need is not None
+                held = ", ".join(f"{k} {self.held(self._loaded[k], short[0]) / MiB:.0f} MiB" for k in here)
+                raise NoRoom(
+                    f"model {for_model!r} needs {need.on(short[0]) / MiB:.0f} MiB on {short[0]} "
+                    f"(budget {self.budgets[short[0]] / MiB:.0f} MiB, {self.used(short[0]) / MiB:.0f} MiB held by "
+                    f"busy models: {held}); try again when they finish")
+            await asyncio.sleep(0.2)
 
     async def close(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
         for task in list(self._closing):
             await task
         while self._loaded:

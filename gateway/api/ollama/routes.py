@@ -29,7 +29,7 @@ from gateway.api.openai.protocol import EmbeddingRequest
 from gateway.api.serving import Prepared, Service, model_spec
 from gateway.api.sse import until_disconnect
 from gateway.conversation import ArgumentsDelta, CallStarted, Finished, ReasoningDelta, TextDelta
-from gateway.models.pool import ModelBusy, ModelManager
+from gateway.models.pool import ModelBusy, ModelManager, device_of
 from gateway.models.registry import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -63,32 +63,21 @@ def _spec(request: Request, name: str) -> ModelSpec:
 
 
 class KeepAlive:
-    """Unloads a model `keep_alive` after its last Ollama request (0: at once; negative: never)."""
+    """A request's keep_alive: the model stays loaded that long after it (the manager's reaper unloads
+    it; 0: at once; negative: until evicted). Without one, the model's default (--keep-alive)."""
 
     def __init__(self, manager: ModelManager) -> None:
         self.manager = manager
-        self.timers: dict[str, asyncio.TimerHandle] = {}
-        self.expires: dict[str, float] = {}  # model -> unix time it is unloaded at
 
     def set(self, model_id: str, seconds: float | None) -> None:
         if seconds is None:
             return
-        old = self.timers.pop(model_id, None)
-        if old is not None:
-            old.cancel()
-        self.expires.pop(model_id, None)
-        if seconds < 0:
-            return
         if seconds == 0:
             asyncio.get_running_loop().create_task(self._unload(model_id))
             return
-        self.expires[model_id] = time.time() + seconds
-        self.timers[model_id] = asyncio.get_running_loop().call_later(
-            seconds, lambda: asyncio.get_running_loop().create_task(self._unload(model_id)))
+        self.manager.set_keep_alive(model_id, seconds)
 
     async def _unload(self, model_id: str) -> None:
-        self.timers.pop(model_id, None)
-        self.expires.pop(model_id, None)
         for _ in range(100):  # a request still finishing: try again shortly
             try:
                 await self.manager.unload(model_id)
@@ -373,16 +362,19 @@ async def show(body: ol.ModelRequest, request: Request) -> JSONResponse:
 @router.get("/api/ps", responses={200: {"description": "The loaded models"}, **_ERRORS})
 async def ps(request: Request) -> JSONResponse:
     manager: ModelManager = request.app.state.manager
-    ka = _keep_alive(request)
     out = []
     for m in manager.loaded():
         facts = await asyncio.to_thread(_file_facts, request, m.spec)
-        expires = ka.expires.get(m.spec.id)
-        out.append({"name": m.spec.id, "model": m.spec.id, "size": facts[0] if facts else 0,
+        expires = manager.expires(m)
+        # Ollama's size is the memory the model takes (RAM + VRAM), size_vram the GPU's share.
+        device = device_of(m.candidate, manager.host)
+        vram = manager.held(m, device) if device != "cpu" else 0
+        size = manager.held(m, "cpu") + vram or (facts[0] if facts else 0)
+        out.append({"name": m.spec.id, "model": m.spec.id, "size": size,
                     "digest": facts[1] if facts else "", "details": _details(m.spec),
                     "expires_at": datetime.fromtimestamp(expires, tz=UTC).isoformat() if expires
-                    else "2318-01-01T00:00:00Z",  # no keep_alive given: resident until the gateway unloads it
-                    "size_vram": facts[0] if facts and m.candidate.backend != "cpu" else 0,
+                    else "2318-01-01T00:00:00Z",  # pinned or no keep_alive: resident until evicted
+                    "size_vram": vram,
                     "context_length": m.engine.info.context_length})
     return JSONResponse({"models": out})
 

@@ -1,0 +1,159 @@
+"""How much memory a model takes, before it is loaded, and how much each device has to give.
+
+The estimate is read from the GGUF header (gguf_info): the weights (on the GPU when offloaded, but
+for the input embeddings, which llama.cpp keeps in host memory), the KV cache of every sequence at
+the model's context (f16 keys and values for each layer's KV heads; llama.cpp allocates it whole
+when the context is created), the compute buffers, and the worker process itself.
+
+The compute and runtime terms are calibrated on this machine's measurements (the resident memory
+of the engine after its functional check, BENCHMARKS.md "Memory estimate"): about 120 MiB plus
+366 bytes per vocabulary entry (the logits and the output projection's work space grow with the
+vocabulary), and 50 MiB for a worker's Python.
+
+A budget per device is its memory less a reserve: RAM (MemTotal) for the CPU, each GPU's memory for
+the GPU; `--memory-budget` / `--gpu-memory-budget` set them outright.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gateway.models.gguf_info import GGUFError, GGUFInfo, read_gguf
+
+MiB = 1 << 20
+GiB = 1 << 30
+RUNTIME_BYTES = 120 * MiB  # ggml/llama.cpp buffers and threads of one context
+PER_VOCAB_BYTES = 366  # compute and output buffers per vocabulary entry (n_batch 512)
+WORKER_BYTES = 50 * MiB  # a worker process's interpreter and imports
+GPU_RUNTIME_HOST_BYTES = 300 * MiB  # host memory of a CUDA/Vulkan runtime in a worker
+
+
+def kv_bytes_per_token(info: GGUFInfo) -> int:
+    """Bytes of f16 K and V per token of context, over every layer."""
+    layers = int(info.arch_key("block_count", 0) or 0)
+    if not layers:
+        return 0
+    heads = info.arch_key("attention.head_count", 0) or 0
+    kv_heads = info.arch_key("attention.head_count_kv", heads) or heads
+    embd = int(info.arch_key("embedding_length", 0) or 0)
+    per_layer_kv = kv_heads if isinstance(kv_heads, list) else [kv_heads] * layers
+    head = int(heads[0] if isinstance(heads, list) else heads) or 1
+    k_len = int(info.arch_key("attention.key_length", 0) or (embd // head if head else 0))
+    v_len = int(info.arch_key("attention.value_length", 0) or k_len)
+    return sum(int(h) * (k_len + v_len) * 2 for h in per_layer_kv[:layers])
+
+
+@functools.lru_cache(maxsize=64)
+def _info(path: str, size: int, mtime: int) -> GGUFInfo:
+    return read_gguf(path)
+
+
+def gguf_info(path: str | Path) -> GGUFInfo | None:
+    """The header of `path`, read once per file version; None when it is not a GGUF."""
+    p = Path(path)
+    try:
+        st = p.stat()
+        return _info(str(p), st.st_size, st.st_mtime_ns)
+    except (OSError, GGUFError):
+        return None
+
+
+@dataclass(frozen=True)
+class Need:
+    """Bytes a model takes: `host` in RAM and `device` on its GPU (0 when it runs on the CPU)."""
+
+    device: str  # "cpu", or the GPU's key ("cuda:0", "vulkan:1")
+    host: int
+    gpu: int
+    parts: dict[str, int] = field(default_factory=dict)
+    context: int = 0
+    parallel: int = 0
+
+    def on(self, device: str) -> int:
+        return self.gpu if device == self.device and device != "cpu" else self.host if device == "cpu" else 0
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{k} {v / MiB:.0f} MiB" for k, v in self.parts.items() if v)
+        where = f"{self.host / MiB:.0f} MiB RAM" + (f" + {self.gpu / MiB:.0f} MiB on {self.device}" if self.gpu else "")
+        return f"{where} ({parts}; context {self.context} x {self.parallel} sequences)"
+
+
+def estimate(info: GGUFInfo, context: int, parallel: int, device: str = "cpu", n_batch: int = 512,
+             host_cache: int = 0, worker: bool = True) -> Need:
+    """The memory of `info` served with `context` tokens per sequence and `parallel` sequences on
+    `device` ("cpu" or a GPU key). `host_cache`: the bound of its host prefix cache, in bytes."""
+    ctx = min(context, info.context_length) if info.context_length else context
+    kv = kv_bytes_per_token(info) * ctx * parallel
+    compute = RUNTIME_BYTES + PER_VOCAB_BYTES * info.n_vocab * max(1, n_batch) // 512
+    weights = info.weight_bytes
+    embed = next((t.nbytes for t in info.tensors if t.name == "token_embd.weight"), 0)
+    process = WORKER_BYTES if worker else 0
+    if device == "cpu":
+        parts = {"weights": weights, "kv": kv, "compute": compute, "worker": process, "prefix cache": host_cache}
+        return Need("cpu", sum(parts.values()), 0, parts, ctx, parallel)
+    gpu_parts = {"weights": weights - embed, "kv": kv, "compute": compute}
+    host_parts = {"embeddings": embed, "runtime": GPU_RUNTIME_HOST_BYTES, "worker": process, "prefix cache": host_cache}
+    return Need(device, sum(host_parts.values()), sum(gpu_parts.values()), {**gpu_parts, **host_parts}, ctx, parallel)
+
+
+def fit(info: GGUFInfo, context: int, parallel: int, device: str, room_host: int, room_gpu: int | None,
+        n_batch: int = 512, host_cache: int = 0, min_context: int = 2048) -> tuple[Need, str]:
+    """The largest way to serve `info` within the room given: first fewer sequences (down to one),
+    then a shorter context (halved, not below `min_context` or the asked one). (need, what was
+    changed, "" when nothing); the need returned may still not fit (the caller refuses it)."""
+
+    def need(c: int, p: int) -> Need:
+        return estimate(info, c, p, device, n_batch, host_cache)
+
+    def fits(n: Need) -> bool:
+        return n.host <= room_host and (room_gpu is None or n.gpu <= room_gpu)
+
+    first = need(context, parallel)
+    if fits(first):
+        return first, ""
+    p, c = parallel, first.context
+    while p > 1:
+        p -= 1
+        if fits(n := need(c, p)):
+            return n, f"parallel {parallel} -> {p}"
+    floor = min(min_context, c)
+    while c > floor:
+        c = max(floor, c // 2)
+        if fits(n := need(c, 1)):
+            return n, f"parallel {parallel} -> 1, context {first.context} -> {c}"
+    return need(c, 1), ""
+
+
+def host_memory() -> tuple[int, int]:
+    """(MemTotal, MemAvailable) in bytes; (0, 0) where /proc/meminfo is not there."""
+    total = avail = 0
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    total = int(line.split()[1]) * 1024
+                elif line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return total, avail
+
+
+def default_reserve(total: int) -> int:
+    """What a budget leaves to the system and other programs: 10% of the memory, at least 1 GiB
+    (half of it on a machine of 2 GiB or less)."""
+    return min(max(GiB, total // 10), total // 2)
+
+
+def process_rss(pid: int) -> int:
+    """A process's resident memory in bytes (0 where it cannot be read)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0

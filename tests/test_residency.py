@@ -1,0 +1,175 @@
+"""Memory-aware residency (issue 29): estimates read from the GGUF, budgets per device, eviction of
+the least recently used idle model to make room, refusal before loading of a model that cannot fit,
+sizing down, and idle unload after keep_alive; on the real engine in a real `gateway serve`."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from gateway.models.gguf_info import read_gguf
+from gateway.models.memory import MiB, estimate, fit, kv_bytes_per_token
+from gateway.models.registry import load_registry
+from tests.conftest import ROOT
+from tests.test_production import Gateway
+
+pytestmark = pytest.mark.timeout(600)
+
+SMOL, GEMMA = "smollm2-135m-instruct", "gemma-3-270m"
+
+
+def _path(model_id: str) -> Path:
+    registry = load_registry(ROOT / "models.yaml")
+    return registry.resolve(registry.get(model_id), "gguf")  # type: ignore[arg-type]
+
+
+def test_estimate_reads_the_shapes_from_the_gguf() -> None:
+    smol, gemma = read_gguf(_path(SMOL)), read_gguf(_path(GEMMA))
+    # f16 K and V: layers x KV heads x (key + value length) x 2 bytes
+    assert kv_bytes_per_token(smol) == 30 * 3 * (64 + 64) * 2
+    assert kv_bytes_per_token(gemma) == 18 * 1 * (256 + 256) * 2
+    n = estimate(smol, 2048, 4)
+    assert n.parts["kv"] == 30 * 3 * 128 * 2 * 2048 * 4
+    assert n.parts["weights"] == smol.weight_bytes and n.gpu == 0 and n.host == sum(n.parts.values())
+    assert estimate(smol, 100_000, 1).context == 8192  # not beyond what it was trained for
+    g = estimate(gemma, 2048, 1, device="cuda:0")
+    embed = next(t.nbytes for t in gemma.tensors if t.name == "token_embd.weight")
+    assert g.parts["embeddings"] == embed and g.parts["weights"] == gemma.weight_bytes - embed
+    assert g.gpu == g.parts["weights"] + g.parts["kv"] + g.parts["compute"]
+
+
+def test_fit_sizes_down_sequences_then_context() -> None:
+    gemma = read_gguf(_path(GEMMA))
+    whole = estimate(gemma, 8192, 4)
+    one = estimate(gemma, 8192, 1)
+    need, changed = fit(gemma, 8192, 4, "cpu", one.host + MiB, None)
+    assert (need.parallel, need.context, changed) == (1, 8192, "parallel 4 -> 1")
+    need, changed = fit(gemma, 32768, 1, "cpu", estimate(gemma, 8192, 1).host, None)
+    assert (need.context, changed) == (8192, "parallel 1 -> 1, context 32768 -> 8192")
+    need, changed = fit(gemma, 8192, 4, "cpu", whole.host, None)
+    assert (need, changed) == (whole, "")
+    need, changed = fit(gemma, 8192, 1, "cpu", 10 * MiB, None)
+    assert changed == "" and need.host > 10 * MiB  # cannot fit: the caller refuses it
+
+
+@pytest.fixture
+def two_models(tmp_path: Path) -> Path:
+    """SmolLM2 (~330 MiB estimated at 2k x 1) and Gemma-3-270M (~550 MiB at 2k x 1, ~1.1 GiB at 32k)."""
+    data = yaml.safe_load((ROOT / "models.yaml").read_text())
+    models = {m["id"]: m for m in data["models"]}
+    smol = {**models[SMOL], "context_length": 2048, "parallel": 1}
+    gemma = {**models[GEMMA], "context_length": 2048, "parallel": 1}
+    gemma_long = {**models[GEMMA], "id": "gemma-long", "context_length": 32768, "parallel": 1}
+    out = tmp_path / "models.yaml"
+    out.write_text(yaml.safe_dump({"default": SMOL, "models": [smol, gemma, gemma_long]}, sort_keys=False))
+    return out
+
+
+def _chat(url: str, model: str) -> httpx.Response:
+    return httpx.post(f"{url}/v1/chat/completions", timeout=300, json={
+        "model": model, "max_tokens": 4, "temperature": 0, "messages": [{"role": "user", "content": "Hi"}]})
+
+
+def _health(url: str) -> dict:
+    return httpx.get(f"{url}/health", timeout=30).json()
+
+
+def _resident(url: str) -> dict[str, int]:
+    """Loaded models -> their worker's measured resident memory (bytes)."""
+    return {m: row["worker"]["rss_bytes"] for m, row in _health(url)["models"].items() if row.get("engine")}
+
+
+@pytest.fixture
+def gateway(tmp_path: Path, two_models: Path) -> Iterator[callable]:
+    started: list[Gateway] = []
+
+    def start(*args: str) -> Gateway:
+        g = Gateway(tmp_path, "--config", str(two_models), *args)
+        started.append(g)
+        return g
+
+    yield start
+    for g in started:
+        g.stop()
+
+
+def test_alternating_models_evict_each_other_within_the_budget(gateway: callable) -> None:
+    budget = 700 * MiB
+    g = gateway("--memory-budget", "700M", "--keep-alive", "-1")
+    peaks = []
+    for model in (GEMMA, SMOL, GEMMA, SMOL):
+        r = _chat(g.url, model)
+        assert r.status_code == 200, r.text
+        resident = _resident(g.url)
+        assert list(resident) == [model], resident  # the other one made room
+        peaks.append(sum(resident.values()))
+        held = _health(g.url)["memory"]["cpu"]
+        assert held["budget_bytes"] == budget and held["used_bytes"] <= budget, held
+    assert max(peaks) <= budget, [p // MiB for p in peaks]
+    log = g.log()
+    assert log.count(f"unloading {SMOL} (to make room for {GEMMA} on cpu)") == 2, log
+    assert log.count(f"unloading {GEMMA} (to make room for {SMOL} on cpu)") == 2
+
+
+def test_a_model_too_large_is_refused_before_loading(gateway: callable) -> None:
+    g = gateway("--memory-budget", "450M")
+    r = _chat(g.url, GEMMA)
+    assert r.status_code == 503, r.text
+    err = r.json()["error"]
+    assert err["code"] == "insufficient_memory"
+    assert f"model '{GEMMA}' needs" in err["message"] and "the budget is 450 MiB RAM" in err["message"]
+    assert "MiB" in err["message"] and "weights" in err["message"] and "kv" in err["message"]
+    h = _health(g.url)
+    assert not h["models"][GEMMA].get("engine") and h["models"][SMOL].get("engine"), h  # nothing evicted
+    # The Anthropic and Ollama routes say it in their own envelopes (Anthropic's 503 is its 529).
+    a = httpx.post(f"{g.url}/v1/messages", timeout=60, json={
+        "model": GEMMA, "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]})
+    assert a.status_code == 529 and a.json()["type"] == "error" and "needs" in a.json()["error"]["message"]
+    o = httpx.post(f"{g.url}/api/chat", timeout=60, json={
+        "model": GEMMA, "stream": False, "messages": [{"role": "user", "content": "Hi"}]})
+    assert o.status_code == 503 and "needs" in o.json()["error"]
+
+
+def test_a_long_context_is_sized_down_to_fit(gateway: callable) -> None:
+    g = gateway("--memory-budget", "750M")
+    r = _chat(g.url, "gemma-long")
+    assert r.status_code == 200, r.text
+    row = _health(g.url)["models"]["gemma-long"]
+    assert row["memory"]["sized_down"] == "parallel 1 -> 1, context 32768 -> 8192", row
+    assert row["memory"]["estimate"]["context"] == 8192
+    assert "gemma-long sized down to fit the memory budget of cpu" in g.log()
+    show = httpx.post(f"{g.url}/api/show", json={"model": "gemma-long"}, timeout=30).json()
+    assert show["model_info"]["general.context_length"] == 8192
+
+
+def test_idle_models_unload_after_keep_alive(gateway: callable) -> None:
+    g = gateway("--keep-alive", "2s")
+    assert _chat(g.url, GEMMA).status_code == 200
+    ps = httpx.get(f"{g.url}/api/ps", timeout=30).json()["models"]
+    assert {m["name"] for m in ps} == {SMOL, GEMMA}
+    gemma = next(m for m in ps if m["name"] == GEMMA)
+    assert gemma["size"] > 300 * MiB and gemma["expires_at"] < "2318"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and GEMMA in _resident(g.url):
+        time.sleep(0.5)
+    assert GEMMA not in _resident(g.url), "idle past keep_alive: unloaded"
+    assert SMOL in _resident(g.url), "the default model stays loaded"
+    assert "unloaded gemma-3-270m: idle for" in g.log()
+    # A request's own keep_alive (Ollama's) wins over the default, either way.
+    r = httpx.post(f"{g.url}/api/generate", timeout=120, json={
+        "model": GEMMA, "prompt": "Hi", "stream": False, "keep_alive": "-1", "options": {"num_predict": 2}})
+    assert r.status_code == 200, r.text
+    time.sleep(4)
+    assert GEMMA in _resident(g.url)
+    r = httpx.post(f"{g.url}/api/generate", timeout=120, json={
+        "model": SMOL, "prompt": "Hi", "stream": False, "keep_alive": "1s", "options": {"num_predict": 2}})
+    assert r.status_code == 200
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and SMOL in _resident(g.url):
+        time.sleep(0.5)
+    assert SMOL not in _resident(g.url)
