@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
 
@@ -251,3 +252,57 @@ def test_ls_and_rm(hub: HubStandIn, env: dict[str, str]) -> None:
     refused = gateway(env, "rm", "smollm2-135m-instruct")
     assert refused.returncode == 2 and "not pulled" in refused.stderr
     assert gateway(env, "rm", "no-such-model").returncode == 2
+
+
+# --- serving pulled models --------------------------------------------------------------------
+
+
+def test_serve_pulls_on_first_use_and_serves_through_every_api(hub: HubStandIn, env: dict[str, str],
+                                                                 tmp_path: Path) -> None:
+    import ollama
+    import openai
+
+    from tests.test_production import Gateway
+
+    g = Gateway(tmp_path, "--model", f"hf.co/{SPLIT}", env=env)  # not pulled yet: pulled, then served
+    try:
+        model_id = f"hf.co/{SPLIT}:Q4_1"
+        assert model_id in entries(env)
+        client = openai.OpenAI(base_url=f"{g.url}/v1", api_key="x")
+        for name in (f"hf.co/{SPLIT}", model_id):  # the name it was pulled by, and its id
+            r = client.chat.completions.create(model=name, max_tokens=8, temperature=0,
+                                               messages=[{"role": "user", "content": "Say hello."}])
+            assert r.choices[0].message.content and r.model == name  # echoed as asked, like other aliases
+        assert {m.id for m in client.models.list()} >= {model_id, "smollm2-135m-instruct"}
+        refused = gateway(env, "rm", model_id, "--url", g.url)
+        assert refused.returncode == 1 and "is loaded by the gateway" in refused.stderr
+
+        # Ollama's client pulls through the running server, with progress, and the model serves at once.
+        ol = ollama.Client(host=g.url)
+        name = f"hf.co/{SMOL}:Q4_1"
+        steps = list(ol.pull(name, stream=True))
+        assert steps[0].status == "pulling manifest" and steps[-1].status == "success"
+        assert any(s.total and s.completed for s in steps)
+        assert name in {m.model for m in ol.list().models}
+        chat = ol.chat(model=name, messages=[{"role": "user", "content": "Hi"}], options={"num_predict": 4})
+        assert chat.message.content
+        status = httpx.get(f"{g.url}/api/status", timeout=30).json()
+        assert [p["status"] for p in status["pulls"] if p["name"] == name] == ["done"]
+        assert status["memory"]["cpu"]["used_bytes"] > 0
+        row = next(m for m in status["models"] if m["id"] == name)
+        assert row["source"] == f"hf.co/{SMOL}" and row["memory_bytes"] > 100 << 20
+        with pytest.raises(ollama.ResponseError) as err:
+            ol.delete(name)  # loaded: refused
+        assert err.value.status_code == 409 and "unload it first" in str(err.value)
+        ol.generate(model=name, keep_alive=0)  # Ollama's way to unload
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(m.model == name for m in ol.ps().models):
+            time.sleep(0.2)
+        ol.delete(name)
+        assert name not in {m.model for m in ol.list().models}
+        assert name not in entries(env)
+        with pytest.raises(ollama.ResponseError) as err:
+            list(ol.pull(f"hf.co/{SMOL}:Q3_K_S", stream=True))
+        assert "has no Q3_K_S GGUF; it has: Q4_1, Q8_0" in str(err.value)
+    finally:
+        g.stop()

@@ -152,6 +152,9 @@ class ModelManager:
         self._reaper: asyncio.Task[None] | None = None
         self.reap_interval = 1.0  # seconds between keep_alive checks
         self.pulls: dict[str, Any] = {}  # Hub pulls in progress (name -> hub.PullProgress), for the web page
+        from gateway.models.pulls import Pulls
+
+        self.pull_jobs = Pulls(self)
 
     def is_loaded(self, model_id: str) -> bool:
         return model_id in self._loaded

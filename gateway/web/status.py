@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request
@@ -18,7 +19,7 @@ from gateway.host.devices import render
 from gateway.host.hardware import EP_MATRIX
 from gateway.host.selection import Candidate, Plan, SelectionError
 from gateway.metrics import SLO_E2E_S, SLO_TPOT_S, SLO_TTFT_S
-from gateway.models.pool import ModelBusy, ModelManager, cached_ladder, engine_config, ladder_verdict
+from gateway.models.pool import Loaded, ModelBusy, ModelManager, cached_ladder, engine_config, ladder_verdict
 from gateway.models.registry import ModelSpec
 from gateway.web.live import HISTORY_S, RATE_WINDOW_S, SAMPLE_S, WINDOW_S, LiveStats, Point, Totals
 
@@ -57,6 +58,25 @@ class ModelStatus(BaseModel):
     failed_candidates: list[FailedCandidate]
     parity: list[ParityEngine]  # empty when shadow parity is off
     excluded: dict[str, str]  # engine -> why it was taken out of selection (parity drift)
+    source: str  # where its files come from: pypi:<package>, hf.co/<repo>, path, remote workers
+    memory_bytes: int | None  # loaded: what it holds (RAM + GPU; its estimate or its worker's measured memory)
+    memory_detail: str | None  # loaded: the estimate's parts, and what was sized down to fit
+    expires_in_s: float | None  # loaded and idle: seconds until keep_alive unloads it; None: it stays
+
+
+class DeviceMemory(BaseModel):
+    budget_bytes: int
+    used_bytes: int
+
+
+class PullStatus(BaseModel):
+    name: str
+    status: str  # listing, downloading, verifying, registering, done, failed
+    total: int
+    completed: int
+    file: str
+    error: str
+    model: str  # the id it is registered as
 
 
 class Slo(BaseModel):
@@ -86,6 +106,8 @@ class StatusResponse(BaseModel):
     draining: bool
     parity_reference: str | None  # the reference engine of shadow parity; None when off
     models: list[ModelStatus]
+    memory: dict[str, DeviceMemory]  # per device ("cpu", "cuda:0"): the budget and what models hold
+    pulls: list[PullStatus]  # Hub pulls under way or just finished
     live: Live
 
 
@@ -151,7 +173,32 @@ def _model(request: Request, spec: ModelSpec) -> ModelStatus:
                              scored=p["scored"], mean_kl=p["mean_kl"])
                 for p in shadow["engines"] if p["model"] == spec.id],
         excluded=shadow["excluded"].get(spec.id, {}),
+        source=_source(spec),
+        memory_bytes=sum(manager.held(entry, d) for d in {"cpu", *manager.budgets}) if entry else None,
+        memory_detail=((entry.need.describe() if entry.need else "")
+                       + (f"; sized down to fit: {entry.fitted}" if entry.fitted else "")) or None if entry else None,
+        expires_in_s=_expires_in(manager, entry),
     )
+
+
+def _source(spec: ModelSpec) -> str:
+    src = spec.formats.get("gguf") or next(iter(spec.formats.values()), None)
+    if spec.workers:
+        return "remote workers"
+    if src is None:
+        return ""
+    if src.hf is not None:
+        return f"hf.co/{src.hf.repo}"
+    if src.pypi is not None:
+        return f"pypi:{src.pypi.package or src.pypi.module}"
+    return "path" if src.path else "converted"
+
+
+def _expires_in(manager: ModelManager, entry: Loaded | None) -> float | None:
+    if entry is None:
+        return None
+    at = manager.expires(entry)
+    return None if at is None else round(max(0.0, at - time.time()), 1)
 
 
 @router.get("/status", responses=error_responses(401, 403))
@@ -169,6 +216,8 @@ async def status(request: Request, since: Annotated[float | None, Query(
         draining=state.drain.draining,
         parity_reference=state.shadow.reference if state.shadow is not None else None,
         models=[_model(request, spec) for spec in manager.registry.models.values()],
+        memory={d: DeviceMemory(**m) for d, m in manager.memory_status().items()},
+        pulls=[PullStatus(**p.as_dict()) for p in manager.pulls.values()],
         live=Live(window_s=WINDOW_S, rate_window_s=RATE_WINDOW_S, sample_s=SAMPLE_S, history_s=HISTORY_S,
                   slo=Slo(ttft_s=SLO_TTFT_S, tpot_s=SLO_TPOT_S, e2e_s=SLO_E2E_S),
                   totals=live.totals(), points=live.since(since)),

@@ -17,7 +17,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from engines.base import GenerationRequest
 from gateway.api import reasoning
@@ -29,6 +29,7 @@ from gateway.api.openai.protocol import EmbeddingRequest
 from gateway.api.serving import Prepared, Service, model_spec
 from gateway.api.sse import until_disconnect
 from gateway.conversation import ArgumentsDelta, CallStarted, Finished, ReasoningDelta, TextDelta
+from gateway.models.hub import PullError, parse_name, remove
 from gateway.models.pool import ModelBusy, ModelManager, device_of
 from gateway.models.registry import ModelSpec
 
@@ -382,3 +383,88 @@ async def ps(request: Request) -> JSONResponse:
 @router.get("/api/version", responses={200: {"description": "The Ollama API version these routes follow"}})
 async def version() -> JSONResponse:
     return JSONResponse({"version": ol.OLLAMA_API_VERSION})
+
+
+# --- pull and delete ------------------------------------------------------------------------------
+
+
+class PullRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str = ""
+    name: str = ""  # older clients send `name`
+    insecure: bool = False
+    stream: bool = True
+
+
+@router.post("/api/pull", responses={200: {"description": "Progress as NDJSON lines (or one JSON object with "
+                                                         "`stream: false`), ending with `{\"status\": \"success\"}`"},
+                                     **_ERRORS})
+async def pull(body: PullRequest, request: Request) -> Response:
+    """Pull a GGUF from the Hugging Face Hub by name (`hf.co/<user>/<repo>[:<quant>]`), as `gateway pull`
+    does; a model already in the registry is a success at once."""
+    manager: ModelManager = request.app.state.manager
+    name = body.model or body.name
+    if not name:
+        raise APIError(400, "model is required", param="model")
+    if manager.registry.get(name) is not None or manager.registry.get(name.removesuffix(":latest")) is not None:
+        done = [{"status": "success"}]
+        return JSONResponse(done[0]) if not body.stream else StreamingResponse(
+            iter([json.dumps(d).encode() + b"\n" for d in done]), media_type="application/x-ndjson")
+    hub_name = parse_name(name)
+    if hub_name is None:
+        raise APIError(404, f"model {name!r} is not in the registry, and not a Hub name: pull "
+                       "hf.co/<user>/<repo>[:<quant>] (a GGUF repository on the Hugging Face Hub)", param="model")
+    progress, task = manager.pull_jobs.start(hub_name)
+    if not body.stream:
+        try:
+            await until_disconnect(request, asyncio.shield(task))
+        except PullError as exc:
+            raise APIError(_pull_status(str(exc)), str(exc), param="model") from exc
+        return JSONResponse({"status": "success"})
+
+    async def lines() -> AsyncIterator[bytes]:
+        yield json.dumps({"status": "pulling manifest"}).encode() + b"\n"
+        last: tuple[Any, ...] = ()
+        while not task.done():
+            now = (progress.status, progress.file, progress.completed // (1 << 20))
+            if now != last and progress.status in ("downloading", "verifying"):
+                last = now
+                line = ({"status": f"pulling {progress.file}", "digest": progress.file, "total": progress.total,
+                         "completed": progress.completed} if progress.status == "downloading"
+                        else {"status": "verifying sha256 digest"})
+                yield json.dumps(line).encode() + b"\n"
+            await asyncio.sleep(0.25)
+        exc = task.exception()
+        if exc is not None:
+            yield json.dumps({"error": str(exc)}).encode() + b"\n"
+            return
+        yield json.dumps({"status": "pulling " + progress.file, "digest": progress.file, "total": progress.total,
+                          "completed": progress.total}).encode() + b"\n"
+        yield json.dumps({"status": "writing manifest"}).encode() + b"\n"
+        yield json.dumps({"status": "success"}).encode() + b"\n"
+
+    return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+
+def _pull_status(message: str) -> int:
+    if message.startswith("no repository") or " has no " in message:
+        return 404
+    if "is gated" in message:
+        return 401
+    return 500
+
+
+@router.delete("/api/delete", responses={200: {"description": "Removed"}, **_ERRORS,
+                                         409: {"model": OllamaError, "description": "The model is loaded"}})
+async def delete(body: ol.ModelRequest, request: Request) -> Response:
+    """Remove a pulled model and the files only it uses (`gateway rm`); refused while it is loaded."""
+    manager: ModelManager = request.app.state.manager
+    spec = _spec(request, body.id)
+    if spec.id not in manager.registry.user_files:
+        raise APIError(400, f"model {spec.id!r} is defined in models.yaml, not pulled: edit that file to remove it",
+                       param="model")
+    if manager.is_loaded(spec.id) or spec.id in manager.loading:
+        raise APIError(409, f"model {spec.id!r} is loaded; unload it first (keep_alive 0, or the web page)",
+                       param="model")
+    await asyncio.to_thread(remove, manager.registry, spec)
+    return Response(status_code=200)

@@ -19,7 +19,8 @@ export function headers(extra = {}) {
 export async function errorText(res) {
   try {
     const body = await res.json();
-    return body?.error?.message || `HTTP ${res.status}`;
+    // OpenAI's envelope has error.message; Ollama's routes (/api/pull) answer {"error": "..."}.
+    return body?.error?.message || (typeof body?.error === "string" ? body.error : "") || `HTTP ${res.status}`;
   } catch {
     return `HTTP ${res.status}`;
   }

@@ -1,6 +1,6 @@
 // The page: host and engines (/api/devices), models and live numbers (/api/status, polled), chat.
 
-import { $, apiKey, AuthError, getJSON, gib, h, ms } from "./api.js";
+import { $, apiKey, AuthError, errorText, getJSON, gib, h, headers, ms } from "./api.js";
 import { lineChart } from "./chart.js";
 import { initChat, setModels } from "./chat.js";
 
@@ -121,6 +121,40 @@ function renderModels(s) {
     : `${s.default_model}: ${def ? def.state.replace("_", " ") : "unknown"}.`) + ` Up ${Math.round(s.uptime_s)} s.`;
 }
 
+const mib = (bytes) => `${Math.round(bytes / 1048576)} MiB`;
+
+function renderMemory(s) {
+  const parts = Object.entries(s.memory).map(([dev, m]) =>
+    `${dev === "cpu" ? "RAM" : dev}: ${mib(m.used_bytes)} of ${mib(m.budget_bytes)} budget`);
+  $("#memory-budget").textContent = parts.length ? `Memory held by models: ${parts.join("; ")}.` : "";
+  $("#pulls").replaceChildren(...s.pulls.map((p) => {
+    const pct = p.total ? Math.floor((100 * p.completed) / p.total) : 0;
+    const what = p.status === "failed" ? `failed: ${p.error}` : p.status === "done" ? `done: ${p.model}`
+      : `${p.status} ${p.file || ""}`;
+    return h("li", { "data-pull": p.name }, `${p.name}: ${what} `,
+      p.total ? h("progress", { max: 100, value: pct, "aria-label": `${p.name} ${pct}%` }) : null,
+      p.total ? ` ${mib(p.completed)} / ${mib(p.total)}` : "");
+  }));
+}
+
+async function startPull(ev) {
+  ev.preventDefault();
+  const name = $("#pull-name").value.trim();
+  if (!name) return;
+  $("#models-msg").textContent = `Pulling ${name}…`;
+  try {
+    // Ollama's pull, not streamed: the progress shows in the list below (polled with the status).
+    const res = fetch("/api/pull", { method: "POST", headers: headers({ "Content-Type": "application/json" }),
+      body: JSON.stringify({ model: name, stream: false }) });
+    await poll();
+    const done = await res;
+    $("#models-msg").textContent = done.ok ? `${name}: pulled` : `${name}: ${await errorText(done)}`;
+  } catch (err) {
+    $("#models-msg").textContent = `${name}: ${err.message}`;
+  }
+  await poll();
+}
+
 function modelRow(m, s) {
   const busy = m.state === "loading";
   const action = m.state === "loaded" ? "unload" : "load";
@@ -131,6 +165,8 @@ function modelRow(m, s) {
     h("td", {}, m.state.replace("_", " "), why ? h("div", { class: m.error ? "error small" : "warn small" }, why) : null),
     h("td", { class: "engine" }, m.engine || "–"),
     h("td", {}, m.device || "–"),
+    h("td", { class: "num", title: m.memory_detail || "" }, m.memory_bytes != null ? mib(m.memory_bytes) : "–",
+      m.expires_in_s != null ? h("div", { class: "small" }, `unloads in ${Math.round(m.expires_in_s)} s idle`) : null),
     h("td", { class: "num" }, m.running),
     h("td", { class: "num" }, m.waiting),
     h("td", { class: "small" }, parityText(m, s)),
@@ -179,6 +215,7 @@ async function poll() {
     points.push(...s.live.points);
     while (points.length && points[0].t < s.time - s.live.history_s) points.shift();
     renderModels(s);
+    renderMemory(s);
     if (points.length) renderLive(s);
   } catch (err) {
     if (err instanceof AuthError) askForKey(err.message);
@@ -210,6 +247,7 @@ $("#key-form").addEventListener("submit", (ev) => {
 });
 $("#forget-key").addEventListener("click", () => { apiKey.clear(); location.reload(); });
 $("#refresh-devices").addEventListener("click", loadDevices);
+$("#pull-form").addEventListener("submit", startPull);
 $("#span").addEventListener("change", () => { if (last && points.length) renderLive(last); });
 document.addEventListener("visibilitychange", () => { if (document.visibilityState === "visible") poll(); schedule(); });
 initChat(askForKey);
