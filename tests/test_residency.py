@@ -159,6 +159,8 @@ def test_idle_models_unload_after_keep_alive(gateway: callable) -> None:
         time.sleep(0.5)
     assert GEMMA not in _resident(g.url), "idle past keep_alive: unloaded"
     assert SMOL in _resident(g.url), "the default model stays loaded"
+    while time.monotonic() < deadline and "unloaded gemma-3-270m: idle for" not in g.log():
+        time.sleep(0.2)  # logged once its worker has exited
     assert "unloaded gemma-3-270m: idle for" in g.log()
     # A request's own keep_alive (Ollama's) wins over the default, either way.
     r = httpx.post(f"{g.url}/api/generate", timeout=120, json={
@@ -173,3 +175,22 @@ def test_idle_models_unload_after_keep_alive(gateway: callable) -> None:
     while time.monotonic() < deadline and SMOL in _resident(g.url):
         time.sleep(0.5)
     assert SMOL not in _resident(g.url)
+
+
+def test_devices_says_what_fits_before_anything_loads() -> None:
+    import subprocess
+    import sys
+
+    def devices(budget: str) -> str:
+        r = subprocess.run([sys.executable, "-m", "gateway.cli", "devices", "--model", GEMMA, "--engine", "cpu",
+                            "--memory-budget", budget], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        return r.stdout
+
+    need = estimate(read_gguf(_path(GEMMA)), 32768, 1)
+    out = devices("8G")
+    assert "Memory    budgets for models: RAM 8.0 GiB" in out
+    assert f"memory: needs {need.host / MiB:.0f} MiB RAM" in out
+    out = devices("500M")
+    assert "memory: DOES NOT FIT: needs" in out and "budget 500 MiB RAM" in out
+    out = devices("800M")
+    assert "sized down to fit: parallel 1 -> 1, context 32768 -> 8192" in out

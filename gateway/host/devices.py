@@ -13,7 +13,7 @@ from gateway.host.hardware import EP_MATRIX, HostCapabilities, probe_host, vulka
 from gateway.host.selection import Plan, Preference, SelectionError, plan
 from gateway.models.pool import describe, engine_config, fingerprint_parts, ladder, ladder_verdict
 from gateway.models.registry import RegistryError, load_registry
-from gateway.settings import ENGINE_CHOICES, Settings
+from gateway.settings import ENGINE_CHOICES, Settings, parse_size
 
 
 def _gib(n: int) -> str:
@@ -25,7 +25,26 @@ def _table(rows: list[tuple[str, ...]], indent: str = "  ") -> list[str]:
     return [indent + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
 
 
-def render(host: HostCapabilities, plans: dict[str, Plan | str], checks: dict[str, Any]) -> str:
+def memory_verdict(spec: Any, cand: Any, config: Any, host: HostCapabilities, budgets: dict[str, int]) -> str:
+    """What the candidate would take and whether it fits its budgets: "" when it cannot be estimated."""
+    from gateway.models.memory import MiB, fit, gguf_info
+    from gateway.models.pool import device_of
+
+    info = gguf_info(config.model_path) if cand.runtime == "llamacpp" else None
+    if info is None or "cpu" not in budgets:
+        return ""
+    device = device_of(cand, host)
+    room_gpu = budgets.get(device) if device != "cpu" else None
+    need, changed = fit(info, config.context_length, config.parallel, device, budgets["cpu"], room_gpu, config.n_batch,
+                        min_context=min(2048, config.context_length))
+    if need.host > budgets["cpu"] or (room_gpu is not None and need.gpu > room_gpu):
+        budget = f"{budgets['cpu'] / MiB:.0f} MiB RAM" + (f", {room_gpu / MiB:.0f} MiB on {device}" if room_gpu else "")
+        return f"DOES NOT FIT: needs {need.describe()}; budget {budget}"
+    return f"needs {need.describe()}" + (f"; sized down to fit: {changed}" if changed else "")
+
+
+def render(host: HostCapabilities, plans: dict[str, Plan | str], checks: dict[str, Any],
+           memory: dict[str, str] | None = None, budgets: dict[str, int] | None = None) -> str:
     c = host.cpu
     lines = [
         f"Host      {host.os}, {c.arch}",
@@ -73,6 +92,10 @@ def render(host: HostCapabilities, plans: dict[str, Plan | str], checks: dict[st
         lines.append(f"  side-by-side build {sb.lib_path}: {state}")
         if sb.installed and sb.cpu_variants:
             lines.append(f"    {cpu_variants_line(sb)}")
+    if budgets:
+        lines.append("Memory    budgets for models: " + ", ".join(
+            f"{'RAM' if d == 'cpu' else d} {_gib(b)}" for d, b in budgets.items())
+            + " (--memory-budget, --gpu-memory-budget, --memory-reserve)")
     o = host.ort
     pk = ", ".join(f"{p} {v}" for p, v in o.packages) or "none"
     lines.append(f"ONNX Runtime packages: {pk}" + (f" ({o.error})" if o.error and o.packages else ""))
@@ -91,6 +114,9 @@ def render(host: HostCapabilities, plans: dict[str, Plan | str], checks: dict[st
                 state += f", {check['tok_s']:.0f} tok/s measured"
             build = f" (build {cand.lib_path})" if cand.lib_path else ""
             lines.append(f"  {i}. {cand.label} on {cand.device}{f' [{cand.device_key}]' if cand.device_key else ''}{build}: {state}")
+            mem = (memory or {}).get(f"{model_id}|{cand.label}|{cand.device_key}")
+            if mem:
+                lines.append(f"       memory: {mem}")
             steps = (check or {}).get("ladder", [])
             if len(steps) > 1:  # it fell back inside its build: each rung tried, in order
                 lines[-1] += f", after {len(steps) - 1} fallback(s) inside its build:"
@@ -121,7 +147,10 @@ def cpu_variants_line(b: Any) -> str:
 
 
 def _devices(args: argparse.Namespace) -> int:
-    settings = Settings.from_env(config=args.config, engine=args.engine, runtime=args.runtime, device=args.device)
+    settings = Settings.from_env(
+        config=args.config, engine=args.engine, runtime=args.runtime, device=args.device,
+        memory_budget=parse_size(args.memory_budget) if args.memory_budget else None,
+        gpu_memory_budget=parse_size(args.gpu_memory_budget) if args.gpu_memory_budget else None)
     try:
         registry = load_registry(settings.config)
     except RegistryError as exc:
@@ -135,6 +164,10 @@ def _devices(args: argparse.Namespace) -> int:
     pref = Preference(settings.engine, settings.runtime, settings.device)
     plans: dict[str, Plan | str] = {}
     checks: dict[str, Any] = {}
+    memory: dict[str, str] = {}
+    from gateway.models.pool import memory_budgets
+
+    budgets = memory_budgets(host, settings)
     for mid in ids:
         spec = registry.get(mid)
         if spec is None:
@@ -150,6 +183,9 @@ def _devices(args: argparse.Namespace) -> int:
             path = registry.local_path(spec, cand.format)
             if path is None:
                 continue
+            verdict_mem = memory_verdict(spec, cand, engine_config(spec, cand, str(path), settings), host, budgets)
+            if verdict_mem:
+                memory[f"{mid}|{cand.label}|{cand.device_key}"] = verdict_mem
             # The fallback ladder: each way to run the candidate, in order, until one passes.
             rungs = []
             for config in ladder(cand, engine_config(spec, cand, str(path), settings), host, settings):
@@ -175,11 +211,13 @@ def _devices(args: argparse.Namespace) -> int:
                 {"provider": ep, "os": os_, "gpu": gpu, "package": pkg, "available": ep in host.ort.providers}
                 for ep, os_, gpu, pkg in EP_MATRIX
             ],
+            "memory_budgets": budgets,
             "plans": {
                 mid: ({"error": p} if isinstance(p, str) else {
                     "candidates": [
                         {"runtime": c.runtime, "engine": c.backend, "device": c.device, "device_key": c.device_key,
-                         "check": _without_ladder(checks.get(f"{mid}|{c.label}|{c.device_key}"))}
+                         "check": _without_ladder(checks.get(f"{mid}|{c.label}|{c.device_key}")),
+                         "memory": memory.get(f"{mid}|{c.label}|{c.device_key}")}
                         for c in p.candidates
                     ],
                     "skipped": [{"what": s.what, "why": s.why, "kind": s.kind} for s in p.skipped],
@@ -189,7 +227,7 @@ def _devices(args: argparse.Namespace) -> int:
         }
         print(json.dumps(out, indent=2))
     else:
-        print(render(host, plans, checks))
+        print(render(host, plans, checks, memory, budgets))
     return 0 if all(not isinstance(p, str) for p in plans.values()) else 1
 
 
@@ -203,4 +241,6 @@ def add_parser(sub: Any) -> None:
     d.add_argument("--config", default=None, help="models.yaml path")
     d.add_argument("--check", action="store_true", help="run the functional check for unchecked candidates now")
     d.add_argument("--recheck", action="store_true", help="forget cached check results and check again")
+    d.add_argument("--memory-budget", default=None, help="RAM the models may take (as `gateway serve`)")
+    d.add_argument("--gpu-memory-budget", default=None, help="memory the models may take on each GPU")
     d.set_defaults(func=_devices)

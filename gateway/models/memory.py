@@ -5,10 +5,11 @@ for the input embeddings, which llama.cpp keeps in host memory), the KV cache of
 the model's context (f16 keys and values for each layer's KV heads; llama.cpp allocates it whole
 when the context is created), the compute buffers, and the worker process itself.
 
-The compute and runtime terms are calibrated on this machine's measurements (the resident memory
-of the engine after its functional check, BENCHMARKS.md "Memory estimate"): about 120 MiB plus
-366 bytes per vocabulary entry (the logits and the output projection's work space grow with the
-vocabulary), and 50 MiB for a worker's Python.
+The compute and runtime terms are calibrated on measurements (the worker's resident memory after
+requests that fill every sequence, ask for logprobs and follow a grammar: benchmarks/bench_memory.py,
+BENCHMARKS.md "Memory estimate"): 56 MiB of llama.cpp buffers and threads, 40 MiB for the worker's
+Python, and 900 bytes per vocabulary entry (logits, the output projection's work space and the
+logprobs over the vocabulary all grow with it).
 
 A budget per device is its memory less a reserve: RAM (MemTotal) for the CPU, each GPU's memory for
 the GPU; `--memory-budget` / `--gpu-memory-budget` set them outright.
@@ -24,9 +25,9 @@ from gateway.models.gguf_info import GGUFError, GGUFInfo, read_gguf
 
 MiB = 1 << 20
 GiB = 1 << 30
-RUNTIME_BYTES = 120 * MiB  # ggml/llama.cpp buffers and threads of one context
-PER_VOCAB_BYTES = 366  # compute and output buffers per vocabulary entry (n_batch 512)
-WORKER_BYTES = 50 * MiB  # a worker process's interpreter and imports
+RUNTIME_BYTES = 56 * MiB  # ggml/llama.cpp buffers and threads of one context
+PER_VOCAB_BYTES = 900  # logits, output work space and logprobs, per vocabulary entry
+WORKER_BYTES = 40 * MiB  # a worker process's interpreter and imports
 GPU_RUNTIME_HOST_BYTES = 300 * MiB  # host memory of a CUDA/Vulkan runtime in a worker
 
 
@@ -86,7 +87,7 @@ def estimate(info: GGUFInfo, context: int, parallel: int, device: str = "cpu", n
     `device` ("cpu" or a GPU key). `host_cache`: the bound of its host prefix cache, in bytes."""
     ctx = min(context, info.context_length) if info.context_length else context
     kv = kv_bytes_per_token(info) * ctx * parallel
-    compute = RUNTIME_BYTES + PER_VOCAB_BYTES * info.n_vocab * max(1, n_batch) // 512
+    compute = RUNTIME_BYTES + PER_VOCAB_BYTES * info.n_vocab  # measured at n_batch 512, the engine's
     weights = info.weight_bytes
     embed = next((t.nbytes for t in info.tensors if t.name == "token_embd.weight"), 0)
     process = WORKER_BYTES if worker else 0

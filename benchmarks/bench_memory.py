@@ -1,0 +1,151 @@
+"""How close the memory estimate (gateway/models/memory.py) comes to what a served model really
+takes: for each model x context x sequences, a real `gateway serve` loads it in its worker process,
+answers a request that fills every sequence, and the worker's resident memory (and, on a GPU, its
+memory there, from nvidia-smi) is set beside the estimate that residency decisions use.
+
+    .venv/bin/python benchmarks/bench_memory.py [--engine cpu|cuda] [--models ID,ID] [--json FILE]
+
+Models: those of models.yaml (or --config), plus any GGUF given with --gguf PATH (e.g. the random
+Llama-3-8B-shaped Q4_K_M of benchmarks/make_random_llama8b.py on the H100).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+MiB = 1 << 20
+CONFIGS = ((512, 1), (2048, 1), (2048, 4), (8192, 1), (8192, 4))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def gpu_used(pid: int) -> int | None:
+    """The process's memory on the GPU (nvidia-smi), None without one."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for line in out.splitlines():
+        p, _, mib = line.partition(",")
+        if p.strip() == str(pid):
+            return int(mib.strip()) * MiB
+    return 0
+
+
+def measure(model: dict[str, Any], ctx: int, parallel: int, engine: str, tmp: Path) -> dict[str, Any]:
+    spec = {**model, "context_length": ctx, "parallel": parallel}
+    cfg = tmp / f"models-{ctx}-{parallel}.yaml"
+    cfg.write_text(yaml.safe_dump({"default": spec["id"], "models": [spec]}, sort_keys=False))
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = (tmp / f"gateway-{port}.log").open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg), "--port", str(port),
+                             "--engine", engine, "--keep-alive", "-1", "--prefix-cache", "0"],
+                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None:
+                raise RuntimeError((tmp / f"gateway-{port}.log").read_text()[-3000:])
+            time.sleep(0.5)
+        words = " ".join(f"item{i}" for i in range(min(ctx // 4, 1500)))
+
+        def one(i: int) -> None:
+            r = httpx.post(f"{url}/v1/chat/completions", timeout=600, json={
+                "model": spec["id"], "max_tokens": 16, "temperature": 0,
+                "messages": [{"role": "user", "content": f"{i}: {words}"}]})
+            r.raise_for_status()
+
+        with ThreadPoolExecutor(parallel) as pool:
+            list(pool.map(one, range(parallel)))
+        # The heavier paths too: logprobs over the vocabulary, and a grammar.
+        for extra in ({"logprobs": True, "top_logprobs": 5}, {"response_format": {"type": "json_object"}}):
+            httpx.post(f"{url}/v1/chat/completions", timeout=600, json={
+                "model": spec["id"], "max_tokens": 16, "temperature": 0, **extra,
+                "messages": [{"role": "user", "content": words[: 4 * ctx // 2]}]}).raise_for_status()
+        row = httpx.get(f"{url}/health", timeout=30).json()["models"][spec["id"]]
+        est = row["memory"]["estimate"]
+        pid = row["worker"]["pid"]
+        return {"model": spec["id"], "context": ctx, "parallel": parallel, "engine": engine,
+                "estimate_ram": est["ram_bytes"], "estimate_gpu": est["gpu_bytes"],
+                "measured_ram": row["worker"]["rss_bytes"], "measured_gpu": gpu_used(pid) if engine == "cuda" else None}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default=str(ROOT / "models.yaml"))
+    ap.add_argument("--models", default="smollm2-135m-instruct,gemma-3-270m")
+    ap.add_argument("--gguf", action="append", default=[], help="also measure this GGUF file")
+    ap.add_argument("--engine", default="cpu")
+    ap.add_argument("--configs", default=",".join(f"{c}x{p}" for c, p in CONFIGS), help="CONTEXTxSEQUENCES,...")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    data = yaml.safe_load(Path(args.config).read_text())
+    by_id = {m["id"]: m for m in data["models"]}
+    models = [by_id[m] for m in args.models.split(",") if m]
+    models += [{"id": Path(g).stem.lower(), "formats": {"gguf": {"path": str(Path(g).resolve())}}} for g in args.gguf]
+    configs = [tuple(int(x) for x in c.split("x")) for c in args.configs.split(",")]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for m in models:
+            for ctx, par in configs:
+                try:
+                    rows.append(measure(m, ctx, par, args.engine, Path(tmp)))
+                except Exception as exc:  # noqa: BLE001 - a config that cannot run is reported, not fatal
+                    print(f"{m['id']} {ctx}x{par}: {exc}", file=sys.stderr)
+                    continue
+                r = rows[-1]
+                print(json.dumps(r), file=sys.stderr, flush=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                if ln.startswith("model name")), platform.processor())
+    print(f"Memory estimate vs measured, engine {args.engine}; {cpu}, {os.cpu_count()} threads; commit {commit}\n")
+    print("| model | context x seqs | estimate RAM | measured RAM (worker RSS) | error |"
+          + (" estimate GPU | measured GPU | error |" if args.engine == "cuda" else ""))
+    print("|---|---|---:|---:|---:|" + ("---:|---:|---:|" if args.engine == "cuda" else ""))
+    for r in rows:
+        err = (r["estimate_ram"] - r["measured_ram"]) / r["measured_ram"] * 100
+        line = (f"| {r['model']} | {r['context']} x {r['parallel']} | {r['estimate_ram'] / MiB:.0f} MiB | "
+                f"{r['measured_ram'] / MiB:.0f} MiB | {err:+.0f}% |")
+        if args.engine == "cuda" and r["measured_gpu"]:
+            gerr = (r["estimate_gpu"] - r["measured_gpu"]) / r["measured_gpu"] * 100
+            line += f" {r['estimate_gpu'] / MiB:.0f} MiB | {r['measured_gpu'] / MiB:.0f} MiB | {gerr:+.0f}% |"
+        print(line)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"commit": commit, "cpu": cpu, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
