@@ -40,7 +40,7 @@ def test_estimate_reads_the_shapes_from_the_gguf() -> None:
     g = estimate(gemma, 2048, 1, device="cuda:0")
     embed = next(t.nbytes for t in gemma.tensors if t.name == "token_embd.weight")
     assert g.parts["embeddings"] == embed and g.parts["weights"] == gemma.weight_bytes - embed
-    assert g.gpu == g.parts["weights"] + g.parts["kv"] + g.parts["compute"]
+    assert g.gpu == g.parts["weights"] + g.parts["kv"] + g.parts["compute"] + g.parts["gpu runtime"]
 
 
 def test_fit_sizes_down_sequences_then_context() -> None:

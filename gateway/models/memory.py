@@ -11,6 +11,10 @@ BENCHMARKS.md "Memory estimate"): 56 MiB of llama.cpp buffers and threads, 40 Mi
 Python, and 900 bytes per vocabulary entry (logits, the output projection's work space and the
 logprobs over the vocabulary all grow with it).
 
+On a GPU the input embeddings stay in host memory with the runtime's host buffers; the device holds
+the other weights, the KV cache, the compute buffers and the runtime's own context (720 MiB with
+CUDA on the H100: -3..+2% against the 8B model's measured GPU memory over five configurations).
+
 A budget per device is its memory less a reserve: RAM (MemTotal) for the CPU, each GPU's memory for
 the GPU; `--memory-budget` / `--gpu-memory-budget` set them outright.
 """
@@ -28,7 +32,10 @@ GiB = 1 << 30
 RUNTIME_BYTES = 56 * MiB  # ggml/llama.cpp buffers and threads of one context
 PER_VOCAB_BYTES = 900  # logits, output work space and logprobs, per vocabulary entry
 WORKER_BYTES = 40 * MiB  # a worker process's interpreter and imports
-GPU_RUNTIME_HOST_BYTES = 300 * MiB  # host memory of a CUDA/Vulkan runtime in a worker
+# On a GPU (measured on the H100 with CUDA, BENCHMARKS.md "Memory estimate"; Vulkan assumed alike):
+GPU_CONTEXT_BYTES = 720 * MiB  # the runtime's context and library work spaces on the device
+GPU_RUNTIME_HOST_BYTES = 500 * MiB  # the GPU runtime's host memory in the worker
+PER_SEQ_VOCAB_HOST_BYTES = 96  # host buffers per sequence and vocabulary entry (logits, sampling)
 
 
 def kv_bytes_per_token(info: GGUFInfo) -> int:
@@ -94,8 +101,9 @@ def estimate(info: GGUFInfo, context: int, parallel: int, device: str = "cpu", n
     if device == "cpu":
         parts = {"weights": weights, "kv": kv, "compute": compute, "worker": process, "prefix cache": host_cache}
         return Need("cpu", sum(parts.values()), 0, parts, ctx, parallel)
-    gpu_parts = {"weights": weights - embed, "kv": kv, "compute": compute}
-    host_parts = {"embeddings": embed, "runtime": GPU_RUNTIME_HOST_BYTES, "worker": process, "prefix cache": host_cache}
+    gpu_parts = {"weights": weights - embed, "kv": kv, "compute": compute, "gpu runtime": GPU_CONTEXT_BYTES}
+    host_parts = {"embeddings": embed, "runtime": GPU_RUNTIME_HOST_BYTES + PER_SEQ_VOCAB_HOST_BYTES * info.n_vocab * parallel,
+                  "worker": process, "prefix cache": host_cache}
     return Need(device, sum(host_parts.values()), sum(gpu_parts.values()), {**gpu_parts, **host_parts}, ctx, parallel)
 
 
