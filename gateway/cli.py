@@ -144,6 +144,9 @@ def _pull(args: argparse.Namespace) -> int:
     except PullError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("\ninterrupted: the part downloaded is kept; the same command goes on from there", file=sys.stderr)
+        return 130
     p = done.entry["pulled"]
     print(f"{'already present' if done.already else 'pulled'}: {done.model_id} ({p['quant']}, "
           f"{_count(p['parameters'])} parameters, {_human(p['size_bytes'])}, context {done.entry['context_length']}"

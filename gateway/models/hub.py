@@ -30,7 +30,7 @@ from gateway.models.gguf_info import GGUFError, read_gguf
 log = logging.getLogger(__name__)
 
 # Tried in this order when a pull names no quantisation (Ollama and llama-server default to Q4_K_M).
-DEFAULT_QUANTS = ("Q4_K_M", "Q4_K_S", "Q4_0", "IQ4_XS", "IQ4_NL", "Q5_K_M", "Q5_K_S", "Q6_K", "Q8_0",
+DEFAULT_QUANTS = ("Q4_K_M", "Q4_K_S", "Q4_0", "Q4_1", "IQ4_XS", "IQ4_NL", "Q5_K_M", "Q5_K_S", "Q6_K", "Q8_0",
                   "Q3_K_M", "Q3_K_L", "Q2_K", "BF16", "F16", "F32")
 # A pulled model's context unless `--context` says otherwise: models train for 128k tokens and more,
 # and llama.cpp allocates the KV of the whole context up front (Ollama's default is 4096).
@@ -421,6 +421,13 @@ def _download(repo: str, commit: str, f: RemoteFile, part: Path, progress: PullP
     if f.size is not None and have > f.size:
         part.unlink()
         have = 0
+    if f.size is not None:
+        import shutil
+
+        free = shutil.disk_usage(part.parent).free
+        if free < f.size - have:
+            raise PullError(f"{f.path} needs {(f.size - have) / 2**30:.1f} GiB more and {part.parent} has "
+                            f"{free / 2**30:.1f} GiB free (HF_HOME moves the Hub cache)")
     retries = 0
     bar = tqdm(total=f.size, initial=have, unit="B", unit_scale=True, unit_divisor=1024, desc=Path(f.path).name,
                disable=not sys.stderr.isatty() or constants.HF_HUB_DISABLE_PROGRESS_BARS is True, leave=False)
