@@ -306,3 +306,46 @@ def test_serve_pulls_on_first_use_and_serves_through_every_api(hub: HubStandIn, 
         assert "has no Q3_K_S GGUF; it has: Q4_1, Q8_0" in str(err.value)
     finally:
         g.stop()
+
+
+# --- the web page -------------------------------------------------------------------------------------
+
+
+from tests.test_web import _page, browser  # noqa: E402, F401 - the Chromium fixture
+
+
+async def test_page_pulls_a_model_and_shows_memory(browser, hub: HubStandIn, env: dict[str, str],  # noqa: F811
+                                                   tmp_path: Path) -> None:
+    import asyncio
+
+    from playwright.async_api import expect
+
+    from tests.test_production import Gateway
+
+    g = await asyncio.to_thread(Gateway, tmp_path, "--memory-budget", "3G", env=env)
+    hub.pace_bps = 25e6  # ~4 s: long enough to see the pull under way
+    try:
+        page, console = await _page(browser, g.url)
+        await page.wait_for_selector('#models tr[data-model="smollm2-135m-instruct"]')
+        assert "RAM:" in await page.inner_text("#memory-budget") and "3072 MiB budget" in await page.inner_text(
+            "#memory-budget")
+        row = page.locator('#models tr[data-model="smollm2-135m-instruct"]')
+        assert "MiB" in await row.locator("td").nth(4).inner_text()  # the loaded default model's memory
+        name = f"hf.co/{SMOL}:Q4_1"
+        await page.fill("#pull-name", name)
+        await page.click("#pull-form button")
+        item = page.locator(f'#pulls li[data-pull="{name}"]')
+        await item.locator("progress").wait_for(timeout=30_000)  # shown while it downloads
+        assert "downloading" in await item.inner_text()
+        await expect(item).to_contain_text("done", timeout=60_000)
+        new_row = page.locator(f'#models tr[data-model="{name}"]')
+        await new_row.wait_for(timeout=30_000)
+        await new_row.get_by_role("button", name=f"load {name}").click()
+        await expect(new_row).to_have_attribute("data-state", "loaded", timeout=120_000)
+        assert "MiB" in await new_row.locator("td").nth(4).inner_text()
+        assert "unloads in" in await new_row.locator("td").nth(4).inner_text()  # keep_alive applies to it
+        assert console.errors == []
+        await page.close()
+    finally:
+        hub.pace_bps = 0
+        await asyncio.to_thread(g.stop)
