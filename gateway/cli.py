@@ -87,10 +87,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _models(args: argparse.Namespace) -> int:
-    try:
-        registry = load_registry(args.config or Settings.from_env().config)
-    except RegistryError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    registry = _registry(args.config)
+    if registry is None:
         return 2
     if args.download:
         spec = registry.get(args.download)
@@ -113,10 +111,23 @@ def _models(args: argparse.Namespace) -> int:
             spec.id, ",".join(formats), str(spec.context_length),
             ",".join(present) or "no (downloads on first use)", "*" if spec.id == registry.default else "",
         ))
+    _print_table(rows)
+    return 0
+
+
+def _registry(config: str | None) -> Registry | None:
+    """models.yaml (and the pulled models); None after saying why it cannot be read."""
+    try:
+        return load_registry(config or Settings.from_env().config)
+    except RegistryError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return None
+
+
+def _print_table(rows: list[tuple[str, ...]]) -> None:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
-    return 0
 
 
 def _human(n: float, unit: str = "B") -> str:
@@ -195,10 +206,8 @@ def _default_url() -> str:
 
 
 def _ls(args: argparse.Namespace) -> int:
-    try:
-        registry = load_registry(args.config or Settings.from_env().config)
-    except RegistryError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    registry = _registry(args.config)
+    if registry is None:
         return 2
     running = _gateway_models(args.url or _default_url())
     rows = [("ID", "SOURCE", "QUANT", "PARAMS", "CONTEXT", "SIZE", "LOADED")]
@@ -232,9 +241,7 @@ def _ls(args: argparse.Namespace) -> int:
             "yes" if running.get(spec.id, {}).get("engine") else str(running.get(spec.id, {}).get("status", "no")))
         rows.append((spec.id + (" *" if spec.id == registry.default else ""), source, quant, params,
                      str(spec.context_length), size, state))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    _print_table(rows)
     if running is None:
         print(f"(no gateway answers at {args.url or _default_url()}: LOADED unknown)")
     return 0
@@ -243,10 +250,8 @@ def _ls(args: argparse.Namespace) -> int:
 def _rm(args: argparse.Namespace) -> int:
     from gateway.models.hub import remove
 
-    try:
-        registry = load_registry(args.config or Settings.from_env().config)
-    except RegistryError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    registry = _registry(args.config)
+    if registry is None:
         return 2
     spec = registry.get(args.id)
     if spec is None:
@@ -270,10 +275,8 @@ def _rm(args: argparse.Namespace) -> int:
 
 def _registry_and_spec(config: str, model: str | None) -> tuple[Registry, ModelSpec] | None:
     """models.yaml and the named (or default) model in it; None after printing why not."""
-    try:
-        registry = load_registry(config)
-    except RegistryError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    registry = _registry(config)
+    if registry is None:
         return None
     spec = registry.get(model or registry.default)
     if spec is None:

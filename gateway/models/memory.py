@@ -154,15 +154,3 @@ def default_reserve(total: int) -> int:
     """What a budget leaves to the system and other programs: 10% of the memory, at least 1 GiB
     (half of it on a machine of 2 GiB or less)."""
     return min(max(GiB, total // 10), total // 2)
-
-
-def process_rss(pid: int) -> int:
-    """A process's resident memory in bytes (0 where it cannot be read)."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
