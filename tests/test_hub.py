@@ -283,7 +283,9 @@ def test_serve_pulls_on_first_use_and_serves_through_every_api(hub: HubStandIn, 
         steps = list(ol.pull(name, stream=True))
         assert steps[0].status == "pulling manifest" and steps[-1].status == "success"
         assert any(s.total and s.completed for s in steps)
-        assert name in {m.model for m in ol.list().models}
+        listed = {m.model: m for m in ol.list().models}
+        assert listed[name].details.quantization_level == "Q4_1" and listed[name].details.parameter_size == "135M"
+        assert listed[name].details.family == "llama"
         chat = ol.chat(model=name, messages=[{"role": "user", "content": "Hi"}], options={"num_predict": 4})
         assert chat.message.content
         status = httpx.get(f"{g.url}/api/status", timeout=30).json()

@@ -114,13 +114,13 @@ def render(host: HostCapabilities, plans: dict[str, Plan | str], checks: dict[st
                 state += f", {check['tok_s']:.0f} tok/s measured"
             build = f" (build {cand.lib_path})" if cand.lib_path else ""
             lines.append(f"  {i}. {cand.label} on {cand.device}{f' [{cand.device_key}]' if cand.device_key else ''}{build}: {state}")
-            mem = (memory or {}).get(f"{model_id}|{cand.label}|{cand.device_key}")
-            if mem:
-                lines.append(f"       memory: {mem}")
             steps = (check or {}).get("ladder", [])
             if len(steps) > 1:  # it fell back inside its build: each rung tried, in order
                 lines[-1] += f", after {len(steps) - 1} fallback(s) inside its build:"
                 lines += [f"       {s['how']}: {'ok' if s['ok'] else s['reason']}" for s in steps]
+            mem = (memory or {}).get(f"{model_id}|{cand.label}|{cand.device_key}")
+            if mem:
+                lines.append(f"       memory: {mem}")
         for s in p.skipped:
             lines.append(f"  - {s.what}: {s.why}" + (" (fallback)" if s.kind == "unusable" else ""))
     return "\n".join(lines)
