@@ -142,6 +142,10 @@ def ndjson_stream(ctx: Any, response: Any, case: Any) -> bool | None:
     objs = [json.loads(x) for x in lines[:-1]]
     if objs and set(objs[-1]) == {"error"}:
         objs = objs[:-1]
+    elif case.path == "/api/pull":  # progress lines, then success
+        if not objs or objs[-1] != {"status": "success"}:
+            raise FuzzFailure(f"a pull stream does not end with success: {objs[-1:]!r}")
+        return True
     elif not objs or objs[-1].get("done") is not True:
         raise FuzzFailure(f"the stream does not end with done: {objs[-1:]!r}")
     if any(o.get("done") for o in objs[:-1]):
@@ -177,6 +181,9 @@ def _pin(body: Any, path: str = "") -> None:
     if path in OLLAMA_PATHS:  # Ollama's: the limit is options.num_predict; keep the model loaded
         if "model" in body:
             body["model"] = MODEL
+        if path in ("/api/pull", "/api/delete"):  # never a Hub name: nothing is downloaded, nothing removed
+            body["model"] = MODEL
+            body.pop("name", None)
         if path in ("/api/chat", "/api/generate"):
             options = body.get("options") if isinstance(body.get("options"), dict) else {}
             body["options"] = {**options, "num_predict": MAX_TOKENS}
@@ -208,7 +215,8 @@ OPERATIONS = [("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("P
               ("DELETE", "/v1/responses/{response_id}"), ("GET", "/v1/responses/{response_id}/input_items"),
               ("POST", "/v1/messages"), ("POST", "/v1/messages/count_tokens"),
               ("POST", "/api/chat"), ("POST", "/api/generate"), ("POST", "/api/embed"), ("POST", "/api/embeddings"),
-              ("GET", "/api/tags"), ("POST", "/api/show"), ("GET", "/api/ps"), ("GET", "/api/version")]
+              ("GET", "/api/tags"), ("POST", "/api/show"), ("GET", "/api/ps"), ("GET", "/api/version"),
+              ("POST", "/api/pull"), ("DELETE", "/api/delete")]
 
 
 def test_every_operation_is_fuzzed(api_schema: Any) -> None:

@@ -71,7 +71,7 @@ class APIError(Exception):
 
 
 OLLAMA_PATHS = frozenset({"/api/chat", "/api/generate", "/api/embed", "/api/embeddings", "/api/tags", "/api/show",
-                          "/api/ps", "/api/version"})
+                          "/api/ps", "/api/version", "/api/pull", "/api/delete"})
 
 
 def is_anthropic(path: str) -> bool:

@@ -15,7 +15,7 @@ from gateway.api.errors import APIError
 from gateway.api.openai.protocol import ErrorResponse
 from gateway.api.routes import error_responses
 from gateway.api.serving import model_spec
-from gateway.host.devices import render
+from gateway.host.devices import memory_verdict, render
 from gateway.host.hardware import EP_MATRIX
 from gateway.host.selection import Candidate, Plan, SelectionError
 from gateway.metrics import SLO_E2E_S, SLO_TPOT_S, SLO_TTFT_S
@@ -125,6 +125,7 @@ class CandidateOut(BaseModel):
     check: CheckOut | None  # the cached functional check; None when not checked yet
     serving: bool  # this candidate serves the model now
     build: str  # llama.cpp: the side-by-side build's folder that serves it; "" for the installed package
+    memory: str | None = None  # what it would take and whether it fits the budgets (as `gateway devices`)
 
 
 class SkipOut(BaseModel):
@@ -240,6 +241,7 @@ async def devices(request: Request) -> DevicesResponse:
     serving = {e.spec.id: e.candidate for e in manager.loaded()}
     plans: dict[str, Plan | str] = {}
     checks: dict[str, Any] = {}
+    memory: dict[str, str] = {}
     out: dict[str, PlanOut] = {}
     for spec in manager.registry.models.values():
         try:
@@ -254,8 +256,14 @@ async def devices(request: Request) -> DevicesResponse:
             check = _check(manager, spec, c)
             if check is not None:
                 checks[f"{spec.id}|{c.label}|{c.device_key}"] = check.model_dump()
+            path = manager.registry.local_path(spec, c.format)
+            mem = memory_verdict(spec, c, engine_config(spec, c, str(path), manager.settings), manager.host,
+                                 manager.budgets) if path is not None else ""
+            if mem:
+                memory[f"{spec.id}|{c.label}|{c.device_key}"] = mem
             cands.append(CandidateOut(runtime=c.runtime, engine=c.backend, device=c.device, device_key=c.device_key,
-                                      check=check, serving=serving.get(spec.id) == c, build=c.lib_path))
+                                      check=check, serving=serving.get(spec.id) == c, build=c.lib_path,
+                                      memory=mem or None))
         out[spec.id] = PlanOut(candidates=cands, skipped=[SkipOut(what=s.what, why=s.why, kind=s.kind) for s in p.skipped])
     host = manager.host
     return DevicesResponse(
@@ -263,7 +271,7 @@ async def devices(request: Request) -> DevicesResponse:
         ep_matrix=[{"provider": ep, "os": os_, "gpu": gpu, "package": pkg, "available": ep in host.ort.providers}
                    for ep, os_, gpu, pkg in EP_MATRIX],
         plans=out,
-        text=render(host, plans, checks),
+        text=render(host, plans, checks, memory, manager.budgets),
     )
 
 

@@ -402,7 +402,9 @@ class PullRequest(BaseModel):
 
 
 @router.post("/api/pull", responses={200: {"description": "Progress as NDJSON lines (or one JSON object with "
-                                                         "`stream: false`), ending with `{\"status\": \"success\"}`"},
+                                                         "`stream: false`), ending with `{\"status\": \"success\"}` "
+                                                         "or an `{\"error\"}` line",
+                                           "content": _NDJSON},
                                      **_ERRORS})
 async def pull(body: PullRequest, request: Request) -> Response:
     """Pull a GGUF from the Hugging Face Hub by name (`hf.co/<user>/<repo>[:<quant>]`), as `gateway pull`
