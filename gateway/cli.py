@@ -10,7 +10,8 @@ from pathlib import Path
 from gateway.host.functional_check import CheckCache
 from gateway.host.hardware import probe_host
 from gateway.host.selection import Preference, SelectionError, plan
-from gateway.models.registry import ModelSpec, Registry, RegistryError, load_registry
+from gateway.models.gguf_info import parameter_size
+from gateway.models.registry import ModelSpec, Registry, RegistryError, load_registry, source_label
 from gateway.settings import ENGINE_CHOICES, Settings, parse_duration, parse_mib, parse_size, split_list
 
 log = logging.getLogger("gateway")
@@ -138,10 +139,6 @@ def _human(n: float, unit: str = "B") -> str:
     return f"{n:.1f}"
 
 
-def _count(n: int) -> str:
-    return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.0f}M" if n else ""
-
-
 def _pull(args: argparse.Namespace) -> int:
     from gateway.models.hub import PullError, parse_name, pull
 
@@ -160,7 +157,7 @@ def _pull(args: argparse.Namespace) -> int:
         return 130
     p = done.entry["pulled"]
     print(f"{'already present' if done.already else 'pulled'}: {done.model_id} ({p['quant']}, "
-          f"{_count(p['parameters'])} parameters, {_human(p['size_bytes'])}, context {done.entry['context_length']}"
+          f"{parameter_size(p['parameters'])} parameters, {_human(p['size_bytes'])}, context {done.entry['context_length']}"
           f" of {p['context_trained']} trained)")
     print(f"  file: {done.path}")
     print(f"  registered in {done.registry_file}")
@@ -213,17 +210,7 @@ def _ls(args: argparse.Namespace) -> int:
     rows = [("ID", "SOURCE", "QUANT", "PARAMS", "CONTEXT", "SIZE", "LOADED")]
     for spec in registry.models.values():
         path = registry.local_path(spec, "gguf") if "gguf" in spec.formats else None
-        src = spec.formats.get("gguf")
-        if spec.pulled is not None and src is not None and src.hf is not None:
-            source = f"hf.co/{src.hf.repo}"
-        elif src is not None and src.pypi is not None:
-            source = f"pypi:{src.pypi.package or src.pypi.module}"
-        elif src is not None and src.hf is not None:
-            source = f"hf.co/{src.hf.repo}"
-        elif spec.workers:
-            source = "remote workers"
-        else:
-            source = "path" if src is not None and src.path else ",".join(spec.formats) or "-"
+        source = source_label(spec) or "-"
         quant = params = ""
         size = "not downloaded"
         if path is not None:
@@ -231,7 +218,7 @@ def _ls(args: argparse.Namespace) -> int:
                 from gateway.models.gguf_info import GGUFError, read_gguf
 
                 info = read_gguf(path)
-                quant, params = info.quantization, _count(info.parameters)
+                quant, params = info.quantization, parameter_size(info.parameters)
                 size = _human(sum(f.stat().st_size for f in info.files))
             except (GGUFError, OSError):
                 size = _human(path.stat().st_size)

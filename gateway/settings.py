@@ -202,17 +202,30 @@ def parse_mib(value: str) -> int:
 
 
 def parse_duration(value: str) -> float:
-    """Seconds from "300", "5m", "1h30m", "45s", "0" or a negative number (Ollama's keep_alive spelling)."""
-    import re
-
-    v = value.strip().lower()
+    """Seconds from a number ("300", "-1") or a Go duration ("5m", "1h30m", "45s", "500ms"): Ollama's
+    keep_alive spelling, used by --keep-alive too. ValueError says what is wrong with `value`."""
+    text = value.strip()
     try:
-        return float(v)
+        return float(text)
     except ValueError:
         pass
-    parts = re.fullmatch(r"(-)?(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s)?", v)
-    if not v or parts is None or not any(parts.groups()[1:]):
-        raise ValueError(f"not a duration: {value!r} (e.g. 300, 5m, 1h, 0, -1)")
-    sign, h, m, sec = parts.groups()
-    total = float(h or 0) * 3600 + float(m or 0) * 60 + float(sec or 0)
-    return -total if sign else total
+    units = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+    total, number, sign = 0.0, "", 1.0
+    i = 0
+    if text.startswith("-"):
+        sign, i = -1.0, 1
+    while i < len(text):
+        ch = text[i]
+        if ch.isdigit() or ch == ".":
+            number += ch
+            i += 1
+            continue
+        unit = next((u for u in ("ns", "us", "µs", "ms", "h", "m", "s") if text.startswith(u, i)), None)
+        if unit is None or not number:
+            raise ValueError(f"{value!r} is not a duration (e.g. 300, \"5m\", \"1h\", 0, -1)")
+        total += float(number) * units[unit]
+        number = ""
+        i += len(unit)
+    if number:
+        raise ValueError(f"{value!r} is missing a unit (s, m, h)")
+    return sign * total

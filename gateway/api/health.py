@@ -57,8 +57,8 @@ def _models(request: Request) -> dict[str, dict[str, Any]]:
         for key in ("sampling", "speculative", "cpu_variant", "repack"):
             if key in extra:
                 row[key] = extra[key]
-        memory: dict[str, Any] = {"held_bytes": {d: manager.held(entry, d) for d in manager.budgets
-                                                 if manager.held(entry, d)}}
+        held = {d: manager.held(entry, d) for d in manager.budgets}
+        memory: dict[str, Any] = {"held_bytes": {d: b for d, b in held.items() if b}}
         if entry.need is not None:
             memory["estimate"] = {"ram_bytes": entry.need.host, "gpu_bytes": entry.need.gpu, "device": entry.need.device,
                                   "context": entry.need.context, "parallel": entry.need.parallel}

@@ -27,19 +27,16 @@ def _table(rows: list[tuple[str, ...]], indent: str = "  ") -> list[str]:
 
 def memory_verdict(spec: Any, cand: Any, config: Any, host: HostCapabilities, budgets: dict[str, int]) -> str:
     """What the candidate would take and whether it fits its budgets: "" when it cannot be estimated."""
-    from gateway.models.memory import MiB, fit, gguf_info
+    from gateway.models.memory import fit_budgets, gguf_info
     from gateway.models.pool import device_of
 
     info = gguf_info(config.model_path) if cand.runtime == "llamacpp" else None
     if info is None or "cpu" not in budgets:
         return ""
-    device = device_of(cand, host)
-    room_gpu = budgets.get(device) if device != "cpu" else None
-    need, changed = fit(info, config.context_length, config.parallel, device, budgets["cpu"], room_gpu, config.n_batch,
-                        min_context=min(2048, config.context_length))
-    if need.host > budgets["cpu"] or (room_gpu is not None and need.gpu > room_gpu):
-        budget = f"{budgets['cpu'] / MiB:.0f} MiB RAM" + (f", {room_gpu / MiB:.0f} MiB on {device}" if room_gpu else "")
-        return f"DOES NOT FIT: needs {need.describe()}; budget {budget}"
+    need, changed, exceeded = fit_budgets(info, config.context_length, config.parallel, device_of(cand, host),
+                                          budgets)
+    if exceeded:
+        return f"DOES NOT FIT: needs {need.describe()}; budget {exceeded}"
     return f"needs {need.describe()}" + (f"; sized down to fit: {changed}" if changed else "")
 
 

@@ -95,6 +95,11 @@ class GGUFInfo:
         return FILE_TYPES.get(int(ft), f"type {ft}") if ft is not None else ""
 
 
+def parameter_size(n: int) -> str:
+    """A parameter count as model names write it: "135M", "8.0B" ("" when unknown)."""
+    return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.0f}M" if n else ""
+
+
 # llama_ftype names (llama.h), the ones quantised GGUFs carry.
 FILE_TYPES = {
     0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K", 11: "Q3_K_S",

@@ -375,17 +375,22 @@ def _fetch(repo: str, commit: str, f: RemoteFile, progress: PullProgress, done: 
     blob.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(lock)):
         marker = _marker(blob, directory)
-        if blob.exists() and marker.exists() and marker.read_text() == f.sha256:
+
+        def kept(downloaded: bool, note: bool = True) -> tuple[Path, bool]:
+            """The verified blob, noted as such and linked from the snapshot."""
+            if note:
+                _write_marker(marker, f.sha256 or "")
             _link(blob, pointer)
-            return pointer, False
+            return pointer, downloaded
+
+        if blob.exists() and marker.exists() and marker.read_text() == f.sha256:
+            return kept(False, note=False)
         if blob.exists():
             # Put there by another tool, or by a pull that stopped before checking it.
             progress.status = "verifying"
             notify()
             if _verified(blob, f) is None:
-                _write_marker(marker, f.sha256)
-                _link(blob, pointer)
-                return pointer, False
+                return kept(False)
             blob.unlink()
         for attempt in (1, 2):
             part = blob.with_name(blob.name + ".incomplete")
@@ -395,9 +400,7 @@ def _fetch(repo: str, commit: str, f: RemoteFile, progress: PullProgress, done: 
             why = _verified(part, f)
             if why is None:
                 part.replace(blob)
-                _write_marker(marker, f.sha256)
-                _link(blob, pointer)
-                return pointer, True
+                return kept(True)
             part.unlink(missing_ok=True)
             if attempt == 2:
                 raise PullError(f"{repo}: {why}, twice; the download was removed")

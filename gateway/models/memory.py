@@ -88,33 +88,33 @@ class Need:
         return f"{where} ({parts}; context {self.context} x {self.parallel} sequences)"
 
 
-def estimate(info: GGUFInfo, context: int, parallel: int, device: str = "cpu", n_batch: int = 512,
-             host_cache: int = 0, worker: bool = True) -> Need:
+def estimate(info: GGUFInfo, context: int, parallel: int, device: str = "cpu", worker: bool = True) -> Need:
     """The memory of `info` served with `context` tokens per sequence and `parallel` sequences on
-    `device` ("cpu" or a GPU key). `host_cache`: the bound of its host prefix cache, in bytes."""
+    `device` ("cpu" or a GPU key), with the engine's batch of 512 tokens. The host prefix cache is
+    not in it: it counts as it fills, through the worker's measured memory."""
     ctx = min(context, info.context_length) if info.context_length else context
     kv = kv_bytes_per_token(info) * ctx * parallel
-    compute = RUNTIME_BYTES + PER_VOCAB_BYTES * info.n_vocab  # measured at n_batch 512, the engine's
+    compute = RUNTIME_BYTES + PER_VOCAB_BYTES * info.n_vocab
     weights = info.weight_bytes
     embed = next((t.nbytes for t in info.tensors if t.name == "token_embd.weight"), 0)
     process = WORKER_BYTES if worker else 0
     if device == "cpu":
-        parts = {"weights": weights, "kv": kv, "compute": compute, "worker": process, "prefix cache": host_cache}
+        parts = {"weights": weights, "kv": kv, "compute": compute, "worker": process}
         return Need("cpu", sum(parts.values()), 0, parts, ctx, parallel)
     gpu_parts = {"weights": weights - embed, "kv": kv, "compute": compute, "gpu runtime": GPU_CONTEXT_BYTES}
     host_parts = {"embeddings": embed, "runtime": GPU_RUNTIME_HOST_BYTES + PER_SEQ_VOCAB_HOST_BYTES * info.n_vocab * parallel,
-                  "worker": process, "prefix cache": host_cache}
+                  "worker": process}
     return Need(device, sum(host_parts.values()), sum(gpu_parts.values()), {**gpu_parts, **host_parts}, ctx, parallel)
 
 
 def fit(info: GGUFInfo, context: int, parallel: int, device: str, room_host: int, room_gpu: int | None,
-        n_batch: int = 512, host_cache: int = 0, min_context: int = 2048) -> tuple[Need, str]:
+        min_context: int = 2048) -> tuple[Need, str]:
     """The largest way to serve `info` within the room given: first fewer sequences (down to one),
     then a shorter context (halved, not below `min_context` or the asked one). (need, what was
     changed, "" when nothing); the need returned may still not fit (the caller refuses it)."""
 
     def need(c: int, p: int) -> Need:
-        return estimate(info, c, p, device, n_batch, host_cache)
+        return estimate(info, c, p, device)
 
     def fits(n: Need) -> bool:
         return n.host <= room_host and (room_gpu is None or n.gpu <= room_gpu)
@@ -133,6 +133,18 @@ def fit(info: GGUFInfo, context: int, parallel: int, device: str, room_host: int
         if fits(n := need(c, 1)):
             return n, f"parallel {parallel} -> 1, context {first.context} -> {c}"
     return need(c, 1), ""
+
+
+def fit_budgets(info: GGUFInfo, context: int, parallel: int, device: str,
+                budgets: dict[str, int]) -> tuple[Need, str, str]:
+    """`fit` within `budgets` (which has "cpu"): (need, what was sized down, "" when it fits or else
+    the budget it exceeds, e.g. "450 MiB RAM" or "2048 MiB RAM, 7000 MiB on cuda:0")."""
+    room_host = budgets["cpu"]
+    room_gpu = budgets.get(device) if device != "cpu" else None  # unknown GPU memory: RAM only
+    need, changed = fit(info, context, parallel, device, room_host, room_gpu, min_context=min(2048, context))
+    if need.host > room_host or (room_gpu is not None and need.gpu > room_gpu):
+        return need, "", f"{room_host / MiB:.0f} MiB RAM" + (f", {room_gpu / MiB:.0f} MiB on {device}" if room_gpu else "")
+    return need, changed, ""
 
 
 def host_memory() -> tuple[int, int]:

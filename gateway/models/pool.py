@@ -38,7 +38,7 @@ from gateway.host.functional_check import (
 from gateway.host.hardware import HostCapabilities, LlamaCppBuild, probe_host, vulkan_visible_env
 from gateway.host.selection import Candidate, Plan, Preference, SelectionError, plan
 from gateway.metrics import Metrics
-from gateway.models.memory import MiB, Need, default_reserve, estimate, fit, gguf_info
+from gateway.models.memory import MiB, Need, default_reserve, fit_budgets, gguf_info
 from gateway.models.registry import ModelSpec, ModelUnavailable, Registry
 from gateway.models.routing import WorkerGroup
 from gateway.settings import Settings
@@ -197,15 +197,6 @@ class ModelManager:
 
     # --- memory and keep_alive ----------------------------------------------------------
 
-    def need(self, cand: Candidate, config: EngineConfig) -> Need | None:
-        """The estimated memory of `config` on `cand` (llama.cpp GGUFs; None for other formats)."""
-        if cand.runtime != "llamacpp":
-            return None
-        info = gguf_info(config.model_path)
-        if info is None:
-            return None
-        return estimate(info, config.context_length, config.parallel, device_of(cand, self.host), config.n_batch)
-
     def held(self, entry: Loaded, device: str) -> int:
         """Bytes `entry` holds on `device`: its estimate, or its worker's measured resident memory
         when that is more (the host prefix cache fills it as conversations lose their slots)."""
@@ -221,10 +212,9 @@ class ModelManager:
                 est = max(est, rss)
         return est
 
-    def used(self, device: str, without: str | None = None) -> int:
+    def used(self, device: str) -> int:
         """Bytes held on `device` by the loaded models and the loads under way (their estimates)."""
-        loaded = sum(self.held(e, device) for k, e in self._loaded.items() if k != without)
-        return loaded + sum(n.on(device) for k, n in self._reserved.items() if k != without)
+        return sum(self.held(e, device) for e in self._loaded.values()) + sum(n.on(device) for n in self._reserved.values())
 
     def memory_status(self) -> dict[str, Any]:
         """Budgets and what the loaded models hold, per device (for /health and the web page)."""
@@ -236,21 +226,14 @@ class ModelManager:
         if cand.runtime != "llamacpp":
             return config, None, ""
         info = gguf_info(config.model_path)
-        device = device_of(cand, self.host)
-        room_host = self.budgets.get("cpu")
-        if info is None or room_host is None:
+        if info is None or "cpu" not in self.budgets:
             return config, None, ""
-        room_gpu = self.budgets.get(device) if device != "cpu" else None
-        if device != "cpu" and room_gpu is None:
-            room_gpu = None  # a GPU whose memory the probe does not know: only RAM is checked
-        need, changed = fit(info, config.context_length, config.parallel, device, room_host, room_gpu, config.n_batch,
-                            min_context=min(2048, config.context_length))
-        too_big = need.host > room_host or (room_gpu is not None and need.gpu > room_gpu)
-        if too_big:
-            budget = f"{room_host / MiB:.0f} MiB RAM" + (f", {room_gpu / MiB:.0f} MiB on {device}" if room_gpu else "")
+        device = device_of(cand, self.host)
+        need, changed, exceeded = fit_budgets(info, config.context_length, config.parallel, device, self.budgets)
+        if exceeded:
             raise ModelTooLarge(
                 f"model {spec.id!r} needs {need.describe()} even with one sequence and a {need.context}-token "
-                f"context; the budget is {budget} (--memory-budget, --gpu-memory-budget, --memory-reserve)")
+                f"context; the budget is {exceeded} (--memory-budget, --gpu-memory-budget, --memory-reserve)")
         if changed:
             log.warning("%s sized down to fit the memory budget of %s: %s (needs %s)", spec.id, device, changed,
                         need.describe())

@@ -21,7 +21,7 @@ import logging
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -267,6 +267,21 @@ class ModelSpec(_Strict):
         if self.embedding_only:
             return ["embeddings"]
         return ["chat.completions", "completions", "responses", "embeddings"]
+
+
+def source_label(spec: ModelSpec) -> str:
+    """Where a model's files come from, for listings: pypi:<package>, hf.co/<repo>, path, converted,
+    remote workers."""
+    src = spec.formats.get("gguf") or next(iter(spec.formats.values()), None)
+    if spec.workers:
+        return "remote workers"
+    if src is None:
+        return ""
+    if src.hf is not None:
+        return f"hf.co/{src.hf.repo}"
+    if src.pypi is not None:
+        return f"pypi:{src.pypi.package or src.pypi.module}"
+    return "path" if src.path else "converted"
 
 
 class RegistryFile(_Strict):
@@ -552,16 +567,28 @@ def load_registry(path: str | Path, cache_dir: str | Path | None = None, user_di
 
 def read_user_entry(path: Path) -> ModelSpec:
     """One models.d/ entry; RegistryError names the file and key when it is invalid."""
+    return _read_validated(path, ModelSpec)
+
+
+_M = TypeVar("_M", bound=BaseModel)
+
+
+def _read_validated(path: Path, model: type[_M]) -> _M:
+    """`path` read as YAML and validated as `model`; RegistryError names the file, line and key."""
     try:
-        node = yaml.compose(path.read_text())
-    except (OSError, yaml.YAMLError) as exc:
+        text = path.read_text()
+    except OSError as exc:
         raise RegistryError(f"{path}: cannot read: {exc}") from exc
+    try:
+        node = yaml.compose(text)
+    except yaml.YAMLError as exc:
+        raise RegistryError(f"{path}: not valid YAML: {exc}") from exc
     if node is None:
         raise RegistryError(f"{path}: empty file")
     lines: dict[tuple[Any, ...], int] = {}
     data = _to_python(node, (), lines)
     try:
-        return ModelSpec.model_validate(data)
+        return model.model_validate(data)
     except ValidationError as exc:
         raise RegistryError(_describe(path, exc, data, lines)) from None
 
@@ -590,22 +617,7 @@ def _merge_user(registry: Registry, directory: Path) -> None:
 
 def _load_file(path: str | Path, cache_dir: str | Path | None = None) -> Registry:
     path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise RegistryError(f"{path}: cannot read: {exc}") from exc
-    try:
-        node = yaml.compose(text)
-    except yaml.YAMLError as exc:
-        raise RegistryError(f"{path}: not valid YAML: {exc}") from exc
-    if node is None:
-        raise RegistryError(f"{path}: empty file")
-    lines: dict[tuple[Any, ...], int] = {}
-    data = _to_python(node, (), lines)
-    try:
-        spec = RegistryFile.model_validate(data)
-    except ValidationError as exc:
-        raise RegistryError(_describe(path, exc, data, lines)) from None
+    spec = _read_validated(path, RegistryFile)
     cache = Path(cache_dir or spec.cache_dir or _default_cache())
     registry = Registry(spec, path.resolve().parent, cache.expanduser())
     registry.file_path = path

@@ -20,7 +20,7 @@ from gateway.host.hardware import EP_MATRIX
 from gateway.host.selection import Candidate, Plan, SelectionError
 from gateway.metrics import SLO_E2E_S, SLO_TPOT_S, SLO_TTFT_S
 from gateway.models.pool import Loaded, ModelBusy, ModelManager, cached_ladder, engine_config, ladder_verdict
-from gateway.models.registry import ModelSpec
+from gateway.models.registry import ModelSpec, source_label
 from gateway.web.live import HISTORY_S, RATE_WINDOW_S, SAMPLE_S, WINDOW_S, LiveStats, Point, Totals
 
 router = APIRouter(prefix="/api")
@@ -174,25 +174,12 @@ def _model(request: Request, spec: ModelSpec) -> ModelStatus:
                              scored=p["scored"], mean_kl=p["mean_kl"])
                 for p in shadow["engines"] if p["model"] == spec.id],
         excluded=shadow["excluded"].get(spec.id, {}),
-        source=_source(spec),
+        source=source_label(spec),
         memory_bytes=sum(manager.held(entry, d) for d in {"cpu", *manager.budgets}) if entry else None,
         memory_detail=((entry.need.describe() if entry.need else "")
                        + (f"; sized down to fit: {entry.fitted}" if entry.fitted else "")) or None if entry else None,
         expires_in_s=_expires_in(manager, entry),
     )
-
-
-def _source(spec: ModelSpec) -> str:
-    src = spec.formats.get("gguf") or next(iter(spec.formats.values()), None)
-    if spec.workers:
-        return "remote workers"
-    if src is None:
-        return ""
-    if src.hf is not None:
-        return f"hf.co/{src.hf.repo}"
-    if src.pypi is not None:
-        return f"pypi:{src.pypi.package or src.pypi.module}"
-    return "path" if src.path else "converted"
 
 
 def _expires_in(manager: ModelManager, entry: Loaded | None) -> float | None:

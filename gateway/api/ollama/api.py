@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from gateway.api.errors import invalid
 from gateway.api.notes import Notes
 from gateway.conversation import Conversation, Output, ToolCall, ToolSpec, Turn
+from gateway.settings import parse_duration
 
 # options -> what the gateway's sampler reads; num_ctx is the model's (models.yaml), not per request.
 _OPTIONS = {"num_predict", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "repeat_penalty",
@@ -93,32 +94,11 @@ def keep_alive_seconds(value: str | int | float | None) -> float | None:
         return None
     if isinstance(value, int | float):
         return _bounded(float(value), value)
-    text = value.strip()
     try:
-        return _bounded(float(text), value)
-    except ValueError:
-        pass
-    units = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
-    total, number, sign = 0.0, "", 1.0
-    i = 0
-    if text.startswith("-"):
-        sign, i = -1.0, 1
-    while i < len(text):
-        ch = text[i]
-        if ch.isdigit() or ch == ".":
-            number += ch
-            i += 1
-            continue
-        unit = next((u for u in ("ns", "us", "µs", "ms", "h", "m", "s") if text.startswith(u, i)), None)
-        if unit is None or not number:
-            raise invalid(f"keep_alive {value!r} is not a duration (e.g. 300, \"5m\", \"1h\", 0, -1)",
-                          param="keep_alive")
-        total += float(number) * units[unit]
-        number = ""
-        i += len(unit)
-    if number:
-        raise invalid(f"keep_alive {value!r} is missing a unit (s, m, h)", param="keep_alive")
-    return _bounded(sign * total, value)
+        seconds = parse_duration(value)
+    except ValueError as exc:
+        raise invalid(f"keep_alive {exc}", param="keep_alive") from None
+    return _bounded(seconds, value)
 
 
 def _bounded(seconds: float, value: Any) -> float:

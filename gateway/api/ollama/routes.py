@@ -29,6 +29,7 @@ from gateway.api.openai.protocol import EmbeddingRequest
 from gateway.api.serving import Prepared, Service, model_spec
 from gateway.api.sse import until_disconnect
 from gateway.conversation import ArgumentsDelta, CallStarted, Finished, ReasoningDelta, TextDelta
+from gateway.models.gguf_info import parameter_size
 from gateway.models.hub import PullError, parse_name, remove
 from gateway.models.pool import ModelBusy, ModelManager, device_of
 from gateway.models.registry import ModelSpec
@@ -327,9 +328,8 @@ def _file_facts(request: Request, spec: ModelSpec) -> tuple[int, str, str] | Non
 def _details(spec: ModelSpec) -> dict[str, Any]:
     if spec.pulled is not None:  # `gateway pull` read these from the GGUF
         p = spec.pulled
-        size = f"{p.parameters / 1e9:.1f}B" if p.parameters >= 1e9 else f"{p.parameters / 1e6:.0f}M" if p.parameters else ""
         return {"parent_model": "", "format": "gguf", "family": p.architecture, "families": [p.architecture],
-                "parameter_size": size, "quantization_level": p.quant}
+                "parameter_size": parameter_size(p.parameters), "quantization_level": p.quant}
     quant = next((q for q in ("Q4_K_M", "Q4_1", "Q4_0", "Q5_K_M", "Q8_0", "F16") if q.lower() in
                   json.dumps(spec.formats.get("gguf").model_dump() if spec.formats.get("gguf") else "").lower()), "")
     return {"parent_model": "", "format": "gguf", "family": spec.id.split("-")[0], "families": [spec.id.split("-")[0]],
