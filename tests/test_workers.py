@@ -194,8 +194,12 @@ def _protocol_stream(url: str, path: str, body: dict[str, Any], out: list[dict[s
     with httpx.stream("POST", f"{url}{path}", json={"model": MODEL, "stream": True, **body}, timeout=300) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
+            # SSE `data:` lines, or Ollama's NDJSON; `event:` lines and comments (the server's
+            # keep-alive `: ping` every 15 s, which a stream paused by a slow restart gets) skipped.
+            if not line or line.startswith((":", "event: ")):
+                continue
             data = line[6:] if line.startswith("data: ") else line
-            if data and data != "[DONE]" and not line.startswith("event: "):
+            if data != "[DONE]":
                 out.append(json.loads(data))
 
 
