@@ -195,15 +195,27 @@ class CoreMLEngine:
         logits: npt.NDArray[np.float32] = np.asarray(out["logits"], dtype=np.float32)[0]
         return logits
 
+    def _new_state(self) -> Any:
+        """A request's model state (its KV cache)."""
+        return self._model.make_state()
+
+    def _scoring_state(self) -> Any:
+        """An empty state for scoring a token sequence (logits)."""
+        return self._model.make_state()
+
+    def _prefill(self, prompt: list[int], state: Any) -> npt.NDArray[np.float32]:
+        """Logits of the prompt's tokens (at least its last) fed into `state`."""
+        return self._predict(prompt, len(prompt), state)
+
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
         pool = self._pool
         if pool is None:
             raise ModelLoadError("model is not loaded")
         sp = request.sampling
         if sp.structured is not None:
-            raise InvalidGenerationRequest("response_format is not supported by the coreml runtime", param="response_format")
+            raise InvalidGenerationRequest(f"response_format is not supported by the {self.info.runtime} runtime", param="response_format")
         if sp.grammar is not None:
-            raise InvalidGenerationRequest("grammars are not supported by the coreml runtime", param="grammar")
+            raise InvalidGenerationRequest(f"grammars are not supported by the {self.info.runtime} runtime", param="grammar")
         prompt = self.render_prompt(request)
         max_new = new_token_budget(prompt, self._n_ctx, sp.max_tokens)
         resumed = resumed_tokens(request, max_new)
@@ -219,7 +231,7 @@ class CoreMLEngine:
         self, job: Job[None], prompt: list[int], sp: SamplingParams, max_new: int, channel: EventChannel,
         resumed: tuple[int, ...] = (), replay: bool = True,
     ) -> None:
-        state = self._model.make_state()
+        state = self._new_state()
         rng = np.random.default_rng(sp.seed)
         stopper = StopMatcher(sp.stop)
         generated: list[int] = list(resumed)
@@ -227,7 +239,7 @@ class CoreMLEngine:
         if resumed and not replay:
             row = self._predict([*prompt, *resumed], len(prompt) + len(resumed), state)[-1]
         else:
-            row = self._predict(prompt, len(prompt), state)[-1]
+            row = self._prefill(prompt, state)[-1]
             # A failover: the tokens already sent, one per prediction as they were generated.
             for i, t in enumerate(resumed, start=1):
                 if job.cancelled:
@@ -274,7 +286,7 @@ class CoreMLEngine:
 
     async def embed(self, inputs: list[list[int]]) -> npt.NDArray[np.float32]:
         raise InvalidGenerationRequest(
-            "embeddings are not supported by the coreml runtime; serve this model with llama.cpp", param="model"
+            f"embeddings are not supported by the {self.info.runtime} runtime; serve this model with llama.cpp", param="model"
         )
 
     async def logits(self, token_ids: list[int]) -> npt.NDArray[np.float32]:
@@ -285,7 +297,7 @@ class CoreMLEngine:
             raise InvalidGenerationRequest("no tokens to score")
         if len(token_ids) > self._n_ctx:
             raise ContextLengthExceeded(len(token_ids), self._n_ctx)
-        return await call_job(pool, lambda: self._predict(list(token_ids), len(token_ids), self._model.make_state()))
+        return await call_job(pool, lambda: self._predict(list(token_ids), len(token_ids), self._scoring_state()))
 
 
 def _eos_ids(d: Path) -> list[int]:

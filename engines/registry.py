@@ -11,7 +11,8 @@ EngineFactory = Callable[[EngineConfig], Engine]
 
 _FACTORIES: dict[str, EngineFactory] = {}
 # Adapters imported on first use, so a missing optional runtime never breaks the others.
-_BUILTIN = {"llamacpp": "engines.llamacpp.engine", "ortgenai": "engines.ortgenai", "coreml": "engines.coreml"}
+_BUILTIN = {"llamacpp": "engines.llamacpp.engine", "ortgenai": "engines.ortgenai", "coreml": "engines.coreml",
+            "executorch": "engines.executorch"}
 
 
 def register_runtime(name: str) -> Callable[[EngineFactory], EngineFactory]:

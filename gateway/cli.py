@@ -283,7 +283,8 @@ def _convert(args: argparse.Namespace) -> int:
     logging.basicConfig(level="WARNING", format="%(levelname)s %(name)s: %(message)s")
     try:
         out = convert(registry, spec, args.to, args.precision, args.provider,
-                      progress=lambda msg: print(msg, flush=True), force=args.force, show_output=True)
+                      progress=lambda msg: print(msg, flush=True), force=args.force, show_output=True,
+                      delegate=args.delegate)
     except (ConversionError, ModelUnavailable) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -351,7 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model", help="default model id (models.yaml's default otherwise)")
     s.add_argument("--engine", choices=ENGINE_CHOICES, default=None,
                    help="where to run (default auto: the best engine that passes its functional check)")
-    s.add_argument("--runtime", default=None, help="pin a runtime: llamacpp, ortgenai, coreml")
+    s.add_argument("--runtime", default=None, help="pin a runtime: llamacpp, ortgenai, coreml, executorch")
     s.add_argument("--device", default=None, help="GPU by index or part of its name (see `gateway devices`)")
     s.add_argument("--recheck", action="store_true", help="forget cached functional-check results")
     s.add_argument("--rank-by-speed", action="store_true",
@@ -421,13 +422,15 @@ def build_parser() -> argparse.ArgumentParser:
     rm.add_argument("--config", default=None, help="models.yaml path")
     rm.add_argument("--url", default=None, help="the running gateway asked whether it is loaded")
     rm.set_defaults(func=_rm)
-    c = sub.add_parser("convert", help="convert a model's GGUF to an ORT GenAI or CoreML artifact in the cache")
+    c = sub.add_parser("convert", help="convert a model's GGUF to an ORT GenAI, CoreML or ExecuTorch artifact in the cache")
     c.add_argument("--model", help="model id (models.yaml's default otherwise)")
-    c.add_argument("--to", choices=("onnx", "coreml"), required=True, help="target format")
+    c.add_argument("--to", choices=("onnx", "coreml", "executorch"), required=True, help="target format")
     c.add_argument("--precision", choices=("fp32", "fp16", "int4"), default="fp32",
                    help="weights (default fp32; CoreML uses fp16 for fp32)")
     c.add_argument("--provider", choices=("cpu", "cuda", "dml"), default="cpu",
                    help="ORT GenAI execution provider the ONNX graph is built for (default cpu)")
+    c.add_argument("--delegate", choices=("xnnpack", "vulkan"), default="xnnpack",
+                   help="ExecuTorch: the backend the program is lowered to (default xnnpack, the CPU)")
     c.add_argument("--force", action="store_true", help="convert again even if the artifact exists")
     c.add_argument("--config", default=None, help="models.yaml path")
     c.set_defaults(func=_convert)
@@ -436,7 +439,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--token-file", required=True, help="file of accepted tokens, one per line (>= 16 characters)")
     w.add_argument("--model", help="model id (models.yaml's default otherwise)")
     w.add_argument("--engine", choices=ENGINE_CHOICES, default=None, help="where to run (default auto)")
-    w.add_argument("--runtime", default=None, help="pin a runtime: llamacpp, ortgenai, coreml")
+    w.add_argument("--runtime", default=None, help="pin a runtime: llamacpp, ortgenai, coreml, executorch")
     w.add_argument("--device", default=None, help="GPU by index or part of its name")
     w.add_argument("--parallel", type=int, default=None, help="sequences decoded together")
     w.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")

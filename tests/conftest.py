@@ -121,6 +121,15 @@ def onnx_fp32(default_registry: Registry) -> Path:
 
 
 @pytest.fixture(scope="session")
+def pte_xnnpack(default_registry: Registry) -> Path:
+    """SmolLM2 converted from its GGUF to an XNNPACK-delegated ExecuTorch program (cached)."""
+    needs_convert("executorch")
+    from gateway.models.convert import convert
+
+    return convert(default_registry, default_registry.models[MODEL], "executorch", "fp32", delegate="xnnpack")
+
+
+@pytest.fixture(scope="session")
 def hf_reference(default_registry: Registry) -> tuple[Any, Any]:
     """(model, tokenizer): the transformers fp32 reference, from the cached HF checkpoint."""
     needs_convert("onnx")

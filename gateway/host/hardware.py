@@ -9,6 +9,7 @@ that crashes is a reported crash — never the gateway's crash.
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import json
 import logging
 import os
@@ -172,6 +173,7 @@ class HostCapabilities:
     cuda: CudaInfo = field(default_factory=CudaInfo)
     directml: PlatformRuntime = field(default_factory=PlatformRuntime)
     coreml: PlatformRuntime = field(default_factory=PlatformRuntime)
+    executorch: PlatformRuntime = field(default_factory=PlatformRuntime)
     metal: PlatformRuntime = field(default_factory=PlatformRuntime)
     llamacpp: LlamaCppBuild = field(default_factory=LlamaCppBuild)
     # More llama.cpp builds installed side by side (scripts/install-llama-cpp.sh cpu,vulkan,...): each
@@ -361,6 +363,14 @@ def probe_directml(ort: OrtBuild) -> PlatformRuntime:
     return PlatformRuntime(True, "", "onnxruntime-genai-directml")
 
 
+def probe_executorch() -> PlatformRuntime:
+    """Whether the executorch package is installed (its runtime, with torch, loads in the worker;
+    a runtime without the program's delegate fails the load there, with the reason)."""
+    if importlib.util.find_spec("executorch") is None:
+        return PlatformRuntime(False, "executorch is not installed: pip install -e '.[executorch]'")
+    return PlatformRuntime(True, "", "ExecuTorch runtime (XNNPACK)")
+
+
 def probe_coreml() -> PlatformRuntime:
     from engines.coreml import coreml_available  # the engine's own test: macOS 15+, coremltools
 
@@ -395,6 +405,7 @@ def probe_host(llama_builds: tuple[str, ...] | None = None) -> HostCapabilities:
         cuda=cuda,
         directml=probe_directml(ort),
         coreml=probe_coreml(),
+        executorch=probe_executorch(),
         metal=probe_metal(),
         llamacpp=llamacpp,
         llamacpp_builds=builds,

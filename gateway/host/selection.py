@@ -14,7 +14,7 @@ from gateway.host.hardware import HostCapabilities, LlamaCppBuild, VulkanDevice
 from gateway.models.registry import ModelSpec
 
 # What each runtime consumes.
-RUNTIME_FORMAT = {"llamacpp": "gguf", "ortgenai": "onnx", "coreml": "coreml"}
+RUNTIME_FORMAT = {"llamacpp": "gguf", "ortgenai": "onnx", "coreml": "coreml", "executorch": "pte"}
 RUNTIMES = tuple(RUNTIME_FORMAT)
 # The engines a user names (`--engine`), and the runtimes that provide each, preferred first.
 ENGINE_RUNTIMES: dict[str, tuple[str, ...]] = {
@@ -23,7 +23,7 @@ ENGINE_RUNTIMES: dict[str, tuple[str, ...]] = {
     "vulkan": ("llamacpp",),
     "directml": ("ortgenai",),
     "coreml": ("coreml",),
-    "cpu": ("llamacpp", "ortgenai"),
+    "cpu": ("llamacpp", "ortgenai", "executorch"),
 }
 # `--engine auto`: fastest first. CoreML before CPU: the Neural Engine beats the CPU on a Mac.
 AUTO_ORDER = ("cuda", "metal", "vulkan", "directml", "coreml", "cpu")
@@ -35,6 +35,7 @@ INSTALL = {
     "ortgenai/cuda": "pip install onnxruntime-genai-cuda",
     "ortgenai/directml": "pip install onnxruntime-genai-directml",
     "coreml": "pip install coremltools (on macOS)",
+    "executorch": "pip install -e '.[executorch]'",
 }
 
 
@@ -216,6 +217,12 @@ def _coreml(host: HostCapabilities, pref: Preference) -> Found:
     return [(host.coreml.detail or "Apple Neural Engine", "ALL", None)], []
 
 
+def _executorch(host: HostCapabilities, pref: Preference) -> Found:
+    if not host.executorch.available:
+        return [], [Skip("executorch/cpu", host.executorch.reason)]
+    return [("cpu", "", None)], []
+
+
 FINDERS: dict[tuple[str, str], Finder] = {
     ("llamacpp", "cpu"): _llama_cpu,
     ("llamacpp", "vulkan"): _llama_vulkan,
@@ -225,6 +232,7 @@ FINDERS: dict[tuple[str, str], Finder] = {
     ("ortgenai", "cuda"): _ort("cuda"),
     ("ortgenai", "directml"): _ort("directml"),
     ("coreml", "coreml"): _coreml,
+    ("executorch", "cpu"): _executorch,
 }
 
 
@@ -258,7 +266,7 @@ def plan(
                 continue
             fmt = RUNTIME_FORMAT[runtime]
             if fmt not in have:
-                hint = " (make it with `gateway convert`)" if fmt in ("onnx", "coreml") else ""
+                hint = " (make it with `gateway convert`)" if fmt in ("onnx", "coreml", "pte") else ""
                 skipped.append(Skip(f"{runtime}/{engine}", f"model {spec.id!r} has no {fmt} format{hint}", rank=rank))
                 continue
             backend = "coreml" if runtime == "coreml" else engine

@@ -1,4 +1,4 @@
-"""`gateway convert`: a model's GGUF -> Hugging Face checkpoint -> ORT GenAI or CoreML artifact.
+"""`gateway convert`: a model's GGUF -> Hugging Face checkpoint -> ORT GenAI, CoreML or ExecuTorch artifact.
 
 Artifacts go into the model cache at `<cache>/converted/<id>/<format>-<precision>[-<provider>]`
 (`Registry.converted_dir`), written under a temporary name and renamed when complete, then
@@ -25,7 +25,8 @@ from gateway.models.registry import ModelSpec, Registry
 
 log = logging.getLogger(__name__)
 
-TARGETS = ("onnx", "coreml")
+TARGETS = ("onnx", "coreml", "executorch")
+DELEGATES = ("xnnpack", "vulkan")  # ExecuTorch: what the program is lowered to
 PRECISIONS = ("fp32", "fp16", "int4")
 ONNX_PROVIDERS = ("cpu", "cuda", "dml")
 MANIFEST = "gateway-artifact.json"
@@ -34,6 +35,7 @@ _NEEDS = {
     "hf": ("torch", "transformers", "gguf", "accelerate"),
     "onnx": ("onnx", "onnx_ir", "onnxruntime_genai"),
     "coreml": ("coremltools",),
+    "executorch": ("executorch",),
 }
 
 Progress = Callable[[str], None]
@@ -57,6 +59,7 @@ def convert(
     progress: Progress = log.info,
     force: bool = False,
     show_output: bool = False,
+    delegate: str = "xnnpack",
 ) -> Path:
     """Produce (or find) the `to` artifact of `spec`; returns its folder.  Blocking, minutes.
 
@@ -72,12 +75,18 @@ def convert(
     if to == "coreml" and precision == "fp32":
         precision = "fp16"  # CoreML ML programs compute in fp16 on the GPU and Neural Engine
         progress("CoreML: using fp16 (ML programs run fp16 on the GPU / Neural Engine)")
+    if to == "executorch":
+        if delegate not in DELEGATES:
+            raise ConversionError(f"unknown delegate {delegate!r}; one of {', '.join(DELEGATES)}")
+        if precision != "fp32":
+            raise ConversionError("ExecuTorch programs are exported in fp32 for now (--precision fp32)")
     missing = missing_modules(to)
     if missing:
         raise ConversionError(
             f"converting to {to} needs {', '.join(missing)}: pip install -e '.[convert]'"
         )
-    out = registry.converted_dir(spec, to, precision, provider if to == "onnx" else None)
+    fmt, variant = {"onnx": ("onnx", provider), "coreml": ("coreml", None), "executorch": ("pte", delegate)}[to]
+    out = registry.converted_dir(spec, fmt, precision, variant)
     if (out / MANIFEST).is_file() and not force:
         progress(f"{spec.id}: {out.name} already converted: {out}")
         return out
@@ -87,13 +96,24 @@ def convert(
         if to == "onnx":
             progress(f"[2/2] Hugging Face -> ORT GenAI ({precision}, provider {provider}) ...")
             hf_to_onnx(hf, tmp, precision, provider, show_output)
+        elif to == "executorch":
+            progress(f"[2/2] Hugging Face -> ExecuTorch program (fp32, static KV cache, {delegate}) ...")
+            _run_step(
+                [sys.executable, "-m", "gateway.models.executorch_export", str(hf), str(tmp), delegate,
+                 str(spec.context_length)],
+                "ExecuTorch export", show_output,
+            )
+            report = json.loads((tmp / "partition.json").read_text())
+            progress(f"partition ({delegate}): {report['delegated_ops']} operators delegated in "
+                     f"{report['delegate_calls']} call(s) ({report['delegated_share']:.0%}); on portable CPU "
+                     f"kernels: {', '.join(f'{k} x{v}' for k, v in report['fallback'].items()) or 'none'}")
         else:
             progress(f"[2/2] Hugging Face -> CoreML ML program ({precision}, stateful KV cache) ...")
             _run_step(
                 [sys.executable, "-m", "gateway.models.coreml_export", str(hf), str(tmp), precision, str(spec.context_length)],
                 "CoreML conversion", show_output,
             )
-    _write_manifest(out, spec, to, precision, provider if to == "onnx" else None, hf)
+    _write_manifest(out, spec, fmt, precision, variant, hf)
     progress(f"{spec.id}: wrote {out} in {time.perf_counter() - t0:.0f}s")
     return out
 

@@ -84,10 +84,10 @@ class Source(_Strict):
 
 # Formats `gateway convert` produces, and the order a converted artifact is preferred in when
 # models.yaml does not pin one: quality first, then the portable CPU build.
-CONVERTED_FORMATS = ("onnx", "coreml")
+CONVERTED_FORMATS = ("onnx", "coreml", "pte")
 _GLOB = re.compile(r"[*?\[]")  # an alias with these is a pattern
 PRECISION_ORDER = ("fp32", "fp16", "int4")
-PROVIDER_ORDER = ("cpu", "cuda", "dml")
+PROVIDER_ORDER = ("cpu", "cuda", "dml", "xnnpack", "vulkan")
 
 
 def artifact_name(fmt: str, precision: str, provider: str | None = None) -> str:
