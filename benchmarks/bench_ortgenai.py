@@ -1,7 +1,7 @@
-"""ORT GenAI vs llama.cpp: single-stream decode tok/s of SmolLM2 through the engine interface.
+"""ORT GenAI / ExecuTorch vs llama.cpp: single-stream decode tok/s of SmolLM2 through the engine interface.
 
     .venv/bin/python benchmarks/bench_ortgenai.py [--tokens 128] [--runs 3]
-        [--variants llamacpp,ortgenai-fp32,ortgenai-int4] [--backend cpu|cuda] [--json-line]
+        [--variants llamacpp,ortgenai-fp32,ortgenai-int4,executorch-xnnpack] [--backend cpu|cuda] [--json-line]
 
 Converts the default model with `gateway convert` where needed (cached in the model cache), loads
 each variant in-process with one sequence, and streams the same chat prompt greedily with EOS
@@ -42,12 +42,15 @@ def model_path(variant: str, backend: str) -> str:
     spec = reg.models[MODEL]
     if variant == "llamacpp":
         return str(reg.resolve(spec, "gguf"))
+    if variant.startswith("executorch-"):
+        delegate = variant.split("-", 1)[1]
+        return str(convert(reg, spec, "executorch", "fp32", delegate=delegate, progress=lambda m: print(m, file=sys.stderr)))
     precision = variant.split("-", 1)[1]
     return str(convert(reg, spec, "onnx", precision, PROVIDER[backend], progress=lambda m: print(m, file=sys.stderr)))
 
 
 async def measure(variant: str, backend: str, tokens: int, runs: int, threads: int) -> dict[str, Any]:
-    runtime = "llamacpp" if variant == "llamacpp" else "ortgenai"
+    runtime = "llamacpp" if variant == "llamacpp" else variant.split("-", 1)[0]
     cfg = EngineConfig(model_path=model_path(variant, backend), context_length=2048, parallel=1,
                        n_threads=threads, backend=backend, device=backend)
     engine = create_engine(runtime, cfg)
@@ -112,8 +115,10 @@ def main() -> int:
     print("| engine | weights | decode tok/s | TTFT ms | load s |")
     print("|---|---|---|---|---|")
     for r in rows:
-        weights = "Q4_1 GGUF" if r["variant"] == "llamacpp" else r["variant"].split("-")[1] + " ONNX"
-        engine = ("llama.cpp " if r["variant"] == "llamacpp" else "ORT GenAI ") + f"{r['version']} ({r['backend']})"
+        kind, _, variant = r["variant"].partition("-")
+        weights = {"llamacpp": "Q4_1 GGUF", "ortgenai": f"{variant} ONNX", "executorch": f"fp32 .pte ({variant})"}[kind]
+        name = {"llamacpp": "llama.cpp", "ortgenai": "ORT GenAI", "executorch": "ExecuTorch"}[kind]
+        engine = f"{name} {r['version']} ({r['backend']})".replace("  ", " ")
         print(f"| {engine} | {weights} | {r['decode_tps']} | {r['ttft_ms']} | {r['load_s']} |")
     return 0
 

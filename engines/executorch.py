@@ -16,10 +16,12 @@ a different `_predict`).
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import logging
 import threading
 import warnings
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -64,7 +66,8 @@ class ExecuTorchEngine(CoreMLEngine):
     """An exported ExecuTorch LLM program; `loader` (path -> program with load_method) is for tests."""
 
     def __init__(self, options: EngineConfig, loader: Any = None) -> None:
-        super().__init__(options, loader)
+        super().__init__(options)
+        self._program_loader: Callable[[str], Any] | None = loader
         delegate = DELEGATES.get(options.backend, options.backend)
         self.info = replace(self.info, runtime="executorch", backend=options.backend,
                             extra={"delegate": delegate})
@@ -84,7 +87,7 @@ class ExecuTorchEngine(CoreMLEngine):
         want = DELEGATES.get(o.backend, o.backend)
         if meta.get("delegate") != want:
             raise ModelLoadError(f"{d} holds a {meta.get('delegate')} program; the {o.backend} engine needs {want}")
-        loader = self._loader
+        loader = self._program_loader
         if loader is None:
             ok, reason, backends = executorch_available()
             if not ok:
@@ -110,7 +113,11 @@ class ExecuTorchEngine(CoreMLEngine):
         self._pool = WorkerPool(o.parallel, o.max_queue, name="executorch")
         partition = d / "partition.json"
         report = json.loads(partition.read_text()) if partition.is_file() else {}
-        self.info = replace(self.info, context_length=self._n_ctx, extra={
+        try:
+            version = importlib.metadata.version("executorch")
+        except importlib.metadata.PackageNotFoundError:
+            version = ""
+        self.info = replace(self.info, context_length=self._n_ctx, version=version, extra={
             **self.info.extra, "resume": "1", "max_seq": str(self._max_seq),
             "delegated_share": str(report.get("delegated_share", "")),
             **(self._template.traits() if self._template else {})})

@@ -81,8 +81,8 @@ class StaticKVDecoder(torch.nn.Module):
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
         q_len = tokens.shape[1]
         start = input_pos[0].item()
-        torch._check(start >= 0)
-        torch._check(start + q_len <= self.context_length)
+        torch._check(start >= 0)  # type: ignore[no-untyped-call]
+        torch._check(start + q_len <= self.context_length)  # type: ignore[no-untyped-call]
         pos = torch.arange(q_len, dtype=torch.float32) + input_pos.to(torch.float32)  # (q,)
         freqs = pos[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
