@@ -120,6 +120,44 @@ def onnx_fp32(default_registry: Registry) -> Path:
     return convert(default_registry, default_registry.models[MODEL], "onnx", "fp32", "cpu")
 
 
+def converted_gateway(runtime: str, fmt: str, converted: dict[str, str], artifact: Path, tmp_path: Path,
+                      default_registry: Registry) -> ServerThread:
+    """The gateway serving the default model only through `runtime`, from its converted `fmt`
+    artifact (`converted`: the models.yaml pin, which must resolve to `artifact`)."""
+    import yaml
+
+    data = yaml.safe_load((ROOT / "models.yaml").read_text())
+    spec = next(m for m in data["models"] if m["id"] == MODEL)
+    spec["runtimes"] = [runtime]
+    spec["formats"][fmt] = {"converted": converted}
+    data["models"] = [spec]
+    cfg = tmp_path / "models.yaml"
+    cfg.write_text(yaml.safe_dump(data))
+    registry = load_registry(cfg, cache_dir=default_registry.cache_dir)
+    assert registry.resolve(registry.models[MODEL], fmt) == artifact
+    settings = Settings.from_env(env={}, config=str(cfg), parallel=2)
+    return ServerThread(create_app(settings, registry)).start()
+
+
+def parity_against_llamacpp(runtime: str, tmp_path: Path) -> dict[str, Any]:
+    """`gateway parity`: llama.cpp CPU on the Q4_1 GGUF as reference, `runtime` on the CPU as
+    candidate, two prompts x 12 tokens; asserts the verdict and returns the report."""
+    import json
+
+    from gateway.cli import main as cli
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("The capital of France is\n1, 1, 2, 3, 5, 8, 13,\n")
+    out = tmp_path / "parity.json"
+    rc = cli(["parity", "--model", MODEL, "--engine", "cpu", "--reference", "cpu", "--runtime", runtime,
+              "--reference-runtime", "llamacpp", "--prompts", str(prompts), "--tokens", "12", "--json", str(out)])
+    report: dict[str, Any] = json.loads(out.read_text())
+    print(f"gateway parity llama.cpp vs {runtime}: {json.dumps(report['overall'])}")
+    assert (report["reference"], report["candidate"]) == ("llamacpp/cpu", f"{runtime}/cpu")
+    assert rc == 0 and report["passed"], report["reasons"]
+    return report
+
+
 @pytest.fixture(scope="session")
 def pte_xnnpack(default_registry: Registry) -> Path:
     """SmolLM2 converted from its GGUF to an XNNPACK-delegated ExecuTorch program (cached)."""

@@ -13,13 +13,9 @@ import httpx
 import numpy as np
 import openai
 import pytest
-import yaml
 
 from engines.base import ChatMessage, EngineConfig, GenerationRequest, ModelLoadError, SamplingParams
-from gateway.app import create_app
-from gateway.models.registry import load_registry
-from gateway.settings import Settings
-from tests.conftest import MODEL, ROOT, ServerThread
+from tests.conftest import MODEL, converted_gateway, parity_against_llamacpp
 
 pytest.importorskip("executorch", reason="executorch is not installed (pip install -e '.[executorch]')")
 
@@ -113,22 +109,9 @@ def test_a_program_of_another_delegate_or_folder_is_a_load_error(pte_xnnpack: Pa
         asyncio.run(ExecuTorchEngine(EngineConfig(model_path=str(tmp_path), backend="cpu")).load())
 
 
-def _gateway(pte: Path, tmp_path: Path, default_registry: Any) -> ServerThread:
-    data = yaml.safe_load((ROOT / "models.yaml").read_text())
-    spec = next(m for m in data["models"] if m["id"] == MODEL)
-    spec["runtimes"] = ["executorch"]
-    spec["formats"]["pte"] = {"converted": {"precision": "fp32", "provider": "xnnpack"}}
-    data["models"] = [spec]
-    cfg = tmp_path / "models.yaml"
-    cfg.write_text(yaml.safe_dump(data))
-    registry = load_registry(cfg, cache_dir=default_registry.cache_dir)
-    assert registry.resolve(registry.models[MODEL], "pte") == pte
-    settings = Settings.from_env(env={}, config=str(cfg), parallel=2)
-    return ServerThread(create_app(settings, registry)).start()
-
-
 def test_gateway_serves_chat_through_executorch(pte_xnnpack: Path, tmp_path: Path, default_registry: Any) -> None:
-    server = _gateway(pte_xnnpack, tmp_path, default_registry)
+    server = converted_gateway("executorch", "pte", {"precision": "fp32", "provider": "xnnpack"}, pte_xnnpack,
+                               tmp_path, default_registry)
     try:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
         msgs: Any = [{"role": "user", "content": QUESTION}]
@@ -153,15 +136,6 @@ def test_gateway_serves_chat_through_executorch(pte_xnnpack: Path, tmp_path: Pat
 def test_parity_llamacpp_vs_executorch_on_the_same_weights(pte_xnnpack: Path, tmp_path: Path) -> None:
     """`gateway parity`: llama.cpp on the Q4_1 GGUF as reference, ExecuTorch/XNNPACK on the same
     weights dequantised to fp32 as candidate, within the cross-runtime tolerance."""
-    from gateway.cli import main as cli
-
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("The capital of France is\n1, 1, 2, 3, 5, 8, 13,\n")
-    out = tmp_path / "parity.json"
-    rc = cli(["parity", "--model", MODEL, "--engine", "cpu", "--reference", "cpu", "--runtime", "executorch",
-              "--reference-runtime", "llamacpp", "--prompts", str(prompts), "--tokens", "12", "--json", str(out)])
-    report = json.loads(out.read_text())
-    print(f"gateway parity llama.cpp vs ExecuTorch: {json.dumps(report['overall'])}")
-    assert (report["reference"], report["candidate"]) == ("llamacpp/cpu", "executorch/cpu")
-    assert rc == 0 and report["passed"], report["reasons"]
+    report = parity_against_llamacpp("executorch", tmp_path)
     assert 0 < report["overall"]["mean_kl"] < 0.02
+

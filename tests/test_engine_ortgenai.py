@@ -4,7 +4,6 @@ sampling controls, concurrency limits, provider errors, and chat through the gat
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -13,7 +12,6 @@ import httpx
 import numpy as np
 import openai
 import pytest
-import yaml
 
 from engines.base import (
     ChatMessage,
@@ -28,7 +26,7 @@ from engines.base import (
 from gateway.app import create_app
 from gateway.models.registry import load_registry
 from gateway.settings import Settings
-from tests.conftest import MODEL, ROOT, ServerThread
+from tests.conftest import MODEL, ROOT, ServerThread, converted_gateway, parity_against_llamacpp
 
 og = pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed")
 
@@ -275,17 +273,8 @@ def test_unknown_backend_is_a_load_error() -> None:
 
 
 def _ortgenai_gateway(onnx_fp32: Path, tmp_path: Path, default_registry: Any) -> ServerThread:
-    data = yaml.safe_load((ROOT / "models.yaml").read_text())
-    spec = next(m for m in data["models"] if m["id"] == MODEL)
-    spec["runtimes"] = ["ortgenai"]
-    spec["formats"]["onnx"] = {"converted": {"precision": "fp32", "provider": "cpu"}}
-    data["models"] = [spec]
-    cfg = tmp_path / "models.yaml"
-    cfg.write_text(yaml.safe_dump(data))
-    registry = load_registry(cfg, cache_dir=default_registry.cache_dir)
-    assert registry.resolve(registry.models[MODEL], "onnx") == onnx_fp32
-    settings = Settings.from_env(env={}, config=str(cfg), parallel=2)
-    return ServerThread(create_app(settings, registry)).start()
+    return converted_gateway("ortgenai", "onnx", {"precision": "fp32", "provider": "cpu"}, onnx_fp32, tmp_path,
+                             default_registry)
 
 
 def test_gateway_serves_chat_through_ortgenai(onnx_fp32: Path, tmp_path: Path, default_registry: Any) -> None:
@@ -373,17 +362,7 @@ def test_a_tokenizer_that_cannot_round_trip_is_refused() -> None:
 def test_parity_llamacpp_vs_ortgenai_on_the_same_weights(onnx_fp32: Path, tmp_path: Path) -> None:
     """`gateway parity` across runtimes: llama.cpp on the Q4_1 GGUF as reference, ORT GenAI on
     the same weights dequantised to fp32 as candidate, within the cross-runtime tolerance."""
-    from gateway.cli import main as cli
-
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("The capital of France is\n1, 1, 2, 3, 5, 8, 13,\n")
-    out = tmp_path / "parity.json"
-    rc = cli(["parity", "--model", MODEL, "--engine", "cpu", "--reference", "cpu", "--runtime", "ortgenai",
-              "--reference-runtime", "llamacpp", "--prompts", str(prompts), "--tokens", "12", "--json", str(out)])
-    report = json.loads(out.read_text())
-    print(f"gateway parity llama.cpp vs ORT GenAI: {json.dumps(report['overall'])}")
-    assert (report["reference"], report["candidate"]) == ("llamacpp/cpu", "ortgenai/cpu")
-    assert rc == 0 and report["passed"], report["reasons"]
+    report = parity_against_llamacpp("ortgenai", tmp_path)
     assert 0 < report["overall"]["mean_kl"] < 0.02  # not the same kernels, but the same model
 
 

@@ -20,50 +20,23 @@ import numpy as np
 import torch
 
 from engines.coreml import causal_mask
+from gateway.models.decoder_parts import TOKENIZER_FILES, LlamaParts, load_hf
 
 log = logging.getLogger(__name__)
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "config.json",
-                   "generation_config.json", "special_tokens_map.json")
-SUPPORTED = ("llama", "mistral", "qwen2")
 
 
-class KVCacheDecoder(torch.nn.Module):
+class KVCacheDecoder(LlamaParts):
     """A Llama-family decoder with an explicit causal mask and its KV cache in buffers."""
 
     keyCache: torch.Tensor  # noqa: N815 - the CoreML state names
     valueCache: torch.Tensor  # noqa: N815
-    inv_freq: torch.Tensor
-    embed: Any
-    layers: Any
-    norm: Any
-    lm_head: Any
 
     def __init__(self, model: Any, context_length: int, cache_dtype: torch.dtype = torch.float16) -> None:
-        super().__init__()
-        cfg = model.config
-        if cfg.model_type not in SUPPORTED:
-            raise ValueError(f"CoreML export supports {', '.join(SUPPORTED)} models, not {cfg.model_type!r}")
-        inner = model.model
-        self.embed = inner.embed_tokens
-        self.layers = inner.layers
-        self.norm = inner.norm
-        self.lm_head = model.lm_head
-        self.n_heads = cfg.num_attention_heads
-        self.n_kv = cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
-        self.context_length = context_length
-        rotary = inner.rotary_emb
-        self.register_buffer("inv_freq", rotary.inv_freq.detach().clone().float(), persistent=False)
-        self.rope_scale = float(getattr(rotary, "attention_scaling", 1.0))
+        super().__init__(model, context_length, "CoreML")
         shape = (len(self.layers), 1, self.n_kv, context_length, self.head_dim)
         self.register_buffer("keyCache", torch.zeros(shape, dtype=cache_dtype))
         self.register_buffer("valueCache", torch.zeros(shape, dtype=cache_dtype))
-
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, causal_mask: torch.Tensor) -> torch.Tensor:
@@ -99,12 +72,6 @@ class KVCacheDecoder(torch.nn.Module):
     def reset(self) -> None:
         self.keyCache.zero_()
         self.valueCache.zero_()
-
-
-def load_hf(hf_dir: Path) -> Any:
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()  # type: ignore[no-untyped-call]
 
 
 def hf_to_coreml(hf_dir: Path, out: Path, precision: str, context_length: int) -> Path:

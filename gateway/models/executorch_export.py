@@ -28,43 +28,19 @@ from typing import Any
 
 import torch
 
+from gateway.models.decoder_parts import TOKENIZER_FILES, LlamaParts, load_hf
+
 log = logging.getLogger(__name__)
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "config.json",
-                   "generation_config.json", "special_tokens_map.json")
-SUPPORTED = ("llama", "mistral", "qwen2")
 DELEGATES = ("xnnpack", "vulkan", "portable")
 MAX_SEQ = 128  # prompt tokens per call: the upper bound of the dynamic dimension
 
 
-class StaticKVDecoder(torch.nn.Module):
-    """A Llama-family decoder whose KV cache is two buffers indexed by `input_pos`."""
-
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
-    inv_freq: torch.Tensor
-    embed: Any
-    layers: Any
-    norm: Any
-    lm_head: Any
+class StaticKVDecoder(LlamaParts):
+    """A Llama-family decoder whose KV cache is one buffer per layer and kind, indexed by `input_pos`."""
 
     def __init__(self, model: Any, context_length: int) -> None:
-        super().__init__()
-        cfg = model.config
-        if cfg.model_type not in SUPPORTED:
-            raise ValueError(f"ExecuTorch export supports {', '.join(SUPPORTED)} models, not {cfg.model_type!r}")
-        inner = model.model
-        self.embed = inner.embed_tokens
-        self.layers = inner.layers
-        self.norm = inner.norm
-        self.lm_head = model.lm_head
-        self.n_heads = cfg.num_attention_heads
-        self.n_kv = cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
-        self.context_length = context_length
-        rotary = inner.rotary_emb
-        self.register_buffer("inv_freq", rotary.inv_freq.detach().clone().float(), persistent=False)
-        self.rope_scale = float(getattr(rotary, "attention_scaling", 1.0))
+        super().__init__(model, context_length, "ExecuTorch")
         # One buffer per layer and kind, (1, context, kv_heads, head_dim): the layout of
         # ExecuTorch's own `llama::update_cache` and `llama::custom_sdpa` kernels, which write the
         # new rows in place and attend only up to the current position.
@@ -72,11 +48,6 @@ class StaticKVDecoder(torch.nn.Module):
         for i in range(len(self.layers)):
             self.register_buffer(f"k_cache_{i}", torch.zeros(shape))
             self.register_buffer(f"v_cache_{i}", torch.zeros(shape))
-
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
         q_len = tokens.shape[1]
@@ -103,12 +74,6 @@ class StaticKVDecoder(torch.nn.Module):
             h = h + attn.o_proj(out.reshape(1, q_len, self.n_heads * self.head_dim))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.lm_head(self.norm(h))  # type: ignore[no-any-return]
-
-
-def load_hf(hf_dir: Path) -> Any:
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()  # type: ignore[no-untyped-call]
 
 
 def _partitioner(delegate: str) -> list[Any]:
