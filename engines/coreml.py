@@ -199,10 +199,6 @@ class CoreMLEngine:
         """A request's model state (its KV cache)."""
         return self._model.make_state()
 
-    def _scoring_state(self) -> Any:
-        """An empty state for scoring a token sequence (logits)."""
-        return self._model.make_state()
-
     def _prefill(self, prompt: list[int], state: Any) -> npt.NDArray[np.float32]:
         """Logits of the prompt's tokens (at least its last) fed into `state`."""
         return self._predict(prompt, len(prompt), state)
@@ -297,7 +293,7 @@ class CoreMLEngine:
             raise InvalidGenerationRequest("no tokens to score")
         if len(token_ids) > self._n_ctx:
             raise ContextLengthExceeded(len(token_ids), self._n_ctx)
-        return await call_job(pool, lambda: self._predict(list(token_ids), len(token_ids), self._scoring_state()))
+        return await call_job(pool, lambda: self._predict(list(token_ids), len(token_ids), self._new_state()))
 
 
 def _eos_ids(d: Path) -> list[int]:

@@ -107,7 +107,7 @@ class ExecuTorchEngine(CoreMLEngine):
         self._max_seq = int(meta.get("max_seq", 1))
         try:
             self._program = loader(str(d / "model.pte"))
-            self._slots = [_Slot(self._program.load_method(meta.get("method", "forward"))) for _ in range(o.parallel)]
+            self._slots = [_Slot(self._program.load_method(meta.get("method", "forward"))) for _ in range(max(1, o.parallel))]
         except Exception as exc:
             raise ModelLoadError(f"ExecuTorch could not load {d}: {exc}") from exc
         self._pool = WorkerPool(o.parallel, o.max_queue, name="executorch")
@@ -128,8 +128,8 @@ class ExecuTorchEngine(CoreMLEngine):
         self._slots = []
         self._program = None
 
-    # The step loop asks for a fresh state per request; here that is this thread's own method.
-    def _state(self) -> _Slot:
+    def _new_state(self) -> _Slot:
+        """This thread's own method (the step loop and logits feed it from position 0)."""
         slot: _Slot | None = getattr(self._local, "slot", None)
         if slot is None:
             with self._slots_lock:
@@ -166,13 +166,6 @@ class ExecuTorchEngine(CoreMLEngine):
             keep += 1
         return self._predict(prompt[keep:], len(prompt), slot)
 
-    def _new_state(self) -> Any:
-        return self._state()
-
-    def _scoring_state(self) -> Any:
-        slot = self._state()
-        slot.tokens = []
-        return slot
 
 
 def _load_program(path: str) -> Any:

@@ -83,7 +83,7 @@ def convert(
     missing = missing_modules(to)
     if missing:
         raise ConversionError(
-            f"converting to {to} needs {', '.join(missing)}: pip install -e '.[convert]'"
+            f"converting to {to} needs {', '.join(missing)}: pip install -e '.[convert{',executorch' if to == 'executorch' else ''}]'"
         )
     fmt, variant = {"onnx": ("onnx", provider), "coreml": ("coreml", None), "executorch": ("pte", delegate)}[to]
     out = registry.converted_dir(spec, fmt, precision, variant)
