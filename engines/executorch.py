@@ -16,9 +16,11 @@ a different `_predict`).
 
 from __future__ import annotations
 
+import ctypes
 import importlib.metadata
 import json
 import logging
+import os
 import threading
 import warnings
 from collections.abc import Callable
@@ -52,6 +54,63 @@ def executorch_available() -> tuple[bool, str, tuple[str, ...]]:
         return False, f"the executorch runtime does not load: {exc}", ()
     names = tuple(portable_lib._get_registered_backend_names())
     return True, "", names
+
+
+VULKAN_LIB_ENV = "GATEWAY_EXECUTORCH_VULKAN_LIB"
+_vulkan_lock = threading.Lock()
+
+
+def _executorch_version() -> str:
+    try:
+        return importlib.metadata.version("executorch")
+    except importlib.metadata.PackageNotFoundError:
+        return ""
+
+
+def vulkan_backend_library() -> tuple[Path | None, str]:
+    """The Vulkan backend built for the installed executorch (scripts/install-executorch.sh vulkan),
+    or None and why.  $GATEWAY_EXECUTORCH_VULKAN_LIB names one explicitly."""
+    named = os.environ.get(VULKAN_LIB_ENV)
+    if named:
+        p = Path(named)
+        return (p, "") if p.is_file() else (None, f"{VULKAN_LIB_ENV}={named} does not exist")
+    version = _executorch_version()
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llm-gateway" / "executorch-vulkan"
+    builds = []
+    for meta in cache.glob("*/build.json"):
+        try:
+            built_for = json.loads(meta.read_text()).get("executorch_version")
+        except (OSError, ValueError):
+            continue
+        lib = meta.parent / "libexecutorch_backend_vulkan.so"
+        if built_for == version and lib.is_file():
+            builds.append((meta.stat().st_mtime, lib))
+    if builds:
+        return max(builds)[1], ""
+    return None, (f"the executorch {version} wheel has no Vulkan backend and none is built for it: "
+                  "scripts/install-executorch.sh vulkan")
+
+
+def load_vulkan_backend(device_index: int | None = None) -> None:
+    """Register the Vulkan backend with this process's executorch runtime (once), on the Vulkan
+    device of that loader index.  Raises ModelLoadError with the reason."""
+    with _vulkan_lock:
+        ok, reason, backends = executorch_available()
+        if not ok:
+            raise ModelLoadError(reason)
+        if "VulkanBackend" in backends:
+            return
+        lib, why = vulkan_backend_library()
+        if lib is None:
+            raise ModelLoadError(why)
+        if device_index is not None:  # read by the backend when it first opens a device
+            os.environ["ETVK_DEVICE_INDEX"] = str(device_index)
+        try:
+            ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
+        except OSError as exc:
+            raise ModelLoadError(f"the ExecuTorch Vulkan backend {lib} does not load: {exc}") from exc
+        if "VulkanBackend" not in executorch_available()[2]:
+            raise ModelLoadError(f"{lib} loaded but registered no VulkanBackend (built for another executorch?)")
 
 
 class _Slot:
@@ -92,6 +151,9 @@ class ExecuTorchEngine(CoreMLEngine):
             ok, reason, backends = executorch_available()
             if not ok:
                 raise ModelLoadError(reason)
+            if want == "vulkan":
+                load_vulkan_backend(int(o.device_key) if o.device_key.isdigit() else None)
+                backends = executorch_available()[2]
             backend_name = {"xnnpack": "XnnpackBackend", "vulkan": "VulkanBackend"}.get(want)
             if backend_name and backend_name not in backends:
                 raise ModelLoadError(f"this executorch runtime has no {backend_name} (it has {', '.join(backends)})")
@@ -113,10 +175,7 @@ class ExecuTorchEngine(CoreMLEngine):
         self._pool = WorkerPool(o.parallel, o.max_queue, name="executorch")
         partition = d / "partition.json"
         report = json.loads(partition.read_text()) if partition.is_file() else {}
-        try:
-            version = importlib.metadata.version("executorch")
-        except importlib.metadata.PackageNotFoundError:
-            version = ""
+        version = _executorch_version()
         self.info = replace(self.info, context_length=self._n_ctx, version=version, extra={
             **self.info.extra, "resume": "1", "max_seq": str(self._max_seq),
             "delegated_share": str(report.get("delegated_share", "")),

@@ -121,9 +121,10 @@ def onnx_fp32(default_registry: Registry) -> Path:
 
 
 def converted_gateway(runtime: str, fmt: str, converted: dict[str, str], artifact: Path, tmp_path: Path,
-                      default_registry: Registry) -> ServerThread:
+                      default_registry: Registry, **settings: Any) -> ServerThread:
     """The gateway serving the default model only through `runtime`, from its converted `fmt`
-    artifact (`converted`: the models.yaml pin, which must resolve to `artifact`)."""
+    artifact (`converted`: the models.yaml pin, which must resolve to `artifact`); `settings`
+    override the gateway's (engine=..., parallel=...)."""
     import yaml
 
     data = yaml.safe_load((ROOT / "models.yaml").read_text())
@@ -135,13 +136,14 @@ def converted_gateway(runtime: str, fmt: str, converted: dict[str, str], artifac
     cfg.write_text(yaml.safe_dump(data))
     registry = load_registry(cfg, cache_dir=default_registry.cache_dir)
     assert registry.resolve(registry.models[MODEL], fmt) == artifact
-    settings = Settings.from_env(env={}, config=str(cfg), parallel=2)
-    return ServerThread(create_app(settings, registry)).start()
+    return ServerThread(create_app(Settings.from_env(env={}, config=str(cfg), **{"parallel": 2, **settings}),
+                                   registry)).start()
 
 
-def parity_against_llamacpp(runtime: str, tmp_path: Path) -> dict[str, Any]:
-    """`gateway parity`: llama.cpp CPU on the Q4_1 GGUF as reference, `runtime` on the CPU as
-    candidate, two prompts x 12 tokens; asserts the verdict and returns the report."""
+def parity_against_llamacpp(runtime: str, tmp_path: Path, engine: str = "cpu") -> dict[str, Any]:
+    """`gateway parity`: llama.cpp on the Q4_1 GGUF as reference, `runtime` as candidate, both on
+    `engine` (cpu, or vulkan on lavapipe), two prompts x 12 tokens; asserts the verdict and returns
+    the report."""
     import json
 
     from gateway.cli import main as cli
@@ -149,11 +151,11 @@ def parity_against_llamacpp(runtime: str, tmp_path: Path) -> dict[str, Any]:
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("The capital of France is\n1, 1, 2, 3, 5, 8, 13,\n")
     out = tmp_path / "parity.json"
-    rc = cli(["parity", "--model", MODEL, "--engine", "cpu", "--reference", "cpu", "--runtime", runtime,
+    rc = cli(["parity", "--model", MODEL, "--engine", engine, "--reference", engine, "--runtime", runtime,
               "--reference-runtime", "llamacpp", "--prompts", str(prompts), "--tokens", "12", "--json", str(out)])
     report: dict[str, Any] = json.loads(out.read_text())
     print(f"gateway parity llama.cpp vs {runtime}: {json.dumps(report['overall'])}")
-    assert (report["reference"], report["candidate"]) == ("llamacpp/cpu", f"{runtime}/cpu")
+    assert (report["reference"], report["candidate"]) == (f"llamacpp/{engine}", f"{runtime}/{engine}")
     assert rc == 0 and report["passed"], report["reasons"]
     return report
 
@@ -165,6 +167,24 @@ def pte_xnnpack(default_registry: Registry) -> Path:
     from gateway.models.convert import convert
 
     return convert(default_registry, default_registry.models[MODEL], "executorch", "fp32", delegate="xnnpack")
+
+
+@pytest.fixture(scope="session")
+def pte_vulkan(default_registry: Registry) -> Path:
+    """SmolLM2 as a Vulkan-delegated ExecuTorch program (cached), where the Vulkan backend is built
+    for the installed executorch (scripts/install-executorch.sh vulkan) and a Vulkan device exists."""
+    needs_convert("executorch")
+    from engines.executorch import vulkan_backend_library
+    from gateway.host.hardware import probe_vulkan
+    from gateway.models.convert import convert
+
+    lib, why = vulkan_backend_library()
+    if lib is None:
+        pytest.skip(why)
+    vk = probe_vulkan()
+    if not vk.devices:
+        pytest.skip(f"no Vulkan device: {vk.reason}")
+    return convert(default_registry, default_registry.models[MODEL], "executorch", "fp32", delegate="vulkan")
 
 
 @pytest.fixture(scope="session")

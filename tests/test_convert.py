@@ -140,3 +140,17 @@ def test_a_sentencepiece_decoder_on_a_byte_level_tokenizer_is_repaired(tmp_path:
     tok = Tokenizer.from_file(str(broken))
     assert tok.decode(tok.encode(ROUND_TRIP_PROBE, add_special_tokens=False).ids) == ROUND_TRIP_PROBE
     assert repair_byte_level_decoder(broken) is False  # already right: left alone
+
+
+def test_an_executorch_program_resolves_per_delegate(tmp_path: Path) -> None:
+    """A .pte is lowered for one delegate: `pte:vulkan` never resolves to the XNNPACK program."""
+    reg = _registry(tmp_path, None)
+    spec = reg.models[MODEL]
+    xnn = _fake_artifact(reg, "pte", "fp32", "xnnpack")
+    assert reg.formats(spec)[-2:] == ["pte", "pte:xnnpack"]
+    assert reg.resolve(spec, "pte:xnnpack") == xnn and reg.local_path(spec, "pte:vulkan") is None
+    with pytest.raises(ModelUnavailable, match=f"gateway convert --model {MODEL} --to executorch --delegate vulkan"):
+        reg.resolve(spec, "pte:vulkan")
+    vk = _fake_artifact(reg, "pte", "fp32", "vulkan")
+    assert reg.resolve(spec, "pte:vulkan") == vk and reg.resolve(spec, "pte:xnnpack") == xnn
+    assert {"pte:xnnpack", "pte:vulkan"} <= set(reg.formats(spec))

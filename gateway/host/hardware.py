@@ -174,6 +174,8 @@ class HostCapabilities:
     directml: PlatformRuntime = field(default_factory=PlatformRuntime)
     coreml: PlatformRuntime = field(default_factory=PlatformRuntime)
     executorch: PlatformRuntime = field(default_factory=PlatformRuntime)
+    # ExecuTorch's Vulkan backend, a plug-in built for the installed wheel (scripts/install-executorch.sh).
+    executorch_vulkan: PlatformRuntime = field(default_factory=PlatformRuntime)
     metal: PlatformRuntime = field(default_factory=PlatformRuntime)
     llamacpp: LlamaCppBuild = field(default_factory=LlamaCppBuild)
     # More llama.cpp builds installed side by side (scripts/install-llama-cpp.sh cpu,vulkan,...): each
@@ -371,6 +373,19 @@ def probe_executorch() -> PlatformRuntime:
     return PlatformRuntime(True, "", "ExecuTorch runtime (XNNPACK)")
 
 
+def probe_executorch_vulkan(executorch: PlatformRuntime) -> PlatformRuntime:
+    """Whether ExecuTorch's Vulkan backend is built for the installed wheel (the library loads, and
+    finds its device, in the worker: a failure there falls back with the reason)."""
+    if not executorch.available:
+        return PlatformRuntime(False, executorch.reason)
+    from engines.executorch import vulkan_backend_library
+
+    lib, why = vulkan_backend_library()
+    if lib is None:
+        return PlatformRuntime(False, why)
+    return PlatformRuntime(True, "", f"ExecuTorch Vulkan backend ({lib})")
+
+
 def probe_coreml() -> PlatformRuntime:
     from engines.coreml import coreml_available  # the engine's own test: macOS 15+, coremltools
 
@@ -398,6 +413,7 @@ def probe_host(llama_builds: tuple[str, ...] | None = None) -> HostCapabilities:
         llamacpp = probe_llamacpp(vulkan)
         builds = probe_llamacpp_builds(vulkan, llamacpp, default_build_dirs() if llama_builds is None else llama_builds)
         cuda, ort = cuda_f.result(), ort_f.result()
+    executorch = probe_executorch()
     return HostCapabilities(
         os=f"{platform.system()} {platform.release()}",
         cpu=probe_cpu(),
@@ -405,7 +421,8 @@ def probe_host(llama_builds: tuple[str, ...] | None = None) -> HostCapabilities:
         cuda=cuda,
         directml=probe_directml(ort),
         coreml=probe_coreml(),
-        executorch=probe_executorch(),
+        executorch=executorch,
+        executorch_vulkan=probe_executorch_vulkan(executorch),
         metal=probe_metal(),
         llamacpp=llamacpp,
         llamacpp_builds=builds,

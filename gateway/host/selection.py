@@ -16,11 +16,14 @@ from gateway.models.registry import ModelSpec
 # What each runtime consumes.
 RUNTIME_FORMAT = {"llamacpp": "gguf", "ortgenai": "onnx", "coreml": "coreml", "executorch": "pte"}
 RUNTIMES = tuple(RUNTIME_FORMAT)
+# Runtimes whose converted artifact is bound to the engine: an ExecuTorch program is lowered for
+# one delegate (XNNPACK on the CPU, Vulkan on a GPU), so the candidate names `pte:<delegate>`.
+FORMAT_VARIANT = {("executorch", "cpu"): "xnnpack", ("executorch", "vulkan"): "vulkan"}
 # The engines a user names (`--engine`), and the runtimes that provide each, preferred first.
 ENGINE_RUNTIMES: dict[str, tuple[str, ...]] = {
     "cuda": ("llamacpp", "ortgenai"),
     "metal": ("llamacpp",),
-    "vulkan": ("llamacpp",),
+    "vulkan": ("llamacpp", "executorch"),
     "directml": ("ortgenai",),
     "coreml": ("coreml",),
     "cpu": ("llamacpp", "ortgenai", "executorch"),
@@ -36,6 +39,7 @@ INSTALL = {
     "ortgenai/directml": "pip install onnxruntime-genai-directml",
     "coreml": "pip install coremltools (on macOS)",
     "executorch": "pip install -e '.[executorch]'",
+    "executorch/vulkan": "scripts/install-executorch.sh vulkan",
 }
 
 
@@ -223,6 +227,26 @@ def _executorch(host: HostCapabilities, pref: Preference) -> Found:
     return [("cpu", "", None)], []
 
 
+def _executorch_vulkan(host: HostCapabilities, pref: Preference) -> Found:
+    """Each Vulkan device, best first; the engine opens it by index (ETVK_DEVICE_INDEX)."""
+    if not host.executorch.available:
+        return [], [Skip("executorch/vulkan", host.executorch.reason)]
+    if not host.executorch_vulkan.available:
+        return [], [Skip("executorch/vulkan", host.executorch_vulkan.reason)]
+    if not host.vulkan.devices:
+        return [], [Skip("executorch/vulkan", host.vulkan.reason or "no Vulkan device", "absent")]
+    out, skips = [], []
+    for dev in sorted(host.vulkan.devices, key=lambda d: (VULKAN_RANK.get(d.type, 9), d.index)):
+        if not _match(pref.device, dev.index, dev.name):
+            skips.append(Skip(f"executorch/vulkan {dev.name}", f"not the requested device {pref.device!r}"))
+        elif dev.type == "cpu" and pref.engine == "auto" and pref.device is None:
+            skips.append(Skip(f"executorch/vulkan {dev.name}", "a software (CPU-type) Vulkan device is slower than "
+                              "the CPU engine; use --engine vulkan to pick it anyway"))
+        else:
+            out.append((dev.name, str(dev.index), dev.index))
+    return out, skips
+
+
 FINDERS: dict[tuple[str, str], Finder] = {
     ("llamacpp", "cpu"): _llama_cpu,
     ("llamacpp", "vulkan"): _llama_vulkan,
@@ -233,6 +257,7 @@ FINDERS: dict[tuple[str, str], Finder] = {
     ("ortgenai", "directml"): _ort("directml"),
     ("coreml", "coreml"): _coreml,
     ("executorch", "cpu"): _executorch,
+    ("executorch", "vulkan"): _executorch_vulkan,
 }
 
 
@@ -265,8 +290,19 @@ def plan(
             if runtime not in runtimes:
                 continue
             fmt = RUNTIME_FORMAT[runtime]
-            if fmt not in have:
-                hint = " (make it with `gateway convert`)" if fmt in ("onnx", "coreml", "pte") else ""
+            present = fmt in have
+            variant = FORMAT_VARIANT.get((runtime, engine))
+            if variant is not None:
+                # `pte` alone (formats given without variants) stands for any delegate.
+                bound = any(h.startswith(f"{fmt}:") for h in have)
+                fmt = f"{fmt}:{variant}"
+                present = fmt in have or (present and not bound)
+            if not present:
+                hint = ""
+                if fmt.startswith("pte"):
+                    hint = f" (make it with `gateway convert --to executorch --delegate {variant}`)"
+                elif fmt in ("onnx", "coreml"):
+                    hint = " (make it with `gateway convert`)"
                 skipped.append(Skip(f"{runtime}/{engine}", f"model {spec.id!r} has no {fmt} format{hint}", rank=rank))
                 continue
             backend = "coreml" if runtime == "coreml" else engine

@@ -60,7 +60,6 @@ class StaticKVDecoder(LlamaParts):
         cos = (emb.cos() * self.rope_scale)[None, :, None, :]  # (1, q, 1, head_dim)
         sin = (emb.sin() * self.rope_scale)[None, :, None, :]
         h = self.embed(tokens)
-        scale = self.head_dim ** -0.5
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
@@ -70,7 +69,8 @@ class StaticKVDecoder(LlamaParts):
             k_cache, v_cache = getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}")
             torch.ops.llama.update_cache(k, k_cache, start)
             torch.ops.llama.update_cache(v, v_cache, start)
-            out = torch.ops.llama.custom_sdpa(q, k_cache, v_cache, start, None, 0, True, scale)  # (1, q, heads, hd)
+            # scale None is 1/sqrt(head_dim), the models' own; the Vulkan delegate takes no other.
+            out = torch.ops.llama.custom_sdpa(q, k_cache, v_cache, start, None, 0, True, None)  # (1, q, heads, hd)
             h = h + attn.o_proj(out.reshape(1, q_len, self.n_heads * self.head_dim))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.lm_head(self.norm(h))  # type: ignore[no-any-return]
@@ -126,6 +126,7 @@ def hf_to_pte(hf_dir: Path, out: Path, delegate: str, context_length: int, max_s
 
     if delegate not in DELEGATES:
         raise ValueError(f"unknown delegate {delegate!r}; one of {', '.join(DELEGATES)}")
+    out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     decoder = StaticKVDecoder(load_hf(hf_dir), context_length).eval()
     max_seq = max(2, min(max_seq, context_length))

@@ -66,7 +66,7 @@ class ConvertedSource(_Strict):
     """An artifact made by `gateway convert`; unset fields match any (best precision first)."""
 
     precision: str | None = Field(default=None, description="fp32, fp16 or int4")
-    provider: str | None = Field(default=None, description="onnx only: cpu, cuda or dml")
+    provider: str | None = Field(default=None, description="onnx: cpu, cuda or dml; pte: xnnpack or vulkan")
 
 
 class Source(_Strict):
@@ -88,6 +88,15 @@ CONVERTED_FORMATS = ("onnx", "coreml", "pte")
 _GLOB = re.compile(r"[*?\[]")  # an alias with these is a pattern
 PRECISION_ORDER = ("fp32", "fp16", "int4")
 PROVIDER_ORDER = ("cpu", "cuda", "dml", "xnnpack", "vulkan")
+# Formats whose artifact runs on one provider only: a program lowered for one ExecuTorch delegate.
+PROVIDER_BOUND = {"pte": ("xnnpack", "vulkan")}
+
+
+def split_format(fmt: str) -> tuple[str, str | None]:
+    """`pte:vulkan` -> ("pte", "vulkan"): a converted format whose artifacts differ per provider
+    (an ExecuTorch program is lowered for one delegate) names the one it needs."""
+    base, _, provider = fmt.partition(":")
+    return base, provider or None
 
 
 def artifact_name(fmt: str, precision: str, provider: str | None = None) -> str:
@@ -370,11 +379,20 @@ class Registry:
 
     # --- files -------------------------------------------------------------------------
 
+    def _wanted(self, spec: ModelSpec, fmt: str) -> tuple[str, Source | None, ConvertedSource | None]:
+        """The base format, its models.yaml source and the converted artifact it asks for."""
+        base, provider = split_format(fmt)
+        src = spec.formats.get(base)
+        want = src.converted if src else None
+        if provider is not None:  # the engine's delegate decides; a models.yaml pin keeps its precision
+            want = ConvertedSource(precision=want.precision if want else None, provider=provider)
+        return base, src, want
+
     def local_path(self, spec: ModelSpec, fmt: str) -> Path | None:
         """Where the model's file is if it is present now (no download, no assembly)."""
-        src = spec.formats.get(fmt)
+        fmt, src, want = self._wanted(spec, fmt)
         if src is None or src.converted is not None:
-            return self.find_converted(spec, fmt, src.converted if src else None)
+            return self.find_converted(spec, fmt, want)
         if src.path is not None:
             p = self._abs(src.path)
             return p if p.exists() else None
@@ -398,16 +416,19 @@ class Registry:
 
     def resolve(self, spec: ModelSpec, fmt: str) -> Path:
         """The model's file, fetching or assembling it if needed.  Blocking."""
-        src = spec.formats.get(fmt)
+        named = fmt
+        fmt, src, want = self._wanted(spec, fmt)
         if src is None or src.converted is not None:
-            found = self.find_converted(spec, fmt, src.converted if src else None)
+            found = self.find_converted(spec, fmt, want)
             if found is not None:
                 return found
             if src is None and fmt not in CONVERTED_FORMATS:
                 raise ModelUnavailable(f"model {spec.id!r} has no {fmt} format")
+            to = {"pte": "executorch"}.get(fmt, fmt)
+            extra = f" --delegate {want.provider}" if fmt == "pte" and want and want.provider else ""
             raise ModelUnavailable(
-                f"model {spec.id!r} has no converted {fmt} artifact in {self.converted_root(spec)}; "
-                f"run: gateway convert --model {spec.id} --to {fmt}"
+                f"model {spec.id!r} has no converted {named} artifact in {self.converted_root(spec)}; "
+                f"run: gateway convert --model {spec.id} --to {to}{extra}"
             )
         if src.path is not None:
             p = self._abs(src.path)
@@ -425,6 +446,10 @@ class Registry:
         for fmt in CONVERTED_FORMATS:
             if fmt not in out and self.find_converted(spec, fmt) is not None:
                 out.append(fmt)
+        # Per-provider entries for the formats whose artifacts are provider-bound (pte:xnnpack, ...).
+        for provider in PROVIDER_BOUND.get("pte", ()):
+            if f"pte:{provider}" not in out and self.local_path(spec, f"pte:{provider}") is not None:
+                out.append(f"pte:{provider}")
         return out
 
     # --- converted artifacts -----------------------------------------------------------
