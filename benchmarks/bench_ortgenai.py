@@ -1,12 +1,14 @@
-"""ORT GenAI / ExecuTorch vs llama.cpp: single-stream decode tok/s of SmolLM2 through the engine interface.
+"""ORT GenAI / ExecuTorch vs llama.cpp: single-stream decode and prefill tok/s of SmolLM2 through the engine interface.
 
-    .venv/bin/python benchmarks/bench_ortgenai.py [--tokens 128] [--runs 3]
-        [--variants llamacpp,ortgenai-fp32,ortgenai-int4,executorch-xnnpack] [--backend cpu|cuda] [--json-line]
+    .venv/bin/python benchmarks/bench_ortgenai.py [--tokens 128] [--runs 3] [--prefill-tokens 512]
+        [--variants llamacpp,ortgenai-fp32,ortgenai-int4,executorch-xnnpack,executorch-vulkan]
+        [--backend cpu|cuda|vulkan] [--json-line]
 
 Converts the default model with `gateway convert` where needed (cached in the model cache), loads
 each variant in-process with one sequence, and streams the same chat prompt greedily with EOS
 ignored.  Decode tok/s = (tokens - 1) / (last token time - first token time); median of `--runs`
-after one warm-up.  Prints a Markdown table (or, with --json-line, one line of JSON).
+after one warm-up.  Prefill tok/s = prompt tokens / time to the first token of a ~`--prefill-tokens`
+prompt that begins differently each run (no cached prefix), median of `--runs`.  Prints a Markdown table (or, with --json-line, one line of JSON).
 """
 
 from __future__ import annotations
@@ -31,7 +33,11 @@ from engines.registry import create_engine  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
-PROVIDER = {"cpu": "cpu", "cuda": "cuda", "directml": "dml"}
+PROVIDER = {"cpu": "cpu", "cuda": "cuda", "directml": "dml", "vulkan": "cpu"}
+# The runtime's own device id on a GPU backend: ggml's device name, ExecuTorch's Vulkan device index.
+DEVICE_KEY = {("llamacpp", "vulkan"): "Vulkan0", ("llamacpp", "cuda"): "CUDA0", ("executorch", "vulkan"): "0"}
+LONG = ("The lighthouse stood on a rock at the edge of the world, and every night its keeper climbed the "
+        "stairs to light the lamp, counting the steps and listening to the sea. ")
 
 
 def model_path(variant: str, backend: str) -> str:
@@ -49,10 +55,11 @@ def model_path(variant: str, backend: str) -> str:
     return str(convert(reg, spec, "onnx", precision, PROVIDER[backend], progress=lambda m: print(m, file=sys.stderr)))
 
 
-async def measure(variant: str, backend: str, tokens: int, runs: int, threads: int) -> dict[str, Any]:
+async def measure(variant: str, backend: str, tokens: int, runs: int, threads: int, prefill: int) -> dict[str, Any]:
     runtime = "llamacpp" if variant == "llamacpp" else variant.split("-", 1)[0]
     cfg = EngineConfig(model_path=model_path(variant, backend), context_length=2048, parallel=1,
-                       n_threads=threads, backend=backend, device=backend)
+                       n_threads=threads, backend=backend, device=backend,
+                       device_key=DEVICE_KEY.get((runtime, backend), ""))
     engine = create_engine(runtime, cfg)
     t0 = time.perf_counter()
     await engine.load()
@@ -67,6 +74,19 @@ async def measure(variant: str, backend: str, tokens: int, runs: int, threads: i
             async for _ev in engine.generate(req):
                 stamps.append(time.perf_counter())
             results.append({"ttft": stamps[0] - start, "decode_tps": (len(stamps) - 1) / (stamps[-1] - stamps[0])})
+        prefill_tps: list[float] = []
+        prompt_tokens = 0
+        for i in range(runs if prefill else 0):
+            text = f"Story {i}. " + LONG * max(1, prefill // 36)
+            long_req = GenerationRequest(f"prefill-{i}", SamplingParams(temperature=0.0, max_tokens=1),
+                                         messages=(ChatMessage("user", text),))
+            start = time.perf_counter()
+            last = None
+            async for ev in engine.generate(long_req):
+                last = ev
+            assert last is not None and last.usage is not None
+            prefill_tps.append(last.usage.prompt_tokens / (time.perf_counter() - start))
+            prompt_tokens = last.usage.prompt_tokens
     finally:
         await engine.close()
     timed = results[1:]  # the first run is a warm-up
@@ -75,6 +95,8 @@ async def measure(variant: str, backend: str, tokens: int, runs: int, threads: i
         "decode_tps": round(statistics.median(r["decode_tps"] for r in timed), 1),
         "ttft_ms": round(1000 * statistics.median(r["ttft"] for r in timed), 1),
         "load_s": round(load_s, 2), "tokens": tokens, "runs": runs,
+        "prefill_tps": round(statistics.median(prefill_tps), 1) if prefill_tps else None,
+        "prefill_tokens": prompt_tokens,
     }
 
 
@@ -103,23 +125,25 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=0, help="CPU threads per engine (0 = all cores)")
     ap.add_argument("--variants", default="llamacpp,ortgenai-fp32,ortgenai-int4")
     ap.add_argument("--backend", default="cpu", choices=sorted(PROVIDER))
+    ap.add_argument("--prefill-tokens", type=int, default=512, help="prompt size of the prefill measurement (0 = skip)")
     ap.add_argument("--json-line", action="store_true", help="print one line of JSON instead of a table")
     args = ap.parse_args()
-    rows = [asyncio.run(measure(v, args.backend, args.tokens, args.runs, args.threads))
+    rows = [asyncio.run(measure(v, args.backend, args.tokens, args.runs, args.threads, args.prefill_tokens))
             for v in args.variants.split(",")]
     if args.json_line:
         print(json.dumps({"machine": machine(), "commit": commit(), "model": MODEL, "results": rows}))
         return 0
     print(f"Machine: {machine()}; commit {commit()}; {MODEL}; {args.tokens} tokens greedy (EOS ignored), "
           f"median of {args.runs} after 1 warm-up, one stream\n")
-    print("| engine | weights | decode tok/s | TTFT ms | load s |")
-    print("|---|---|---|---|---|")
+    print("| engine | weights | decode tok/s | TTFT ms | prefill tok/s (prompt) | load s |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
         kind, _, variant = r["variant"].partition("-")
         weights = {"llamacpp": "Q4_1 GGUF", "ortgenai": f"{variant} ONNX", "executorch": f"fp32 .pte ({variant})"}[kind]
         name = {"llamacpp": "llama.cpp", "ortgenai": "ORT GenAI", "executorch": "ExecuTorch"}[kind]
         engine = f"{name} {r['version']} ({r['backend']})".replace("  ", " ")
-        print(f"| {engine} | {weights} | {r['decode_tps']} | {r['ttft_ms']} | {r['load_s']} |")
+        prefill = f"{r['prefill_tps']} ({r['prefill_tokens']})" if r["prefill_tps"] else "-"
+        print(f"| {engine} | {weights} | {r['decode_tps']} | {r['ttft_ms']} | {prefill} | {r['load_s']} |")
     return 0
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.metadata
+import importlib.util
 import json
 import logging
 import os
@@ -83,7 +84,7 @@ def vulkan_backend_library() -> tuple[Path | None, str]:
         except (OSError, ValueError):
             continue
         lib = meta.parent / "libexecutorch_backend_vulkan.so"
-        if built_for == version and lib.is_file():
+        if built_for == version and lib.is_file() and (meta.parent / "libgateway_et_runner.so").is_file():
             builds.append((meta.stat().st_mtime, lib))
     if builds:
         return max(builds)[1], ""
@@ -91,26 +92,120 @@ def vulkan_backend_library() -> tuple[Path | None, str]:
                   "scripts/install-executorch.sh vulkan")
 
 
-def load_vulkan_backend(device_index: int | None = None) -> None:
-    """Register the Vulkan backend with this process's executorch runtime (once), on the Vulkan
-    device of that loader index.  Raises ModelLoadError with the reason."""
-    with _vulkan_lock:
-        ok, reason, backends = executorch_available()
-        if not ok:
-            raise ModelLoadError(reason)
-        if "VulkanBackend" in backends:
-            return
-        lib, why = vulkan_backend_library()
-        if lib is None:
-            raise ModelLoadError(why)
+def _executorch_lib_dir() -> Path | None:
+    spec = importlib.util.find_spec("executorch")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations))) / "lib"
+
+
+class _Native:
+    """libgateway_et_runner.so through ctypes (scripts/executorch-vulkan/runner.cpp): the wheel's
+    runtime without its pybindings, which need the exact torch the wheel was built with."""
+
+    lib: Any = None
+
+    @classmethod
+    def load(cls, plugin: Path, device_index: int | None) -> Any:
+        """The runner, with the Vulkan backend registered (once per process)."""
+        if cls.lib is not None:
+            return cls.lib
+        runtime = _executorch_lib_dir()
+        if runtime is None or not (runtime / "libexecutorch.so").is_file():
+            raise ModelLoadError("executorch is not installed (or ships no libexecutorch.so): pip install -e '.[executorch]'")
+        runner = plugin.parent / "libgateway_et_runner.so"
+        if not runner.is_file():
+            raise ModelLoadError(f"{runner} is missing: rebuild with scripts/install-executorch.sh vulkan")
         if device_index is not None:  # read by the backend when it first opens a device
             os.environ["ETVK_DEVICE_INDEX"] = str(device_index)
         try:
-            ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
+            # The wheel's runtime first, by path: the two libraries link it by name.
+            ctypes.CDLL(str(runtime / "libexecutorch.so"), mode=ctypes.RTLD_GLOBAL)
+            lib = ctypes.CDLL(str(runner), mode=ctypes.RTLD_GLOBAL)
+            ctypes.CDLL(str(plugin), mode=ctypes.RTLD_GLOBAL)
         except OSError as exc:
-            raise ModelLoadError(f"the ExecuTorch Vulkan backend {lib} does not load: {exc}") from exc
-        if "VulkanBackend" not in executorch_available()[2]:
-            raise ModelLoadError(f"{lib} loaded but registered no VulkanBackend (built for another executorch?)")
+            raise ModelLoadError(f"the ExecuTorch Vulkan backend {plugin} does not load: {exc}") from exc
+        lib.gw_et_load.restype = ctypes.c_void_p
+        lib.gw_et_load.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
+        lib.gw_et_forward.restype = ctypes.c_long
+        lib.gw_et_forward.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64), ctypes.c_long, ctypes.c_int64,
+                                      ctypes.POINTER(ctypes.c_float), ctypes.c_long, ctypes.c_char_p, ctypes.c_size_t]
+        lib.gw_et_free.argtypes = [ctypes.c_void_p]
+        lib.gw_et_has_backend.argtypes = [ctypes.c_char_p]
+        if not lib.gw_et_has_backend(b"VulkanBackend"):
+            raise ModelLoadError(f"{plugin} loaded but registered no VulkanBackend (built for another executorch?)")
+        cls.lib = lib
+        return lib
+
+
+def load_vulkan_backend(device_index: int | None = None) -> Any:
+    """The torch-free runner with the Vulkan backend registered, on the Vulkan device of that
+    loader index.  Raises ModelLoadError with the reason."""
+    with _vulkan_lock:
+        plugin, why = vulkan_backend_library()
+        if plugin is None:
+            raise ModelLoadError(why)
+        return _Native.load(plugin, device_index)
+
+
+class _NativeMethod:
+    """One loaded method of a program, through the runner."""
+
+    def __init__(self, lib: Any, path: str, method: str, vocab: int, max_seq: int) -> None:
+        self._lib = lib
+        self._err = ctypes.create_string_buffer(1024)
+        self._handle = lib.gw_et_load(path.encode(), method.encode(), self._err, len(self._err))
+        if not self._handle:
+            raise RuntimeError(self._err.value.decode(errors="replace"))
+        self._out = np.empty(max_seq * vocab, dtype=np.float32)
+        self._vocab = vocab
+
+    def forward(self, ids: list[int], pos: int) -> npt.NDArray[np.float32]:
+        tokens = np.asarray(ids, dtype=np.int64)
+        n = self._lib.gw_et_forward(self._handle, tokens.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)), len(ids), pos,
+                                    self._out.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), self._out.size,
+                                    self._err, len(self._err))
+        if n < 0:
+            raise RuntimeError(f"ExecuTorch: {self._err.value.decode(errors='replace')}")
+        return self._out[:n].reshape(len(ids), self._vocab).copy()
+
+    def close(self) -> None:
+        if self._handle:
+            self._lib.gw_et_free(self._handle)
+            self._handle = None
+
+
+class _NativeProgram:
+    def __init__(self, lib: Any, path: str, vocab: int, max_seq: int) -> None:
+        self._args = (lib, path)
+        self._vocab, self._max_seq = vocab, max_seq
+
+    def load_method(self, name: str) -> _NativeMethod:
+        return _NativeMethod(*self._args, name, self._vocab, self._max_seq)
+
+
+class _PybindMethod:
+    """A method loaded through the wheel's pybindings (torch tensors in and out)."""
+
+    def __init__(self, method: Any) -> None:
+        self._method = method
+
+    def forward(self, ids: list[int], pos: int) -> npt.NDArray[np.float32]:
+        import torch
+
+        out = self._method.execute([torch.tensor([ids], dtype=torch.int64), torch.tensor([pos], dtype=torch.int64)])
+        return out[0][0].float().numpy()  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        self._method = None
+
+
+class _PybindProgram:
+    def __init__(self, program: Any) -> None:
+        self._program = program
+
+    def load_method(self, name: str) -> _PybindMethod:
+        return _PybindMethod(self._program.load_method(name))
 
 
 class _Slot:
@@ -147,14 +242,18 @@ class ExecuTorchEngine(CoreMLEngine):
         if meta.get("delegate") != want:
             raise ModelLoadError(f"{d} holds a {meta.get('delegate')} program; the {o.backend} engine needs {want}")
         loader = self._program_loader
-        if loader is None:
+        if loader is None and want == "vulkan":
+            # Vulkan programs run through the torch-free runner (a worker without torch).
+            lib = load_vulkan_backend(int(o.device_key) if o.device_key.isdigit() else None)
+            vocab, max_seq = int(meta["vocab_size"]), max(1, int(meta.get("max_seq", 1)))
+
+            def loader(path: str) -> Any:
+                return _NativeProgram(lib, path, vocab, max_seq)
+        elif loader is None:
             ok, reason, backends = executorch_available()
             if not ok:
                 raise ModelLoadError(reason)
-            if want == "vulkan":
-                load_vulkan_backend(int(o.device_key) if o.device_key.isdigit() else None)
-                backends = executorch_available()[2]
-            backend_name = {"xnnpack": "XnnpackBackend", "vulkan": "VulkanBackend"}.get(want)
+            backend_name = {"xnnpack": "XnnpackBackend"}.get(want)
             if backend_name and backend_name not in backends:
                 raise ModelLoadError(f"this executorch runtime has no {backend_name} (it has {', '.join(backends)})")
             loader = _load_program
@@ -184,6 +283,8 @@ class ExecuTorchEngine(CoreMLEngine):
 
     async def close(self) -> None:
         await super().close()
+        for slot in self._slots:
+            slot.method.close()
         self._slots = []
         self._program = None
 
@@ -201,16 +302,11 @@ class ExecuTorchEngine(CoreMLEngine):
 
         A method's cache keeps what it was fed: positions before `end - len(ids)` must be what the
         last calls put there (the step loop feeds a request's tokens in order from 0)."""
-        import torch
-
         slot: _Slot = state
         start = end - len(ids)
         rows: list[npt.NDArray[np.float32]] = []
         for i in range(0, len(ids), self._max_seq):
-            chunk = ids[i:i + self._max_seq]
-            out = slot.method.execute([torch.tensor([chunk], dtype=torch.int64),
-                                       torch.tensor([start + i], dtype=torch.int64)])
-            rows.append(out[0][0].float().numpy())
+            rows.append(slot.method.forward(ids[i:i + self._max_seq], start + i))
         del slot.tokens[start:]
         slot.tokens.extend(ids)
         return np.concatenate(rows) if len(rows) > 1 else rows[0]
@@ -235,7 +331,7 @@ def _load_program(path: str) -> Any:
         import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401
         from executorch.runtime import Runtime
 
-    return Runtime.get().load_program(path)
+    return _PybindProgram(Runtime.get().load_program(path))
 
 
 @register_runtime("executorch")

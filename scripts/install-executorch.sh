@@ -8,7 +8,8 @@
 # CMake package, so this builds only the Vulkan backend, from pinned source snapshots, into
 # libexecutorch_backend_vulkan.so linked against the wheel's libexecutorch.so
 # (scripts/executorch-vulkan/CMakeLists.txt).  The engine loads it before a Vulkan program; its
-# static initialiser registers "VulkanBackend" with the wheel's runtime.
+# static initialiser registers "VulkanBackend" with the wheel's runtime.  Beside it,
+# libgateway_et_runner.so (runner.cpp): the engine runs Vulkan programs through it, without torch.
 #
 # Sources (no registry carries them; each is checked to be the pinned commit):
 #   EXECUTORCH_SRC  an ExecuTorch checkout at $ET_COMMIT, or EXECUTORCH_GIT a git dir holding it
@@ -40,7 +41,7 @@ VMA_GIT="${VMA_GIT:-$mirror/GPUOpen-LibrariesAndSDKs+VulkanMemoryAllocator/repo}
 py="${PYTHON:-$root/.venv/bin/python}"
 CXXFLAGS_ET="${EXECUTORCH_VULKAN_CXXFLAGS:--O2}"
 
-et_pkg="$("$py" -c 'import importlib.util, os; s = importlib.util.find_spec("executorch"); print(os.path.dirname(s.origin) if s else "")')"
+et_pkg="$("$py" -c 'import importlib.util; s = importlib.util.find_spec("executorch"); print(next(iter(s.submodule_search_locations)) if s else "")')"
 [ -n "$et_pkg" ] || { echo "executorch is not installed in $py (pip install -e '.[executorch]')" >&2; exit 2; }
 et_version="$("$py" -c 'import importlib.metadata as m; print(m.version("executorch"))')"
 
@@ -60,7 +61,7 @@ vk_include="${VULKAN_INCLUDE_DIR:-$(bash scripts/vulkan-headers.sh)}"
 
 key_text="executorch=$et_version et=$ET_COMMIT volk=$VOLK_COMMIT vma=$VMA_COMMIT glslc=$(glslc --version | head -1)
 flatc=$(flatc --version) cxx=$(c++ --version | head -1) flags=$CXXFLAGS_ET vulkan=$(sed -n 's/^#define VK_HEADER_VERSION \([0-9]*\).*/\1/p' "$vk_include/vulkan/vulkan_core.h")
-recipe=$(cat scripts/executorch-vulkan/CMakeLists.txt scripts/executorch-vulkan/shaders.py "$0" | sha256sum | cut -c1-16)"
+recipe=$(cat scripts/executorch-vulkan/* "$0" | sha256sum | cut -c1-16)"
 key="$et_version-$(printf '%s' "$key_text" | sha256sum | cut -c1-12)"
 cache="${XDG_CACHE_HOME:-$HOME/.cache}/llm-gateway/executorch-vulkan"
 out="$cache/$key"
@@ -113,7 +114,7 @@ ninja -C "$work/build" > "$work/ninja.log" 2>&1 || { grep -m5 -A5 'error' "$work
 total_s=$(( $(date +%s) - start ))
 
 rm -rf "$out.tmp"; mkdir -p "$out.tmp"
-cp "$work/build/libexecutorch_backend_vulkan.so" "$out.tmp/"
+cp "$work/build/libexecutorch_backend_vulkan.so" "$work/build/libgateway_et_runner.so" "$out.tmp/"
 cp "$src/executorch/LICENSE" "$out.tmp/LICENSE.executorch" 2>/dev/null || true
 KEY_TEXT="$key_text" SHADERS="$work/shaders.json" SHADERS_S="$shaders_s" TOTAL_S="$total_s" ET_VERSION="$et_version" \
   ET_COMMIT="$ET_COMMIT" "$py" - "$out.tmp/build.json" <<'EOF'

@@ -65,16 +65,13 @@ def test_vulkan_logits_match_transformers_and_xnnpack(pte_vulkan: Path, pte_xnnp
     assert got.shape == want.shape
     err = float(np.abs(got - want).max())
     print(f"Vulkan vs transformers fp32: max |d| {err:.2e}; vs XNNPACK {float(np.abs(got - xnn).max()):.2e}")
-    assert err < 2e-2
+    assert err < 2e-3
     assert (got.argmax(-1) == want.argmax(-1)).mean() > 0.99
 
 
 def test_a_missing_vulkan_backend_is_a_load_error_naming_the_build(pte_vulkan: Path, tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    import engines.executorch as ex
-
     monkeypatch.setenv(VULKAN_LIB_ENV, str(tmp_path / "none.so"))
-    monkeypatch.setattr(ex, "executorch_available", lambda: (True, "", ("XnnpackBackend",)))
     with pytest.raises(ModelLoadError, match="does not exist"):
         load_vulkan_backend()
     with pytest.raises(ModelLoadError, match="does not exist"):

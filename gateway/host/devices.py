@@ -74,6 +74,10 @@ def render(host: HostCapabilities, plans: dict[str, Plan | str], checks: dict[st
         lines.append(f"CUDA      {cu.error}")
     for name, rt in (("Metal", host.metal), ("DirectML", host.directml), ("CoreML", host.coreml)):
         lines.append(f"{name:<9} {'available: ' + rt.detail if rt.available else rt.reason}")
+    et, vk = host.executorch, host.executorch_vulkan
+    lines.append(f"ExecuTorch {'available: ' + et.detail if et.available else et.reason}")
+    if et.available:
+        lines.append(f"  Vulkan   {'available: ' + vk.detail if vk.available else vk.reason}")
     b = host.llamacpp
     if b.installed:
         lines.append(f"llama.cpp llama-cpp-python {b.version}, backends: {', '.join(b.backends) or '-'}")
@@ -233,7 +237,7 @@ def add_parser(sub: Any) -> None:
     d.add_argument("--json", action="store_true", help="machine-readable output")
     d.add_argument("--model", help="plan for this model (default: models.yaml's default)")
     d.add_argument("--engine", choices=ENGINE_CHOICES, default=None, help="plan under this --engine (default auto)")
-    d.add_argument("--runtime", default=None, help="pin a runtime (llamacpp, ortgenai, coreml)")
+    d.add_argument("--runtime", default=None, help="pin a runtime (llamacpp, ortgenai, coreml, executorch)")
     d.add_argument("--device", default=None, help="GPU index or part of its name")
     d.add_argument("--config", default=None, help="models.yaml path")
     d.add_argument("--check", action="store_true", help="run the functional check for unchecked candidates now")

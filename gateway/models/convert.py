@@ -80,16 +80,16 @@ def convert(
             raise ConversionError(f"unknown delegate {delegate!r}; one of {', '.join(DELEGATES)}")
         if precision != "fp32":
             raise ConversionError("ExecuTorch programs are exported in fp32 for now (--precision fp32)")
+    fmt, variant = {"onnx": ("onnx", provider), "coreml": ("coreml", None), "executorch": ("pte", delegate)}[to]
+    out = registry.converted_dir(spec, fmt, precision, variant)
+    if (out / MANIFEST).is_file() and not force:  # a finished artifact needs no converter installed
+        progress(f"{spec.id}: {out.name} already converted: {out}")
+        return out
     missing = missing_modules(to)
     if missing:
         raise ConversionError(
             f"converting to {to} needs {', '.join(missing)}: pip install -e '.[convert{',executorch' if to == 'executorch' else ''}]'"
         )
-    fmt, variant = {"onnx": ("onnx", provider), "coreml": ("coreml", None), "executorch": ("pte", delegate)}[to]
-    out = registry.converted_dir(spec, fmt, precision, variant)
-    if (out / MANIFEST).is_file() and not force:
-        progress(f"{spec.id}: {out.name} already converted: {out}")
-        return out
     t0 = time.perf_counter()
     hf = hf_checkpoint(registry, spec, progress, show_output)
     with _staging(out) as tmp:
