@@ -85,11 +85,12 @@ TOLERANCES: tuple[tuple[tuple[str, str, str], ParityTolerance], ...] = (
     (("llamacpp/cpu", "executorch/cpu", "quant"), CROSS_RUNTIME_QUANT),
     (("executorch/cpu", "llamacpp/cpu", "quant"), CROSS_RUNTIME_QUANT),
     # The two Vulkan runtimes on the same weights: ExecuTorch's Vulkan delegate computes the fp32
-    # export in fp32 (its logits within 1.3e-4 of transformers), so against llama.cpp's Vulkan build
-    # it differs as that build differs from the CPU. Measured on lavapipe (2 prompts x 12 tokens):
-    # mean KL 0.0028, max 0.010, top-1 0.958 (one prompt 0.917), perplexity 2.135 vs 2.115.
-    (("llamacpp/vulkan", "executorch/vulkan", "quant"), GPU_VS_CPU_QUANT),
-    (("executorch/vulkan", "llamacpp/vulkan", "quant"), GPU_VS_CPU_QUANT),
+    # export in fp32 (its logits within 1.3e-4 of transformers and of XNNPACK). Against llama.cpp's
+    # Vulkan build: on lavapipe (2 prompts x 12 tokens) mean KL 0.0028, max 0.010, top-1 0.958 (one
+    # prompt 0.917); on the H100 (6 prompts x 32) mean KL 0.0011, max 0.011, top-1 0.979 (worst
+    # prompt 0.938), perplexity 2.082 vs 2.078 - inside the cross-runtime row with 4x room in KL.
+    (("llamacpp/vulkan", "executorch/vulkan", "quant"), CROSS_RUNTIME_QUANT),
+    (("executorch/vulkan", "llamacpp/vulkan", "quant"), CROSS_RUNTIME_QUANT),
     (("llamacpp/cpu", "executorch/vulkan", "quant"), CROSS_RUNTIME_QUANT),
     (("executorch/vulkan", "llamacpp/cpu", "quant"), CROSS_RUNTIME_QUANT),
     (("cpu", "vulkan", "quant"), GPU_VS_CPU_QUANT),
