@@ -128,6 +128,10 @@ def main() -> int:
     ap.add_argument("--prefill-tokens", type=int, default=512, help="prompt size of the prefill measurement (0 = skip)")
     ap.add_argument("--json-line", action="store_true", help="print one line of JSON instead of a table")
     args = ap.parse_args()
+    if args.backend == "vulkan":  # as the gateway does: ggml hides a software device (lavapipe) otherwise
+        from gateway.host.hardware import probe_vulkan, vulkan_visible_env
+
+        os.environ.update(vulkan_visible_env(probe_vulkan()))
     rows = [asyncio.run(measure(v, args.backend, args.tokens, args.runs, args.threads, args.prefill_tokens))
             for v in args.variants.split(",")]
     if args.json_line:
