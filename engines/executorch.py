@@ -1,4 +1,5 @@
-"""The ExecuTorch engine: a `.pte` program from `gateway convert --to executorch`, on XNNPACK (CPU).
+"""The ExecuTorch engine: a `.pte` program from `gateway convert --to executorch`, on XNNPACK (CPU)
+or on the Vulkan delegate (`--delegate vulkan`, a GPU or lavapipe).
 
 Serves the folder the conversion writes: `model.pte` (method `forward(tokens (1, q), input_pos (1,))
 -> logits (1, q, vocab)`, its KV cache in mutable buffers that ExecuTorch plans with the rest of
@@ -12,6 +13,13 @@ cache holds, so a request that begins with the last one's tokens (a conversation
 prefills only the rest. Prompts are fed in chunks of the program's `max_seq` tokens. Sampling,
 stop strings, resume after a failover and logits are the CoreML engine's (the same step loop over
 a different `_predict`).
+
+XNNPACK programs run through the wheel's Python bindings (torch tensors in and out, the llama::
+kernels of the exported KV cache registered by the wheel's custom-ops library). Vulkan programs run
+through `libgateway_et_runner.so`, a small C runner over the wheel's `libexecutorch.so` built with
+the Vulkan backend by scripts/install-executorch.sh: no torch in the worker (the bindings need the
+exact torch the wheel was built with), and ctypes releases the GIL during a step, so the worker's
+heartbeat goes on while a slow device computes. `ETVK_DEVICE_INDEX` picks the loader's device.
 """
 
 from __future__ import annotations

@@ -140,6 +140,20 @@ def converted_gateway(runtime: str, fmt: str, converted: dict[str, str], artifac
                                    registry)).start()
 
 
+def chat_answers_paris(server: ServerThread, engine: str, max_tokens: int = 24) -> None:
+    """Through the openai SDK: the capital question at temperature 0 answers Paris from `engine`
+    (the X-Engine header), and the stream's text equals the non-stream answer."""
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
+    msgs: Any = [{"role": "user", "content": "What is the capital of France?"}]
+    raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=msgs, max_tokens=max_tokens,
+                                                           temperature=0)
+    assert raw.headers["x-engine"] == engine
+    resp = raw.parse()
+    assert "Paris" in (resp.choices[0].message.content or "")
+    stream = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=max_tokens, temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == resp.choices[0].message.content
+
+
 def parity_against_llamacpp(runtime: str, tmp_path: Path, engine: str = "cpu") -> dict[str, Any]:
     """`gateway parity`: llama.cpp on the Q4_1 GGUF as reference, `runtime` as candidate, both on
     `engine` (cpu, or vulkan on lavapipe), two prompts x 12 tokens; asserts the verdict and returns

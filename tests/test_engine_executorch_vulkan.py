@@ -14,17 +14,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import openai
 import pytest
 
 from engines.base import EngineConfig, ModelLoadError
-from tests.conftest import MODEL, converted_gateway, parity_against_llamacpp
+from tests.conftest import chat_answers_paris, converted_gateway, parity_against_llamacpp
 
 pytest.importorskip("executorch", reason="executorch is not installed (pip install -e '.[executorch]')")
 
 from engines.executorch import VULKAN_LIB_ENV, ExecuTorchEngine, load_vulkan_backend  # noqa: E402
-
-QUESTION = "What is the capital of France?"
 
 
 def _engine(pte: Path, backend: str) -> ExecuTorchEngine:
@@ -82,14 +79,7 @@ def test_gateway_serves_chat_on_executorch_vulkan(pte_vulkan: Path, tmp_path: Pa
     server = converted_gateway("executorch", "pte", {"precision": "fp32", "provider": "vulkan"}, pte_vulkan,
                                tmp_path, default_registry, engine="vulkan", parallel=1)
     try:
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
-        msgs: Any = [{"role": "user", "content": QUESTION}]
-        raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=msgs, max_tokens=16, temperature=0)
-        assert raw.headers["x-engine"] == "executorch/vulkan"
-        resp = raw.parse()
-        assert "Paris" in (resp.choices[0].message.content or "")
-        stream = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16, temperature=0, stream=True)
-        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == resp.choices[0].message.content
+        chat_answers_paris(server, "executorch/vulkan", max_tokens=16)
     finally:
         server.stop()
 

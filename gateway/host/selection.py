@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
-from gateway.host.hardware import HostCapabilities, LlamaCppBuild, VulkanDevice
+from gateway.host.hardware import HostCapabilities, LlamaCppBuild, VulkanDevice, VulkanInfo
 from gateway.models.registry import ModelSpec
 
 # What each runtime consumes.
@@ -146,20 +146,27 @@ def _llama_cpu(host: HostCapabilities, pref: Preference) -> Found:
     return [("cpu", "", None)], []
 
 
+def _vulkan_devices(vk: VulkanInfo, pref: Preference, what: str) -> tuple[list[VulkanDevice], list[Skip]]:
+    """The Vulkan devices a runtime may use, best first: the requested one, and a software
+    (CPU-type) device only when Vulkan was asked for."""
+    eligible, skips = [], []
+    for dev in sorted(vk.devices, key=lambda d: (VULKAN_RANK.get(d.type, 9), d.index)):
+        if not _match(pref.device, dev.index, dev.name):
+            skips.append(Skip(f"{what} {dev.name}", f"not the requested device {pref.device!r}"))
+        elif dev.type == "cpu" and pref.engine == "auto" and pref.device is None:
+            skips.append(Skip(f"{what} {dev.name}", "a software (CPU-type) Vulkan device is slower than "
+                              "the CPU engine; use --engine vulkan to pick it anyway"))
+        else:
+            eligible.append(dev)
+    return eligible, skips
+
+
 def _llama_vulkan(host: HostCapabilities, pref: Preference) -> Found:
     vk = host.vulkan
     if not vk.devices:
         kind = "unusable" if vk.drivers else "absent"
         return [], [Skip("llamacpp/vulkan", vk.reason, kind)]
-    eligible, skips = [], []
-    for dev in sorted(vk.devices, key=lambda d: (VULKAN_RANK.get(d.type, 9), d.index)):
-        if not _match(pref.device, dev.index, dev.name):
-            skips.append(Skip(f"llamacpp/vulkan {dev.name}", f"not the requested device {pref.device!r}"))
-        elif dev.type == "cpu" and pref.engine == "auto" and pref.device is None:
-            skips.append(Skip(f"llamacpp/vulkan {dev.name}", "a software (CPU-type) Vulkan device is slower than "
-                              "the CPU engine; use --engine vulkan to pick it anyway"))
-        else:
-            eligible.append(dev)
+    eligible, skips = _vulkan_devices(vk, pref, "llamacpp/vulkan")
     if not eligible:
         return [], skips
     skip = _llama_built(host, "vulkan", "Vulkan")
@@ -235,16 +242,8 @@ def _executorch_vulkan(host: HostCapabilities, pref: Preference) -> Found:
         return [], [Skip("executorch/vulkan", host.executorch_vulkan.reason)]
     if not host.vulkan.devices:
         return [], [Skip("executorch/vulkan", host.vulkan.reason or "no Vulkan device", "absent")]
-    out, skips = [], []
-    for dev in sorted(host.vulkan.devices, key=lambda d: (VULKAN_RANK.get(d.type, 9), d.index)):
-        if not _match(pref.device, dev.index, dev.name):
-            skips.append(Skip(f"executorch/vulkan {dev.name}", f"not the requested device {pref.device!r}"))
-        elif dev.type == "cpu" and pref.engine == "auto" and pref.device is None:
-            skips.append(Skip(f"executorch/vulkan {dev.name}", "a software (CPU-type) Vulkan device is slower than "
-                              "the CPU engine; use --engine vulkan to pick it anyway"))
-        else:
-            out.append((dev.name, str(dev.index), dev.index))
-    return out, skips
+    eligible, skips = _vulkan_devices(host.vulkan, pref, "executorch/vulkan")
+    return [(dev.name, str(dev.index), dev.index) for dev in eligible], skips
 
 
 FINDERS: dict[tuple[str, str], Finder] = {
