@@ -74,10 +74,10 @@ def render(host: HostCapabilities, plans: dict[str, Plan | str], checks: dict[st
         lines.append(f"CUDA      {cu.error}")
     for name, rt in (("Metal", host.metal), ("DirectML", host.directml), ("CoreML", host.coreml)):
         lines.append(f"{name:<9} {'available: ' + rt.detail if rt.available else rt.reason}")
-    et, vk = host.executorch, host.executorch_vulkan
+    et, et_vk = host.executorch, host.executorch_vulkan
     lines.append(f"ExecuTorch {'available: ' + et.detail if et.available else et.reason}")
     if et.available:
-        lines.append(f"  Vulkan   {'available: ' + vk.detail if vk.available else vk.reason}")
+        lines.append(f"  Vulkan   {'available: ' + et_vk.detail if et_vk.available else et_vk.reason}")
     b = host.llamacpp
     if b.installed:
         lines.append(f"llama.cpp llama-cpp-python {b.version}, backends: {', '.join(b.backends) or '-'}")

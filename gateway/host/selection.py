@@ -243,7 +243,8 @@ def _executorch_vulkan(host: HostCapabilities, pref: Preference) -> Found:
     if not host.vulkan.devices:
         return [], [Skip("executorch/vulkan", host.vulkan.reason or "no Vulkan device", "absent")]
     eligible, skips = _vulkan_devices(host.vulkan, pref, "executorch/vulkan")
-    return [(dev.name, str(dev.index), dev.index) for dev in eligible], skips
+    found: list[tuple[str, str, int | None]] = [(dev.name, str(dev.index), dev.index) for dev in eligible]
+    return found, skips
 
 
 FINDERS: dict[tuple[str, str], Finder] = {
