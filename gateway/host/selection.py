@@ -172,7 +172,7 @@ def _llama_vulkan(host: HostCapabilities, pref: Preference) -> Found:
     skip = _llama_built(host, "vulkan", "Vulkan")
     if skip:
         return [], [*skips, skip]
-    out = []
+    out: list[tuple[str, str, int | None]] = []
     for dev in eligible:
         ggml = _ggml_vulkan_name(host, dev)
         if ggml is None:
