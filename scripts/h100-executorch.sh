@@ -14,6 +14,14 @@
 #   scripts/h100-executorch.sh pack        (here) cut .h30/part-*
 #   scripts/h100-executorch.sh stash       (there) keep the carried parts
 #   scripts/h100-executorch.sh run         (there) assemble; devices, chat, parity, bench -> $OUT
+#
+# The XNNPACK program on the host's CPU goes through the wheel's pybindings, which need torch 2.13:
+# its cp312 wheel from PyPI (the CUDA 13 build, 527 MB) travels too, in .h31/part-* (with the
+# program and executorch's Python dependencies).  That torch wants a newer NCCL than the image's; the
+# CPU run never calls NCCL, so the missing entry points are stubbed (LD_PRELOAD) to let it import.
+#   scripts/h100-executorch.sh pack-cpu    (here) cut .h31/part-*
+#   scripts/h100-executorch.sh stash-cpu   (there) keep the carried parts
+#   scripts/h100-executorch.sh run-cpu     (there) ExecuTorch/XNNPACK decode and prefill -> $OUT
 set -uo pipefail
 cd "$(dirname "$0")/.."
 W=/tmp/h30
@@ -78,5 +86,42 @@ run)
   timeout 100 python3 benchmarks/bench_ortgenai.py --backend cpu --variants llamacpp > "$out/bench-cpu.txt" 2>&1
   tail -n 12 "$out"/*.txt
   ;;
-*) echo "usage: $0 pack | stash | run" >&2; exit 2 ;;
+pack-cpu)
+  set -e
+  cache="${XDG_CACHE_HOME:-$HOME/.cache}/llm-gateway"
+  st="$(mktemp -d)"; trap 'rm -rf "$st"' EXIT
+  mkdir -p "$st/whl" "$st/converted"
+  V() { .venv/bin/python -c "import importlib.metadata as m; print(m.version('$1'))"; }
+  for pkg in torch executorch torchao ruamel.yaml zstandard; do
+    v="$(V "$pkg")"; v="${v%%+*}"
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
+      --platform manylinux2014_x86_64 -d "$st/whl" "$pkg==$v"
+  done
+  cp .whl/*.whl "$st/whl/"
+  cp -r "$cache/converted/$model/pte-fp32-xnnpack" "$st/converted/"
+  rm -rf .h31; mkdir -p .h31
+  tar cf - -C "$st" . | split -b 58m - .h31/part-
+  ls -la .h31
+  ;;
+stash-cpu)
+  mkdir -p /tmp/h31; cp .h31/part-* /tmp/h31/ 2>/dev/null; ls /tmp/h31 | wc -l
+  ;;
+run-cpu)
+  X=/tmp/h31; out="${OUT:-$X/out}"; mkdir -p "$out" "$X/x"
+  cp .h31/part-* "$X/" 2>/dev/null
+  cat "$X"/part-* | tar xf - -C "$X/x" || exit 1
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$X/site" "$X"/x/whl/*.whl
+  nccl="$(python3 -c 'import nvidia.nccl; print(list(nvidia.nccl.__path__)[0])')/lib/libnccl.so.2"
+  comm -23 <(nm -D --undefined-only "$X/site/torch/lib/libtorch_cuda.so" | awk '{print $2}' | sed 's/@.*//' | grep '^nccl' | sort -u) \
+    <(nm -D --defined-only "$nccl" | awk '{print $3}' | sed 's/@.*//' | sort -u) > "$X/nccl-missing.txt"
+  while read -r sym; do echo "int $sym(void) { return 5; }"; done < "$X/nccl-missing.txt" > "$X/nccl-stub.c"
+  gcc -shared -fPIC "$X/nccl-stub.c" -o "$X/libncclstub.so"
+  export XDG_CACHE_HOME="$X/cache" PYTHONPATH="$X/site:$PWD" PYTHONUNBUFFERED=1 LD_PRELOAD="$X/libncclstub.so"
+  mkdir -p "$XDG_CACHE_HOME/llm-gateway/converted/$model"
+  cp -r "$X/x/converted/pte-fp32-xnnpack" "$XDG_CACHE_HOME/llm-gateway/converted/$model/"
+  timeout 400 python3 benchmarks/bench_ortgenai.py --backend cpu --variants executorch-xnnpack > "$out/bench-cpu-executorch.txt" 2>&1
+  tail -n 5 "$out/bench-cpu-executorch.txt"
+  ;;
+*) echo "usage: $0 pack | stash | run | pack-cpu | stash-cpu | run-cpu" >&2; exit 2 ;;
 esac
