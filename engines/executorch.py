@@ -235,7 +235,8 @@ class ExecuTorchEngine(CoreMLEngine):
                             extra={"delegate": delegate})
         self._program: Any = None
         self._local = threading.local()
-        self._slots: list[_Slot] = []
+        self._slots: list[_Slot] = []  # not yet taken by a pool thread
+        self._methods: list[Any] = []  # every loaded method, to free on close
         self._slots_lock = threading.Lock()
         self._max_seq = 1
 
@@ -276,7 +277,8 @@ class ExecuTorchEngine(CoreMLEngine):
         self._max_seq = int(meta.get("max_seq", 1))
         try:
             self._program = loader(str(d / "model.pte"))
-            self._slots = [_Slot(self._program.load_method(meta.get("method", "forward"))) for _ in range(max(1, o.parallel))]
+            self._methods = [self._program.load_method(meta.get("method", "forward")) for _ in range(max(1, o.parallel))]
+            self._slots = [_Slot(m) for m in self._methods]
         except Exception as exc:
             raise ModelLoadError(f"ExecuTorch could not load {d}: {exc}") from exc
         self._pool = WorkerPool(o.parallel, o.max_queue, name="executorch")
@@ -291,9 +293,9 @@ class ExecuTorchEngine(CoreMLEngine):
 
     async def close(self) -> None:
         await super().close()
-        for slot in self._slots:
-            slot.method.close()
-        self._slots = []
+        for method in self._methods:  # the pool's threads have stopped: no step is running
+            method.close()
+        self._methods, self._slots = [], []
         self._program = None
 
     def _new_state(self) -> _Slot:
