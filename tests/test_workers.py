@@ -117,6 +117,7 @@ def _started(stream: Stream, frames: int = 5) -> None:
 def test_a_worker_killed_mid_stream_does_not_end_the_stream(gw: Gateway, sig: int) -> None:
     reference = _greedy(gw.url, 200)
     before = _worker(gw.url)
+    silent_before = gw.log().count("stopped answering heartbeats")
     stream = Stream(gw.url, max_tokens=200, include_usage=True)
     _started(stream)
     os.kill(before["pid"], sig)
@@ -127,7 +128,10 @@ def test_a_worker_killed_mid_stream_does_not_end_the_stream(gw: Gateway, sig: in
     assert _text(stream) == reference["choices"][0]["message"]["content"]
     usage = stream.chunks()[-1]["usage"]
     assert usage["completion_tokens"] == 200 and usage["prompt_tokens"] == reference["usage"]["prompt_tokens"]
-    assert usage["failovers"] == 1
+    # One failover for the kill; this gateway's 1 s heartbeat may also, on a loaded 2-core machine,
+    # give up on the restarted worker (logged as such): each of those is one more, nothing else is.
+    spurious = gw.log().count("stopped answering heartbeats") - silent_before
+    assert usage["failovers"] == 1 + spurious, gw.log()[-4000:]
     after = _ready_again(gw.url, before["pid"])
     assert after["crashes"] >= before["crashes"] + 1
     assert gw.proc.poll() is None
