@@ -38,8 +38,6 @@ INSTALL = {
     "ortgenai/cuda": "pip install onnxruntime-genai-cuda",
     "ortgenai/directml": "pip install onnxruntime-genai-directml",
     "coreml": "pip install coremltools (on macOS)",
-    "executorch": "pip install -e '.[executorch]'",
-    "executorch/vulkan": "scripts/install-executorch.sh vulkan",
 }
 
 
