@@ -221,6 +221,9 @@ class EngineConfig:
     # llama.cpp: prompt tokens prefilled per step while other sequences are decoding (chunked
     # prefill); 0 = the device class's default (engines/llamacpp/engine.py PREFILL_BUDGET).
     prefill_budget: int = 0
+    # llama.cpp: keep every position in the KV of sliding-window layers (llama.cpp's --swa-full):
+    # more memory and slower long prompts, but any prefix of a sequence can be reused.
+    swa_full: bool = False
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from gateway.models.gguf_info import read_gguf
-from gateway.models.memory import MiB, estimate, fit, kv_bytes_per_token
+from gateway.models.memory import MiB, estimate, fit, kv_bytes_per_sequence, kv_bytes_per_token, swa_layers
 from gateway.models.registry import load_registry
 from tests.conftest import ROOT
 from tests.test_production import Gateway
@@ -33,6 +33,13 @@ def test_estimate_reads_the_shapes_from_the_gguf() -> None:
     # f16 K and V: layers x KV heads x (key + value length) x 2 bytes
     assert kv_bytes_per_token(smol) == 30 * 3 * (64 + 64) * 2
     assert kv_bytes_per_token(gemma) == 18 * 1 * (256 + 256) * 2
+    # Gemma 3: every 6th layer sees the whole context, the other 15 a window of 512 (+ a batch of
+    # 512 cells) unless swa_full.
+    assert swa_layers(gemma) == (512, [i % 6 != 5 for i in range(18)]) and swa_layers(smol) == (0, [])
+    assert kv_bytes_per_sequence(gemma, 32768) == (3 * 32768 + 15 * 1024) * 1024
+    assert kv_bytes_per_sequence(gemma, 32768, swa_full=True) == kv_bytes_per_token(gemma) * 32768
+    assert kv_bytes_per_sequence(gemma, 600) == 18 * 600 * 1024  # a context shorter than window + batch
+    assert kv_bytes_per_sequence(smol, 2048) == kv_bytes_per_token(smol) * 2048
     n = estimate(smol, 2048, 4)
     assert n.parts["kv"] == 30 * 3 * 128 * 2 * 2048 * 4
     assert n.parts["weights"] == smol.weight_bytes and n.gpu == 0 and n.host == sum(n.parts.values())
@@ -59,7 +66,7 @@ def test_fit_sizes_down_sequences_then_context() -> None:
 
 @pytest.fixture
 def two_models(tmp_path: Path) -> Path:
-    """SmolLM2 (~330 MiB estimated at 2k x 1) and Gemma-3-270M (~550 MiB at 2k x 1, ~1.1 GiB at 32k)."""
+    """SmolLM2 (~330 MiB estimated at 2k x 1) and Gemma-3-270M (~577 MiB at 2k x 1, ~667 MiB at 32k)."""
     data = yaml.safe_load((ROOT / "models.yaml").read_text())
     models = {m["id"]: m for m in data["models"]}
     smol = {**models[SMOL], "context_length": 2048, "parallel": 1}
@@ -136,15 +143,16 @@ def test_a_model_too_large_is_refused_before_loading(gateway: callable) -> None:
 
 
 def test_a_long_context_is_sized_down_to_fit(gateway: callable) -> None:
-    g = gateway("--memory-budget", "750M")
+    # Gemma's window layers keep 1024 cells whatever the context: ~667 MiB at 32k, ~619 at 16k
+    g = gateway("--memory-budget", "640M")
     r = _chat(g.url, "gemma-long")
     assert r.status_code == 200, r.text
     row = _health(g.url)["models"]["gemma-long"]
-    assert row["memory"]["sized_down"] == "parallel 1 -> 1, context 32768 -> 8192", row
-    assert row["memory"]["estimate"]["context"] == 8192
+    assert row["memory"]["sized_down"] == "parallel 1 -> 1, context 32768 -> 16384", row
+    assert row["memory"]["estimate"]["context"] == 16384
     assert "gemma-long sized down to fit the memory budget of cpu" in g.log()
     show = httpx.post(f"{g.url}/api/show", json={"model": "gemma-long"}, timeout=30).json()
-    assert show["model_info"]["general.context_length"] == 8192
+    assert show["model_info"]["general.context_length"] == 16384
 
 
 def test_idle_models_unload_after_keep_alive(gateway: callable) -> None:
@@ -192,5 +200,5 @@ def test_devices_says_what_fits_before_anything_loads() -> None:
     assert f"memory: needs {need.host / MiB:.0f} MiB RAM" in out
     out = devices("500M")
     assert "memory: DOES NOT FIT: needs" in out and "budget 500 MiB RAM" in out
-    out = devices("800M")
-    assert "sized down to fit: parallel 1 -> 1, context 32768 -> 8192" in out
+    out = devices("640M")
+    assert "sized down to fit: parallel 1 -> 1, context 32768 -> 16384" in out

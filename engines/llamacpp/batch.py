@@ -155,8 +155,13 @@ class BatchScheduler:
         host_cache: HostPrefixCache | None = None,
         identity: str = "",
         prefill_budget: int = 0,
+        n_swa: int = 0,
     ) -> None:
         self._ctx = ctx
+        # The sliding window of the model's SWA layers when their KV keeps only the window
+        # (swa_full off): a sequence's KV then serves a prefix only if the window before its end is
+        # still there (`_floor`). 0: every layer keeps every position.
+        self._n_swa = n_swa
         # Sequences' KV saved to host memory when their slot is reused, restored for a later
         # prompt that starts the same way (the next turn of a conversation that lost its slot).
         self.host_cache = host_cache
@@ -324,13 +329,13 @@ class BatchScheduler:
         if isinstance(job, GenJob):
             # Reuse the cached prefix; at least one prompt token must be decoded for logits.
             limit = len(job.prompt_ids) - 1
-            keep = min(_common_prefix(slot.cached, job.prompt_ids), limit)
+            keep = self._usable(slot, min(_common_prefix(slot.cached, job.prompt_ids), limit))
             self._save(slot, keep)
             # Another sequence (running or finished) may hold a longer prefix: a shared system
             # prompt, the previous turn of this chat. Copy its KV instead of recomputing it.
             donor = max((s for s in self._slots if s is not slot), default=None,
                         key=lambda s: _common_prefix(s.cached, job.prompt_ids))
-            shared = min(_common_prefix(donor.cached, job.prompt_ids), limit) if donor is not None else 0
+            shared = self._usable(donor, min(_common_prefix(donor.cached, job.prompt_ids), limit)) if donor is not None else 0
             # Or the host cache, when it holds more of the prompt than any sequence does (the
             # conversation's last turn, saved when its slot went to another).
             restored = self._restore(slot, job, max(keep, shared), limit)
@@ -370,6 +375,19 @@ class BatchScheduler:
                 slot.draft_len = self._draft_max
         self._place_sampler(slot, job)
 
+    def _floor(self, slot: _Slot) -> int:
+        """The shortest prefix of the slot's KV that can be kept: 0 without a sliding window; with
+        one, the oldest position its window layers still hold plus the window (the next token
+        attends to the window before it, and older positions have been overwritten)."""
+        if not self._n_swa or not slot.cached:
+            return 0
+        pos_min = lc.llama_memory_seq_pos_min(self._mem, slot.seq_id)
+        return 0 if pos_min <= 0 else pos_min + self._n_swa
+
+    def _usable(self, slot: _Slot, n: int) -> int:
+        """`n` tokens of the slot's prefix if its KV can serve them, else 0."""
+        return n if n >= self._floor(slot) else 0
+
     def _save(self, slot: _Slot, keep: int) -> None:
         """Keep the slot's KV in host memory when the new request would cut it (its conversation
         may come back after the slot has gone to others)."""
@@ -388,12 +406,13 @@ class BatchScheduler:
         if self.save_bps and self.prefill_tps and tail / self.prefill_tps < size / self.save_bps:
             host.skipped_saves += 1
             return
+        floor = self._floor(slot)
         buf = np.empty(size, dtype=np.uint8)  # not zeroed: the copy fills it
         t0 = time.perf_counter()
         n = lc.llama_state_seq_get_data(self._ctx, buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), size, slot.seq_id)
         self.save_bps = _ema(self.save_bps, n / max(time.perf_counter() - t0, 1e-6))
         if n > 0:
-            host.put(self._identity, tokens, buf, n)
+            host.put(self._identity, tokens, buf, n, floor)
 
     def _restore(self, slot: _Slot, job: GenJob, keep: int, limit: int) -> int:
         """Load the longest host-cached prefix of the prompt into the slot when it beats `keep`

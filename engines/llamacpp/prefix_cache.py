@@ -41,6 +41,10 @@ class Entry:
     tokens: npt.NDArray[np.int32]  # the tokens whose KV `data` holds, from position 0
     data: npt.NDArray[np.uint8]  # llama_state_seq_get_data's output
     nbytes: int
+    # The shortest prefix of `tokens` this state can serve: 0, but for a sliding-window KV cache
+    # (the window's layers keep only their last positions), the oldest position kept plus the
+    # window (a prefix cut earlier would miss the window before its end).
+    floor: int = 0
 
 
 @dataclass
@@ -70,7 +74,7 @@ class HostPrefixCache:
                 if e.identity != identity:
                     continue
                 n = min(common_prefix(e.tokens, prompt), limit)
-                if n > best[1]:
+                if n > best[1] and n >= e.floor:
                     best, best_key = (e, n), key
             if best[0] is not None and touch:
                 self._entries.move_to_end(best_key)
@@ -82,19 +86,20 @@ class HostPrefixCache:
             return any(e.identity == identity and len(e.tokens) >= len(tokens)
                        and common_prefix(e.tokens, tokens) == len(tokens) for e in self._entries.values())
 
-    def put(self, identity: str, tokens: npt.NDArray[np.int32], data: Any, nbytes: int) -> bool:
-        """Keep a sequence's state; entries it extends (the same conversation's earlier turn) go."""
+    def put(self, identity: str, tokens: npt.NDArray[np.int32], data: Any, nbytes: int, floor: int = 0) -> bool:
+        """Keep a sequence's state; entries it extends and can stand in for (the same conversation's
+        earlier turn, unless a sliding window has moved past what that turn could serve) go."""
         if nbytes > self.limit_bytes:
             return False
         with self._lock:
             for key, e in list(self._entries.items()):
-                if e.identity == identity and len(e.tokens) <= len(tokens) \
+                if e.identity == identity and len(e.tokens) <= len(tokens) and floor <= e.floor \
                         and common_prefix(e.tokens, tokens) == len(e.tokens):
                     self._drop(key)
             while self._entries and self.bytes + nbytes > self.limit_bytes:
                 self._drop(next(iter(self._entries)))
                 self.evictions += 1
-            self._entries[self._next] = Entry(identity, tokens, data, nbytes)
+            self._entries[self._next] = Entry(identity, tokens, data, nbytes, floor)
             self._next += 1
             self.bytes += nbytes
             self.saved += 1

@@ -3,7 +3,7 @@
 The estimate is read from the GGUF header (gguf_info): the weights (on the GPU when offloaded, but
 for the input embeddings, which llama.cpp keeps in host memory), the KV cache of every sequence at
 the model's context (f16 keys and values for each layer's KV heads; llama.cpp allocates it whole
-when the context is created), the compute buffers, and the worker process itself.
+when the context is created; sliding-window layers hold only their window and a batch), the compute buffers, and the worker process itself.
 
 The compute and runtime terms are calibrated on measurements (the worker's resident memory after
 requests that fill every sequence, ask for logprobs and follow a grammar: benchmarks/bench_memory.py,
@@ -38,11 +38,18 @@ GPU_RUNTIME_HOST_BYTES = 500 * MiB  # the GPU runtime's host memory in the worke
 PER_SEQ_VOCAB_HOST_BYTES = 96  # host buffers per sequence and vocabulary entry (logits, sampling)
 
 
-def kv_bytes_per_token(info: GGUFInfo) -> int:
-    """Bytes of f16 K and V per token of context, over every layer."""
+# Architectures whose sliding-window layers llama.cpp lays out by a fixed pattern when the GGUF has
+# no `attention.sliding_window_pattern` (src/models/*.cpp, load_swa_pattern): (n, dense_first);
+# every n-th layer attends to the whole context, the others to the window.
+SWA_PATTERNS = {"gemma2": (2, False), "gemma3": (6, False), "gemma3n": (5, False), "gemma-embedding": (6, False),
+                "gpt-oss": (2, False), "cohere2": (4, False), "exaone4": (4, False), "olmo2": (4, False)}
+
+
+def _layer_kv_bytes(info: GGUFInfo) -> list[int]:
+    """Bytes of f16 K and V per token of context, for each layer."""
     layers = int(info.arch_key("block_count", 0) or 0)
     if not layers:
-        return 0
+        return []
     heads = info.arch_key("attention.head_count", 0) or 0
     kv_heads = info.arch_key("attention.head_count_kv", heads) or heads
     embd = int(info.arch_key("embedding_length", 0) or 0)
@@ -50,7 +57,37 @@ def kv_bytes_per_token(info: GGUFInfo) -> int:
     head = int(heads[0] if isinstance(heads, list) else heads) or 1
     k_len = int(info.arch_key("attention.key_length", 0) or (embd // head if head else 0))
     v_len = int(info.arch_key("attention.value_length", 0) or k_len)
-    return sum(int(h) * (k_len + v_len) * 2 for h in per_layer_kv[:layers])
+    return [int(h) * (k_len + v_len) * 2 for h in per_layer_kv[:layers]]
+
+
+def kv_bytes_per_token(info: GGUFInfo) -> int:
+    """Bytes of f16 K and V per token of context, over every layer."""
+    return sum(_layer_kv_bytes(info))
+
+
+def swa_layers(info: GGUFInfo) -> tuple[int, list[bool]]:
+    """(window, which layers use it); (0, []) for a model without sliding-window attention."""
+    window = int(info.arch_key("attention.sliding_window", 0) or 0)
+    layers = int(info.arch_key("block_count", 0) or 0)
+    arch = str(info.metadata.get("general.architecture", ""))
+    pattern = info.arch_key("attention.sliding_window_pattern", None)
+    if not window or not layers:
+        return 0, []
+    if isinstance(pattern, list):
+        return window, [bool(x) for x in pattern[:layers]]
+    n, dense_first = (int(pattern), False) if pattern else SWA_PATTERNS.get(arch, (0, False))
+    if not n:
+        return 0, []  # a window but no known layout: count every layer whole (an over-estimate)
+    return window, [(il % n != 0) if dense_first else (il % n < n - 1) for il in range(layers)]
+
+
+def kv_bytes_per_sequence(info: GGUFInfo, ctx: int, n_batch: int = 512, swa_full: bool = False) -> int:
+    """The KV of one sequence of `ctx` tokens: sliding-window layers hold their window and a batch
+    (llama.cpp's default, and the engine's unless `swa_full`), rounded up to 256 cells."""
+    per_layer = _layer_kv_bytes(info)
+    window, is_swa = (0, []) if swa_full else swa_layers(info)
+    swa_cells = min(ctx, -(-(window + n_batch) // 256) * 256) if window else ctx
+    return sum(b * (swa_cells if i < len(is_swa) and is_swa[i] else ctx) for i, b in enumerate(per_layer))
 
 
 @functools.lru_cache(maxsize=64)
@@ -88,12 +125,13 @@ class Need:
         return f"{where} ({parts}; context {self.context} x {self.parallel} sequences)"
 
 
-def estimate(info: GGUFInfo, context: int, parallel: int, device: str = "cpu", worker: bool = True) -> Need:
+def estimate(info: GGUFInfo, context: int, parallel: int, device: str = "cpu", worker: bool = True,
+             swa_full: bool = False) -> Need:
     """The memory of `info` served with `context` tokens per sequence and `parallel` sequences on
     `device` ("cpu" or a GPU key), with the engine's batch of 512 tokens. The host prefix cache is
     not in it: it counts as it fills, through the worker's measured memory."""
     ctx = min(context, info.context_length) if info.context_length else context
-    kv = kv_bytes_per_token(info) * ctx * parallel
+    kv = kv_bytes_per_sequence(info, ctx, swa_full=swa_full) * parallel
     compute = RUNTIME_BYTES + PER_VOCAB_BYTES * info.n_vocab
     weights = info.weight_bytes
     embed = next((t.nbytes for t in info.tensors if t.name == "token_embd.weight"), 0)
@@ -108,13 +146,13 @@ def estimate(info: GGUFInfo, context: int, parallel: int, device: str = "cpu", w
 
 
 def fit(info: GGUFInfo, context: int, parallel: int, device: str, room_host: int, room_gpu: int | None,
-        min_context: int = 2048) -> tuple[Need, str]:
+        min_context: int = 2048, swa_full: bool = False) -> tuple[Need, str]:
     """The largest way to serve `info` within the room given: first fewer sequences (down to one),
     then a shorter context (halved, not below `min_context` or the asked one). (need, what was
     changed, "" when nothing); the need returned may still not fit (the caller refuses it)."""
 
     def need(c: int, p: int) -> Need:
-        return estimate(info, c, p, device)
+        return estimate(info, c, p, device, swa_full=swa_full)
 
     def fits(n: Need) -> bool:
         return n.host <= room_host and (room_gpu is None or n.gpu <= room_gpu)
@@ -136,12 +174,13 @@ def fit(info: GGUFInfo, context: int, parallel: int, device: str, room_host: int
 
 
 def fit_budgets(info: GGUFInfo, context: int, parallel: int, device: str,
-                budgets: dict[str, int]) -> tuple[Need, str, str]:
+                budgets: dict[str, int], swa_full: bool = False) -> tuple[Need, str, str]:
     """`fit` within `budgets` (which has "cpu"): (need, what was sized down, "" when it fits or else
     the budget it exceeds, e.g. "450 MiB RAM" or "2048 MiB RAM, 7000 MiB on cuda:0")."""
     room_host = budgets["cpu"]
     room_gpu = budgets.get(device) if device != "cpu" else None  # unknown GPU memory: RAM only
-    need, changed = fit(info, context, parallel, device, room_host, room_gpu, min_context=min(2048, context))
+    need, changed = fit(info, context, parallel, device, room_host, room_gpu, min_context=min(2048, context),
+                        swa_full=swa_full)
     if need.host > room_host or (room_gpu is not None and need.gpu > room_gpu):
         return need, "", f"{room_host / MiB:.0f} MiB RAM" + (f", {room_gpu / MiB:.0f} MiB on {device}" if room_gpu else "")
     return need, changed, ""

@@ -229,7 +229,8 @@ class ModelManager:
         if info is None or "cpu" not in self.budgets:
             return config, None, ""
         device = device_of(cand, self.host)
-        need, changed, exceeded = fit_budgets(info, config.context_length, config.parallel, device, self.budgets)
+        need, changed, exceeded = fit_budgets(info, config.context_length, config.parallel, device, self.budgets,
+                                               swa_full=config.swa_full)
         if exceeded:
             raise ModelTooLarge(
                 f"model {spec.id!r} needs {need.describe()} even with one sequence and a {need.context}-token "
@@ -744,6 +745,7 @@ def engine_config(spec: ModelSpec, cand: Candidate, path: str, settings: Setting
         draft_streams=spec.speculative.max_streams if spec.speculative else 0,
         prefix_cache_mib=_first(settings.prefix_cache, spec.prefix_cache, -1),
         prefill_budget=_first(settings.prefill_budget, spec.prefill_budget, 0),
+        swa_full=spec.swa_full,
     )
 
 

@@ -241,6 +241,10 @@ class ModelSpec(_Strict):
                                      "(default: a quarter of the available memory, at most 8 GiB; 0 = off)")
     prefill_budget: int | None = Field(default=None, ge=1, description="llama.cpp: prompt tokens prefilled per step while "
                                        "other sequences decode (default per device: CPU 64, Vulkan 256, CUDA 512)")
+    swa_full: bool = Field(default=False, description="llama.cpp: keep every position in the KV of sliding-window "
+                           "layers (llama-server's --swa-full): more memory and slower long prompts, but any prefix "
+                           "of a sequence's KV can be reused (by default only prefixes ending within the window of "
+                           "its end)")
     grammar: str | None = Field(default=None, description="llama.cpp: a GBNF grammar that this model's free-text "
                                 "answers follow (llama-server's --grammar); a request's JSON format or tools replace it")
     defaults: Defaults = Defaults()
