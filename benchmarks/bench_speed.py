@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_speed.py [--backend cpu|cuda|vulkan] [--rounds 4]
         [--concurrency 1,8,16] [--server-bin DIR] [--speculative 3:16] [--json out.json]
+        [--gateway-variant 'no host cache:GATEWAY_PREFIX_CACHE=0' ...]
 
 Same llama.cpp (llama-server is built from the sdist of the installed llama-cpp-python,
 benchmarks/build-llama-server.sh, or taken from --server-bin), same model, same parallel sequences
@@ -173,6 +174,8 @@ def main() -> int:
     ap.add_argument("--speculative", default=None, metavar="N:M",
                     help="also compare n-gram speculative decoding (lookup n-gram N, draft up to M) on copying prompts")
     ap.add_argument("--spec-concurrency", default="1,4")
+    ap.add_argument("--gateway-variant", action="append", default=[], metavar="NAME:VAR=VALUE[,VAR=VALUE]",
+                    help="also a gateway with these environment settings, e.g. 'no host cache:GATEWAY_PREFIX_CACHE=0'")
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
@@ -207,6 +210,11 @@ def main() -> int:
         if not args.no_other_sampling:
             servers.gateway(other, {"GATEWAY_DEVICE_SAMPLING": "on" if args.backend == "cpu" else "off"})
             names.append(other)
+        for variant in args.gateway_variant:
+            label, _, settings = variant.partition(":")
+            name = f"gateway, {label}"
+            servers.gateway(name, dict(kv.split("=", 1) for kv in settings.split(",") if kv))
+            names.append(name)
         servers.llama_server("llama-server", bin_dir, [])
         names.append("llama-server")
         if not args.no_backend_sampling:
@@ -218,7 +226,7 @@ def main() -> int:
         finally:
             servers.stop()
         everything["throughput"] = results
-        ratios = [("gateway", "llama-server")]
+        ratios = [("gateway", "llama-server")] + [("gateway", n) for n in names if n.startswith("gateway, ") and n != other]
         if other in names:
             ratios.append(("gateway", other))
         if "llama-server -bs" in names:

@@ -45,6 +45,12 @@ EmitFn = Callable[[TokenEvent | BaseException], None]
 # whole stream (a few MB for a small model), prefill of 16 tokens costs more on any backend.
 MIN_COPY_GAIN = 16
 
+# Seconds of prefill a saved state must stand for: a save stops every running stream for its copy,
+# and most saved states never come back (one-off prompts). A state that prefills again in less
+# than this is not worth a host-cache entry (on the H100, SmolLM2's 256-token requests: saving
+# each cost 4-12% of 1-16-stream throughput and 40% of TTFT; BENCHMARKS.md, issue 28).
+MIN_SAVE_GAIN_S = 0.05
+
 # A prompt goes to the free sequence already holding its prefix (instead of the lowest free one)
 # when that prefix is at least this long and at least half the prompt.
 OWN_SLOT_TOKENS = 256
@@ -401,9 +407,11 @@ class BatchScheduler:
         size = lc.llama_state_seq_get_size(self._ctx, slot.seq_id)
         if size <= 0 or size > host.limit_bytes:
             return
-        # Worth it when prefilling what no entry holds yet would take longer than the copy.
+        # Worth it when prefilling what no entry holds yet would take longer than the copy, and
+        # long enough to matter.
         tail = len(tokens) - max(covered, keep)
-        if self.save_bps and self.prefill_tps and tail / self.prefill_tps < size / self.save_bps:
+        if self.prefill_tps and (tail / self.prefill_tps < MIN_SAVE_GAIN_S or (
+                self.save_bps and tail / self.prefill_tps < size / self.save_bps)):
             host.skipped_saves += 1
             return
         floor = self._floor(slot)
