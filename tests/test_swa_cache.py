@@ -139,3 +139,23 @@ async def test_swa_full_keeps_every_position_and_reuses_any_prefix() -> None:
         assert usage.cached_tokens > 1500, usage
     finally:
         await e.close()
+
+
+async def test_sessions_sharing_a_system_prompt_reuse_it_through_a_checkpoint() -> None:
+    e = await _engine(prefix_cache_mib=256)
+    try:
+        await _ask(e, _chat(SYSTEM, "List three items. " + _text(2, 600)))
+        # A second session: the first one's KV holds the system prompt, but its window is ~1.5k
+        # tokens past it. Prefilled again, and saved to the host cache when the prefill passes
+        # the shared prefix's end.
+        _, ub = await _ask(e, _chat(SYSTEM, "Count the items. " + _text(3, 600)))
+        host = e._sched.host_cache  # type: ignore[union-attr]
+        assert host is not None and ub.cached_tokens < 16 and host.checkpoints == 1, (ub, host.checkpoints)
+        # A third session restores the system prompt from that checkpoint (nothing else holds
+        # it in a form that can serve it: the second session's own state ends ~1.5k tokens later).
+        third = _chat(SYSTEM, "Name one item that starts with the letter m.")
+        text, usage = await _ask(e, third)
+        assert usage.prefix_lookup == "hit" and usage.restored_tokens > 1500, usage
+    finally:
+        await e.close()
+    assert text == await _cold(third)

@@ -140,6 +140,10 @@ class _Slot:
     drafted: int = 0
     accepted: int = 0
     draft_len: int = 0  # the next draft's length limit: halved on a rejection, doubled on a full accept
+    # Sliding-window KV: a prompt position where this prompt's state goes to the host cache on the
+    # way (the end of a prefix another sequence or entry shares but, its window having moved on,
+    # cannot serve); 0 = none.
+    checkpoint: int = 0
 
 
 class BatchScheduler:
@@ -330,18 +334,20 @@ class BatchScheduler:
         return free[0]
 
     def _start(self, slot: _Slot, job: Job) -> None:
-        keep = 0
+        keep = own = held = 0
         slot.n_restored, slot.lookup = 0, ""
         if isinstance(job, GenJob):
             # Reuse the cached prefix; at least one prompt token must be decoded for logits.
             limit = len(job.prompt_ids) - 1
-            keep = self._usable(slot, min(_common_prefix(slot.cached, job.prompt_ids), limit))
+            own = min(_common_prefix(slot.cached, job.prompt_ids), limit)
+            keep = self._usable(slot, own)
             self._save(slot, keep)
             # Another sequence (running or finished) may hold a longer prefix: a shared system
             # prompt, the previous turn of this chat. Copy its KV instead of recomputing it.
             donor = max((s for s in self._slots if s is not slot), default=None,
                         key=lambda s: _common_prefix(s.cached, job.prompt_ids))
-            shared = self._usable(donor, min(_common_prefix(donor.cached, job.prompt_ids), limit)) if donor is not None else 0
+            held = min(_common_prefix(donor.cached, job.prompt_ids), limit) if donor is not None else 0
+            shared = self._usable(donor, held) if donor is not None else 0
             # Or the host cache, when it holds more of the prompt than any sequence does (the
             # conversation's last turn, saved when its slot went to another).
             restored = self._restore(slot, job, max(keep, shared), limit)
@@ -359,6 +365,15 @@ class BatchScheduler:
         if keep == 0 or not lc.llama_memory_seq_rm(self._mem, slot.seq_id, keep, -1):
             lc.llama_memory_seq_rm(self._mem, slot.seq_id, -1, -1)
             keep = 0
+        slot.checkpoint = 0
+        if isinstance(job, GenJob) and self._n_swa and self.host_cache is not None:
+            # A prefix this prompt shares with another sequence or entry that a sliding window
+            # keeps from serving (sessions with one system prompt): prefilled again here, and
+            # saved to the host cache when the prefill passes its end, for the next such prompt.
+            seen = max(own, held, self.host_cache.lookup(self._identity, np.asarray(job.prompt_ids, dtype=np.int32),
+                                                         limit, touch=False, floors=False)[1])
+            if seen >= max(keep, MIN_ENTRY_TOKENS) + OWN_SLOT_TOKENS:
+                slot.checkpoint = seen
         slot.cached = slot.cached[:keep]
         slot.job = job
         slot.n_fed = keep
@@ -421,6 +436,23 @@ class BatchScheduler:
         self.save_bps = _ema(self.save_bps, n / max(time.perf_counter() - t0, 1e-6))
         if n > 0:
             host.put(self._identity, tokens, buf, n, floor)
+
+    def _save_checkpoint(self, slot: _Slot) -> None:
+        """The sequence's state at its checkpoint (its prompt's first `checkpoint` tokens, nothing
+        else yet) to the host cache: a later prompt sharing that prefix restores it."""
+        slot.checkpoint = 0
+        host = self.host_cache
+        size = lc.llama_state_seq_get_size(self._ctx, slot.seq_id)
+        if host is None or size <= 0 or size > host.limit_bytes:
+            return
+        floor = self._floor(slot)
+        buf = np.empty(size, dtype=np.uint8)
+        t0 = time.perf_counter()
+        n = lc.llama_state_seq_get_data(self._ctx, buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), size, slot.seq_id)
+        self.save_bps = _ema(self.save_bps, n / max(time.perf_counter() - t0, 1e-6))
+        if n > 0:
+            host.put(self._identity, np.asarray(slot.cached, dtype=np.int32), buf, n, floor)
+            host.checkpoints += 1
 
     def _restore(self, slot: _Slot, job: GenJob, keep: int, limit: int) -> int:
         """Load the longest host-cached prefix of the prompt into the slot when it beats `keep`
@@ -563,6 +595,8 @@ class BatchScheduler:
             assert job is not None
             remaining = len(job.prompt_ids) - slot.n_fed
             take = min(remaining, self._n_batch - n, prefill_room)
+            if slot.n_fed < slot.checkpoint:
+                take = min(take, slot.checkpoint - slot.n_fed)  # the step ends at the checkpoint
             if take <= 0:
                 continue
             prefill_room -= take
@@ -583,6 +617,9 @@ class BatchScheduler:
             for slot in {s for s, _, _ in outputs} | set(active):
                 self._fail(slot, EngineFailure(f"llama.cpp could not decode: {reason}"))
             return
+        for slot in active:
+            if slot.checkpoint and slot.n_fed == slot.checkpoint == len(slot.cached):
+                self._save_checkpoint(slot)
         for slot, idx, draft in outputs:
             if isinstance(slot.job, ScoreJob):
                 self._collect_logits(slot, idx)

@@ -61,12 +61,14 @@ class HostPrefixCache:
     restored_tokens: int = 0
     saved: int = 0
     skipped_saves: int = 0  # states not saved: their new part prefills faster than the copy
+    checkpoints: int = 0  # states saved mid-prompt at a shared prefix's end (sliding-window models)
     evictions: int = 0
 
     def lookup(self, identity: str, prompt: npt.NDArray[np.int32], limit: int,
-               touch: bool = True) -> tuple[Entry | None, int]:
-        """The entry sharing the longest prefix with `prompt` (at most `limit` tokens of it); with
-        `touch`, it becomes the most recently used."""
+               touch: bool = True, floors: bool = True) -> tuple[Entry | None, int]:
+        """The entry sharing the longest prefix with `prompt` (at most `limit` tokens of it) that
+        can serve it (`floors=False`: whether it can or not); with `touch`, it becomes the most
+        recently used."""
         best: tuple[Entry | None, int] = (None, 0)
         best_key = -1
         with self._lock:
@@ -74,7 +76,7 @@ class HostPrefixCache:
                 if e.identity != identity:
                     continue
                 n = min(common_prefix(e.tokens, prompt), limit)
-                if n > best[1] and n >= e.floor:
+                if n > best[1] and (n >= e.floor or not floors):
                     best, best_key = (e, n), key
             if best[0] is not None and touch:
                 self._entries.move_to_end(best_key)
