@@ -175,6 +175,7 @@ class PrefixCacheStats:
     restored_tokens: int = 0
     saved: int = 0
     skipped_saves: int = 0  # states not saved because prefilling their new part is quicker than the copy
+    checkpoints: int = 0  # states saved mid-prompt at a shared prefix's end (sliding-window models)
     evictions: int = 0
     entries: int = 0
     bytes: int = 0

@@ -219,6 +219,9 @@ def test_through_the_gateway_usage_and_metrics_show_restored_prefixes(tmp_path: 
         assert hits and float(hits[0].rsplit(" ", 1)[1]) >= 4, hits
         limit = [ln for ln in metrics.splitlines() if ln.startswith("gateway_prefix_cache_limit_bytes{")]
         assert limit and float(limit[0].rsplit(" ", 1)[1]) == 64 << 20
+        saves = [ln for ln in metrics.splitlines() if ln.startswith("gateway_prefix_cache_saves_total{")]
+        assert saves and float(saves[0].rsplit(" ", 1)[1]) >= 4, saves  # each hit was saved first
+        assert any(ln.startswith("gateway_prefix_cache_checkpoints_total{") for ln in metrics.splitlines())
     finally:
         server.stop()
 

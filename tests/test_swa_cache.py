@@ -151,6 +151,8 @@ async def test_sessions_sharing_a_system_prompt_reuse_it_through_a_checkpoint() 
         _, ub = await _ask(e, _chat(SYSTEM, "Count the items. " + _text(3, 600)))
         host = e._sched.host_cache  # type: ignore[union-attr]
         assert host is not None and ub.cached_tokens < 16 and host.checkpoints == 1, (ub, host.checkpoints)
+        stats = e.health().prefix_cache
+        assert stats is not None and stats.checkpoints == 1
         # A third session restores the system prompt from that checkpoint (nothing else holds
         # it in a form that can serve it: the second session's own state ends ~1.5k tokens later).
         third = _chat(SYSTEM, "Name one item that starts with the letter m.")

@@ -116,7 +116,8 @@ class HostPrefixCache:
 
     def stats(self) -> PrefixCacheStats:
         return PrefixCacheStats(hits=self.hits, misses=self.misses, restored_tokens=self.restored_tokens,
-                                saved=self.saved, skipped_saves=self.skipped_saves, evictions=self.evictions, entries=len(self._entries),
+                                saved=self.saved, skipped_saves=self.skipped_saves,
+                                checkpoints=self.checkpoints, evictions=self.evictions, entries=len(self._entries),
                                 bytes=self.bytes, limit_bytes=self.limit_bytes)
 
 
