@@ -279,6 +279,8 @@ def main() -> int:
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--long-words", type=int, default=12000, help="~16k tokens")
     ap.add_argument("--budgets", default="64,256", help="gateway prefill budgets to compare")
+    ap.add_argument("--unified-budgets", default="", help="interference part: also the gateway with one KV cache "
+                    "shared by its sequences (models.yaml kv_unified, llama-server's layout) at these budgets")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     parts = set(args.parts.split(","))
@@ -325,7 +327,17 @@ def main() -> int:
         long_id = args.long_model or args.model
         long_spec = reg.models[long_id]
         servers = [gateway(long_id, args.streams + 1, *engine, "--prefill-budget", b, "--prefix-cache", "0",
-                           name=f"gateway, budget {b}") for b in args.budgets.split(",")]
+                           name=f"gateway, budget {b}") for b in args.budgets.split(",") if b]
+        if args.unified_budgets:
+            import yaml
+
+            data = yaml.safe_load(Path(CONFIG).read_text())
+            next(m for m in data["models"] if m["id"] == long_id)["kv_unified"] = True
+            unified = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-prefix-unified-{os.getpid()}.yaml"
+            unified.write_text(yaml.safe_dump(data))
+            servers += [gateway(long_id, args.streams + 1, *engine, "--prefill-budget", b, "--prefix-cache", "0",
+                                "--config", str(unified), name=f"gateway, unified KV, budget {b}")
+                        for b in args.unified_budgets.split(",")]
         servers.append(llama_server(bin_dir, str(reg.resolve(long_spec, "gguf")), args.streams + 1,
                                     long_spec.context_length, long_spec.chat_template, "--cache-ram", "0", *ngl))
         for srv in servers:

@@ -225,6 +225,11 @@ class EngineConfig:
     # llama.cpp: keep every position in the KV of sliding-window layers (llama.cpp's --swa-full):
     # more memory and slower long prompts, but any prefix of a sequence can be reused.
     swa_full: bool = False
+    # llama.cpp: one KV stream shared by every sequence (llama-server's default) instead of one per
+    # sequence: a step's tokens of several sequences then go through the model together (a long
+    # prompt's chunk and the running streams' tokens share one pass over the weights), but a
+    # sequence's context is no longer its own (the sequences share context_length x parallel).
+    kv_unified: bool = False
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@
 #   scripts/h100-prefix.sh setup     install the wheels, unpack the source, start the CUDA build
 #   scripts/h100-prefix.sh model     wait for the build; write the F16 GGUF and quantize it to Q4_K_M
 #   scripts/h100-prefix.sh agent|interference   bench_prefix_cache.py's part on CUDA -> $OUT
+#                                    (interference: BUDGETS=256,512 UNIFIED_BUDGETS=256,512 to choose)
 #   scripts/h100-prefix.sh memory    bench_memory.py on CUDA (issue 29): the estimate vs the worker's
 #                                    resident memory and its memory on the GPU (nvidia-smi) -> $OUT
 set -uo pipefail
@@ -62,7 +63,8 @@ agent)
 interference)
   python3 benchmarks/bench_prefix_cache.py --backend cuda --server-bin "$W/build/bin" --config "$W/models.yaml" \
     --parts interference --model llama3-8b-random --long-model llama3-8b-random-13k --streams 32 \
-    --long-words 9000 --budgets "${BUDGETS:-512,2048}" --json "$OUT/interference.json" 2>&1 | tail -14 | tee "$OUT/interference.md"
+    --long-words 9000 --budgets "${BUDGETS:-512,2048}" --unified-budgets "${UNIFIED_BUDGETS:-}" \
+    --json "$OUT/interference.json" 2>&1 | tail -16 | tee "$OUT/interference.md"
   ;;
 memory)
   python3 benchmarks/bench_memory.py --engine cuda --models "" --gguf "$W/llama8b-q4_k_m.gguf" \

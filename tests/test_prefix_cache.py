@@ -246,3 +246,19 @@ async def test_a_conversation_goes_back_to_its_own_free_sequence() -> None:
         assert len(prompt) > usage.cached_tokens
     finally:
         await e.close()
+
+
+async def test_one_shared_kv_cache_serves_concurrent_streams_and_reuses_prefixes() -> None:
+    """kv_unified (opt-in, llama-server's layout): two conversations at once on one shared cache,
+    each next turn reusing its own prefix."""
+    e = await _engine(parallel=2, prefix_cache_mib=0, kv_unified=True)
+    try:
+        assert "unified" in e._sched._identity  # type: ignore[union-attr]
+        firsts = await asyncio.gather(*(_ask(e, _conversation(t, 1)) for t in TOPICS[:2]))
+        assert all(text and u.completion_tokens == 24 for text, u in firsts)
+        nexts = await asyncio.gather(*(_ask(e, _conversation(t, 2, [r]), max_tokens=4)
+                                       for t, (r, _) in zip(TOPICS[:2], firsts, strict=True)))
+        for (_, first), (_, u) in zip(firsts, nexts, strict=True):
+            assert u.cached_tokens >= first.prompt_tokens - 8, (u.cached_tokens, first.prompt_tokens)
+    finally:
+        await e.close()

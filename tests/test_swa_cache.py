@@ -88,10 +88,10 @@ async def test_the_window_cache_is_on_and_the_next_turn_reuses_the_sequence() ->
 async def test_a_prefix_the_window_has_moved_past_is_prefilled_again() -> None:
     e = await _engine()
     try:
-        long = _chat(SYSTEM, "List three items. " + _text(2, 1000))
+        long = _chat(SYSTEM, "List three items. " + _text(2, 300))
         await _ask(e, long)
-        # Shares the system prompt (~1.6k tokens) but not the ~3k tokens after it: the window
-        # layers no longer hold any position near the branch point.
+        # Shares the system prompt (~1.6k tokens) but not the ~900 tokens after it: the window
+        # layers no longer hold the window before the branch point.
         branch = _chat(SYSTEM, "Name one item that starts with the letter m.")
         text, usage = await _ask(e, branch)
         assert usage.cached_tokens == 0, usage
@@ -144,17 +144,17 @@ async def test_swa_full_keeps_every_position_and_reuses_any_prefix() -> None:
 async def test_sessions_sharing_a_system_prompt_reuse_it_through_a_checkpoint() -> None:
     e = await _engine(prefix_cache_mib=256)
     try:
-        await _ask(e, _chat(SYSTEM, "List three items. " + _text(2, 600)))
-        # A second session: the first one's KV holds the system prompt, but its window is ~1.5k
+        await _ask(e, _chat(SYSTEM, "List three items. " + _text(2, 300)))
+        # A second session: the first one's KV holds the system prompt, but its window is ~900
         # tokens past it. Prefilled again, and saved to the host cache when the prefill passes
         # the shared prefix's end.
-        _, ub = await _ask(e, _chat(SYSTEM, "Count the items. " + _text(3, 600)))
+        _, ub = await _ask(e, _chat(SYSTEM, "Count the items. " + _text(3, 300)))
         host = e._sched.host_cache  # type: ignore[union-attr]
         assert host is not None and ub.cached_tokens < 16 and host.checkpoints == 1, (ub, host.checkpoints)
         stats = e.health().prefix_cache
         assert stats is not None and stats.checkpoints == 1
         # A third session restores the system prompt from that checkpoint (nothing else holds
-        # it in a form that can serve it: the second session's own state ends ~1.5k tokens later).
+        # it in a form that can serve it: the second session's own state ends ~900 tokens later).
         third = _chat(SYSTEM, "Name one item that starts with the letter m.")
         text, usage = await _ask(e, third)
         assert usage.prefix_lookup == "hit" and usage.restored_tokens > 1500, usage

@@ -173,7 +173,10 @@ class LlamaCppEngine:
         cparams.n_ubatch = o.n_batch
         cparams.n_seq_max = o.parallel
         # One KV stream per sequence: each request gets its full context, whatever the others do.
-        cparams.kv_unified = False
+        # (llama.cpp then splits a step into ubatches of equal tokens per sequence: the running
+        # streams' tokens and a prompt's chunk go through the model one after the other.)
+        # kv_unified: one stream for all, as llama-server; opt-in.
+        cparams.kv_unified = o.kv_unified
         threads = o.n_threads or os.cpu_count() or 1
         cparams.n_threads = threads
         cparams.n_threads_batch = threads
@@ -304,7 +307,8 @@ class LlamaCppEngine:
         st = os.stat(o.model_path)
         return (f"{os.path.realpath(o.model_path)}:{st.st_size}:{st.st_mtime_ns}|llama-cpp-python "
                 f"{lc.__version__} {o.backend} {o.device_key or 'CPU'} {variant or ''} repack={o.repack}"
-                f"|ctx/seq={self._n_ctx_seq} parallel={o.parallel} type_k/v=f16 swa={self._n_swa or 'full'}")
+                f"|ctx/seq={self._n_ctx_seq} parallel={o.parallel} type_k/v=f16 swa={self._n_swa or 'full'}"
+                f"{' unified' if o.kv_unified else ''}")
 
     # --- text ------------------------------------------------------------------------------
 

@@ -746,6 +746,7 @@ def engine_config(spec: ModelSpec, cand: Candidate, path: str, settings: Setting
         prefix_cache_mib=_first(settings.prefix_cache, spec.prefix_cache, -1),
         prefill_budget=_first(settings.prefill_budget, spec.prefill_budget, 0),
         swa_full=spec.swa_full,
+        kv_unified=spec.kv_unified,
     )
 
 

@@ -241,6 +241,10 @@ class ModelSpec(_Strict):
                                      "(default: a quarter of the available memory, at most 8 GiB; 0 = off)")
     prefill_budget: int | None = Field(default=None, ge=1, description="llama.cpp: prompt tokens prefilled per step while "
                                        "other sequences decode (default per device: CPU 64, Vulkan 256, CUDA 512)")
+    kv_unified: bool = Field(default=False, description="llama.cpp: one KV cache shared by the model's sequences "
+                             "(llama-server's default) instead of one per sequence: a long prompt's chunks and the "
+                             "running streams' tokens go through the model together, but a request's context is no "
+                             "longer reserved for it (all share context_length x parallel)")
     swa_full: bool = Field(default=False, description="llama.cpp: keep every position in the KV of sliding-window "
                            "layers (llama-server's --swa-full): more memory and slower long prompts, but any prefix "
                            "of a sequence's KV can be reused (by default only prefixes ending within the window of "
