@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from engines.base import ChatMessage, EngineConfig, GenerationRequest, SamplingParams, Usage
+from engines.base import ChatMessage, EngineConfig, Usage
 from engines.llamacpp.engine import LlamaCppEngine
 from gateway.models.registry import load_registry
 from tests.conftest import ROOT
+from tests.test_prefix_cache import _ask as ask
 
 WORDS = ("harbour lantern copper meadow violin glacier orchard saddle pepper thunder marble "
          "falcon compass velvet canyon ribbon kettle walnut").split()
@@ -41,14 +42,8 @@ def _chat(system: str, *turns: str) -> tuple[ChatMessage, ...]:
     return tuple(msgs)
 
 
-async def _ask(e: LlamaCppEngine, msgs: tuple[ChatMessage, ...], max_tokens: int = 12) -> tuple[str, Usage]:
-    text, usage = "", None
-    async for ev in e.generate(GenerationRequest("t", SamplingParams(temperature=0, max_tokens=max_tokens),
-                                                 messages=msgs)):
-        text += ev.text
-        usage = ev.usage or usage
-    assert usage is not None
-    return text, usage
+async def _ask(e: LlamaCppEngine, msgs: tuple[ChatMessage, ...]) -> tuple[str, Usage]:
+    return await ask(e, msgs, max_tokens=12)
 
 
 async def _cold(msgs: tuple[ChatMessage, ...]) -> str:

@@ -429,13 +429,7 @@ class BatchScheduler:
                 self.save_bps and tail / self.prefill_tps < size / self.save_bps)):
             host.skipped_saves += 1
             return
-        floor = self._floor(slot)
-        buf = np.empty(size, dtype=np.uint8)  # not zeroed: the copy fills it
-        t0 = time.perf_counter()
-        n = lc.llama_state_seq_get_data(self._ctx, buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), size, slot.seq_id)
-        self.save_bps = _ema(self.save_bps, n / max(time.perf_counter() - t0, 1e-6))
-        if n > 0:
-            host.put(self._identity, tokens, buf, n, floor)
+        self._copy_to_host(host, slot, tokens, size)
 
     def _save_checkpoint(self, slot: _Slot) -> None:
         """The sequence's state at its checkpoint (its prompt's first `checkpoint` tokens, nothing
@@ -445,14 +439,18 @@ class BatchScheduler:
         size = lc.llama_state_seq_get_size(self._ctx, slot.seq_id)
         if host is None or size <= 0 or size > host.limit_bytes:
             return
+        if self._copy_to_host(host, slot, np.asarray(slot.cached, dtype=np.int32), size):
+            host.checkpoints += 1
+
+    def _copy_to_host(self, host: HostPrefixCache, slot: _Slot, tokens: npt.NDArray[np.int32], size: int) -> bool:
+        """Copy the sequence's state (`size` bytes, covering `tokens`) into the host cache, timing
+        the copy; whether it was stored."""
         floor = self._floor(slot)
-        buf = np.empty(size, dtype=np.uint8)
+        buf = np.empty(size, dtype=np.uint8)  # not zeroed: the copy fills it
         t0 = time.perf_counter()
         n = lc.llama_state_seq_get_data(self._ctx, buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), size, slot.seq_id)
         self.save_bps = _ema(self.save_bps, n / max(time.perf_counter() - t0, 1e-6))
-        if n > 0:
-            host.put(self._identity, np.asarray(slot.cached, dtype=np.int32), buf, n, floor)
-            host.checkpoints += 1
+        return n > 0 and host.put(self._identity, tokens, buf, n, floor)
 
     def _restore(self, slot: _Slot, job: GenJob, keep: int, limit: int) -> int:
         """Load the longest host-cached prefix of the prompt into the slot when it beats `keep`
