@@ -111,3 +111,73 @@ def test_gateway_parity_vulkan_vs_cpu(tmp_path: Path) -> None:
     print(f"gateway parity vulkan vs cpu: {json.dumps(overall)}")
     assert rc == 0, overall
     assert report["candidate"] == "llamacpp/vulkan" and report["passed"]
+
+
+async def _vulkan_engine(prefix_cache_mib: int) -> LlamaCppEngine:
+    from engines.llamacpp.ggml_devices import devices
+
+    dev = next(d for d in devices() if d.backend == "Vulkan")
+    reg = load_registry(ROOT / "models.yaml")
+    spec = reg.models[MODEL]
+    e = LlamaCppEngine(EngineConfig(model_path=str(reg.resolve(spec, "gguf")), context_length=512, parallel=1,
+                                    chat_template=spec.chat_template, backend="vulkan", device=dev.description,
+                                    device_key=dev.name, prefix_cache_mib=prefix_cache_mib))
+    await e.load()
+    return e
+
+
+async def test_the_host_prefix_cache_is_page_locked_on_a_gpu_and_restores_exactly() -> None:
+    """On a device with page-locked host memory (Vulkan's, as CUDA's) the cache's entries live in it
+    (DMA copies, engines/llamacpp/host_memory.py); a conversation that lost its slot restores from it
+    and answers as a cold run does."""
+    from tests.test_prefix_cache import TOPICS, _ask, _conversation
+
+    e = await _vulkan_engine(prefix_cache_mib=64)
+    try:
+        host = e._sched.host_cache  # type: ignore[union-attr]
+        assert host is not None and host.memory.pinned and host.memory.name == "Vulkan_Host"
+        a1, b1, a2 = _conversation(TOPICS[0], 1), _conversation(TOPICS[1], 1), _conversation(TOPICS[0], 2)
+        await _ask(e, a1, max_tokens=4)
+        await _ask(e, b1, max_tokens=4)  # takes the only slot: A's KV goes to page-locked memory
+        assert len(host) == 1 and host.memory.used >= host.bytes > 0 and host.memory.failed == 0
+        text, usage = await _ask(e, a2, max_tokens=4)
+        assert usage.prefix_lookup == "hit" and usage.restored_tokens >= 64, usage
+        stats = e.health().prefix_cache
+        assert stats is not None and stats.pinned and stats.hits == 1
+    finally:
+        await e.close()
+    assert host.memory.used == host.memory.kept == 0  # closing the engine freed every block
+    cold = await _vulkan_engine(prefix_cache_mib=0)
+    try:
+        cold_text, cold_usage = await _ask(cold, a2, max_tokens=4)
+    finally:
+        await cold.close()
+    assert cold_usage.restored_tokens == 0 and text == cold_text
+
+
+def test_page_locked_blocks_are_reused_and_stay_within_the_bound() -> None:
+    from engines.llamacpp.ggml_devices import devices
+    from engines.llamacpp.host_memory import ALIGN, PinnedHostMemory
+
+    dev = next(d for d in devices() if d.backend == "Vulkan")
+    mem = PinnedHostMemory.for_device(dev.name, limit_bytes=16 * ALIGN)
+    assert mem is not None and PinnedHostMemory.for_device("CPU", 1 << 20) is None
+    a = mem.take(3 * ALIGN)
+    a.array[:] = 7
+    assert a.capacity == 4 * ALIGN and len(a.array) == 3 * ALIGN and mem.used == 4 * ALIGN
+    mem.give(a)
+    assert mem.used == 0 and mem.kept == 4 * ALIGN
+    # The next entry of about that size gets the same block (a conversation's next turn).
+    b = mem.take(3 * ALIGN + 1000)
+    assert b.handle == a.handle and b.array[0] == 7 and mem.kept == 0
+    # A much smaller one does not take a large block; what is kept makes room for new ones.
+    mem.give(b)
+    c = mem.take(ALIGN // 4)
+    assert c.handle != b.handle and c.capacity == ALIGN
+    d = mem.take(12 * ALIGN)  # 4 + 1 + 13 blocks would exceed 16: the kept block is freed
+    assert mem.kept == 0 and mem.used + mem.kept <= mem.limit_bytes
+    mem.give(c)
+    mem.give(d)
+    assert mem.used == 0 and mem.kept <= mem.limit_bytes
+    mem.close()
+    assert mem.kept == 0

@@ -258,6 +258,8 @@ class BatchScheduler:
             self._cv.notify()
         self._thread.join()
         lc.llama_batch_free(self._batch)
+        if self.host_cache is not None:
+            self.host_cache.close()
 
     # --- the scheduler thread --------------------------------------------------------------
 
@@ -446,11 +448,15 @@ class BatchScheduler:
         """Copy the sequence's state (`size` bytes, covering `tokens`) into the host cache, timing
         the copy; whether it was stored."""
         floor = self._floor(slot)
-        buf = np.empty(size, dtype=np.uint8)  # not zeroed: the copy fills it
+        block = host.memory.take(size)
         t0 = time.perf_counter()
-        n = lc.llama_state_seq_get_data(self._ctx, buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), size, slot.seq_id)
+        n = lc.llama_state_seq_get_data(self._ctx, block.array.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)),
+                                        size, slot.seq_id)
         self.save_bps = _ema(self.save_bps, n / max(time.perf_counter() - t0, 1e-6))
-        return n > 0 and host.put(self._identity, tokens, buf, n, floor)
+        if n <= 0:
+            host.memory.give(block)
+            return False
+        return host.put(self._identity, tokens, block, n, floor)
 
     def _restore(self, slot: _Slot, job: GenJob, keep: int, limit: int) -> int:
         """Load the longest host-cached prefix of the prompt into the slot when it beats `keep`

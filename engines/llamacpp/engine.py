@@ -38,6 +38,7 @@ from engines.base import (
     resumed_tokens,
 )
 from engines.bridge import EventChannel, settle_from_thread
+from engines.llamacpp.host_memory import HostMemory, PinnedHostMemory
 from engines.llamacpp.prefix_cache import HostPrefixCache, default_limit_bytes
 from engines.registry import register_runtime
 from engines.thinking import render_thinking, template_traits
@@ -298,7 +299,8 @@ class LlamaCppEngine:
         if o.prefix_cache_mib == 0:
             return None
         limit = o.prefix_cache_mib << 20 if o.prefix_cache_mib > 0 else default_limit_bytes()
-        return HostPrefixCache(limit)
+        pinned = PinnedHostMemory.for_device(o.device_key, limit) if o.pinned_host_cache else None
+        return HostPrefixCache(limit, pinned or HostMemory())
 
     def _identity(self, lc: Any, variant: str | None) -> str:
         """What a saved sequence state depends on: the model file, the build and device, the KV

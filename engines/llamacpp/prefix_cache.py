@@ -17,12 +17,12 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from engines.base import PrefixCacheStats
+from engines.llamacpp.host_memory import Block, HostMemory
 
 # Entries shorter than this are not worth a save (their prefill is cheaper than the bookkeeping).
 MIN_ENTRY_TOKENS = 64
@@ -39,19 +39,25 @@ def common_prefix(a: npt.NDArray[np.int32], b: npt.NDArray[np.int32]) -> int:
 class Entry:
     identity: str
     tokens: npt.NDArray[np.int32]  # the tokens whose KV `data` holds, from position 0
-    data: npt.NDArray[np.uint8]  # llama_state_seq_get_data's output
+    block: Block  # its `array` holds llama_state_seq_get_data's output
     nbytes: int
     # The shortest prefix of `tokens` this state can serve: 0, but for a sliding-window KV cache
     # (the window's layers keep only their last positions), the oldest position kept plus the
     # window (a prefix cut earlier would miss the window before its end).
     floor: int = 0
 
+    @property
+    def data(self) -> npt.NDArray[np.uint8]:
+        return self.block.array
+
 
 @dataclass
 class HostPrefixCache:
-    """LRU of sequence states, at most `limit_bytes` in all."""
+    """LRU of sequence states, at most `limit_bytes` in all, in `memory` (page-locked where the
+    engine's device has such memory: engines/llamacpp/host_memory.py)."""
 
     limit_bytes: int
+    memory: HostMemory = field(default_factory=HostMemory)
     _entries: OrderedDict[int, Entry] = field(default_factory=OrderedDict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _next: int = 0
@@ -88,10 +94,13 @@ class HostPrefixCache:
             return any(e.identity == identity and len(e.tokens) >= len(tokens)
                        and common_prefix(e.tokens, tokens) == len(tokens) for e in self._entries.values())
 
-    def put(self, identity: str, tokens: npt.NDArray[np.int32], data: Any, nbytes: int, floor: int = 0) -> bool:
-        """Keep a sequence's state; entries it extends and can stand in for (the same conversation's
-        earlier turn, unless a sliding window has moved past what that turn could serve) go."""
+    def put(self, identity: str, tokens: npt.NDArray[np.int32], block: Block, nbytes: int, floor: int = 0) -> bool:
+        """Keep a sequence's state (`block`, from `memory`: the cache owns it from now on, and
+        gives it back when it drops the entry or turns it away); entries it extends and can stand in
+        for (the same conversation's earlier turn, unless a sliding window has moved past what that
+        turn could serve) go."""
         if nbytes > self.limit_bytes:
+            self.memory.give(block)
             return False
         with self._lock:
             for key, e in list(self._entries.items()):
@@ -101,7 +110,7 @@ class HostPrefixCache:
             while self._entries and self.bytes + nbytes > self.limit_bytes:
                 self._drop(next(iter(self._entries)))
                 self.evictions += 1
-            self._entries[self._next] = Entry(identity, tokens, data, nbytes, floor)
+            self._entries[self._next] = Entry(identity, tokens, block, nbytes, floor)
             self._next += 1
             self.bytes += nbytes
             self.saved += 1
@@ -110,6 +119,14 @@ class HostPrefixCache:
     def _drop(self, key: int) -> None:
         e = self._entries.pop(key)
         self.bytes -= e.nbytes
+        self.memory.give(e.block)
+
+    def close(self) -> None:
+        """Drop every entry and free the memory kept for reuse (the engine is going away)."""
+        with self._lock:
+            for key in list(self._entries):
+                self._drop(key)
+            self.memory.close()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -118,7 +135,7 @@ class HostPrefixCache:
         return PrefixCacheStats(hits=self.hits, misses=self.misses, restored_tokens=self.restored_tokens,
                                 saved=self.saved, skipped_saves=self.skipped_saves,
                                 checkpoints=self.checkpoints, evictions=self.evictions, entries=len(self._entries),
-                                bytes=self.bytes, limit_bytes=self.limit_bytes)
+                                bytes=self.bytes, limit_bytes=self.limit_bytes, pinned=self.memory.pinned)
 
 
 def default_limit_bytes() -> int:

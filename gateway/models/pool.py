@@ -744,6 +744,7 @@ def engine_config(spec: ModelSpec, cand: Candidate, path: str, settings: Setting
         draft_max=spec.speculative.max_draft if spec.speculative else 0,
         draft_streams=spec.speculative.max_streams if spec.speculative else 0,
         prefix_cache_mib=_first(settings.prefix_cache, spec.prefix_cache, -1),
+        pinned_host_cache=settings.pinned_host_cache,
         prefill_budget=_first(settings.prefill_budget, spec.prefill_budget, 0),
         swa_full=spec.swa_full,
         kv_unified=spec.kv_unified,
