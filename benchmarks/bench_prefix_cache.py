@@ -105,10 +105,10 @@ CONFIG = str(ROOT / "models.yaml")
 NO_KEEPALIVE = httpx.Limits(max_keepalive_connections=0)
 
 
-def gateway(model: str, parallel: int, *extra: str, name: str = "gateway") -> Server:
+def gateway(model: str, parallel: int, *extra: str, name: str = "gateway", env: dict[str, str] | None = None) -> Server:
     return Server(name, [sys.executable, "-m", "gateway.cli", "serve", "--port", "{port}", "--model", model,
                          "--config", CONFIG, "--parallel", str(parallel), "--max-queue-wait", "600", *extra],
-                  env={"GATEWAY_LOG_LEVEL": "warning"})
+                  env={"GATEWAY_LOG_LEVEL": "warning", **(env or {})})
 
 
 def llama_server(bin_dir: str, model_path: str, parallel: int, ctx: int, template: str | None, *extra: str) -> Server:
@@ -221,13 +221,27 @@ async def agent(url: str, model: str, sessions: int, turns: int, prefix_words: i
         # A cold prefill of a prefix of the same size, alone.
         cold = await ask(client, url, model, [{"role": "user", "content": "Instructions and tools:\n"
                                                 + text_of(prefix_words, 999)}], 1)
+        cache = await prefix_cache_metrics(client, url)
     later = [x for t, xs in per_turn.items() if t for x in xs]
     return {"cold_ms": cold.ttft * 1000, "cold_prompt_tokens": cold.prompt_tokens,
             "first_turn_p50_ms": statistics.median(per_turn[0]) * 1000,
             "later_p50_ms": statistics.median(later) * 1000, "later_p95_ms": pct(later, 0.95) * 1000,
             "later_p50_share": statistics.median(later) / cold.ttft, "later_max_share": max(later) / cold.ttft,
             "later_cached_share": sum(r.cached or 0 for r in later_replies) / max(1, sum(r.prompt_tokens for r in later_replies)),
-            "later_ttfts_ms": [round(x * 1000) for x in later]}
+            "later_ttfts_ms": [round(x * 1000) for x in later], "prefix_cache": cache}
+
+
+async def prefix_cache_metrics(client: httpx.AsyncClient, url: str) -> dict[str, float]:
+    """The gateway's gateway_prefix_cache_* series (hits, saves, copy rates, pinned...); {} elsewhere."""
+    r = await client.get(f"{url}/metrics")
+    if r.status_code != 200:
+        return {}
+    out: dict[str, float] = {}
+    for ln in r.text.splitlines():
+        if ln.startswith("gateway_prefix_cache_") and "{" in ln:
+            name = ln.split("{", 1)[0].removeprefix("gateway_prefix_cache_")
+            out[name] = out.get(name, 0.0) + float(ln.rsplit(" ", 1)[1])
+    return out
 
 
 # --- a long prompt arriving beside running streams -------------------------------------------
@@ -276,6 +290,9 @@ def main() -> int:
                     "its context_length bounds the KV of streams + 1 sequences")
     ap.add_argument("--config", default=None, help="models.yaml with those models (default: the repo's)")
     ap.add_argument("--agent-skip-nocache", action="store_true", help="leave out the gateway without its host cache")
+    ap.add_argument("--gateway-variant", action="append", default=[], metavar="NAME:VAR=VALUE[,VAR=VALUE]",
+                    help="agent part: also a gateway with these environment settings, "
+                         "e.g. 'pageable host cache:GATEWAY_PINNED_HOST_CACHE=0'")
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--long-words", type=int, default=12000, help="~16k tokens")
     ap.add_argument("--budgets", default="64,256", help="gateway prefill budgets to compare")
@@ -317,6 +334,10 @@ def main() -> int:
                    llama_server(bin_dir, gemma_path, args.agent_parallel, gemma.context_length, gemma.chat_template, *ngl)]
         if args.agent_skip_nocache:  # every later turn re-prefills the whole prefix: an hour on 2 cores
             servers.pop(1)
+        for variant in args.gateway_variant:
+            label, _, settings = variant.partition(":")
+            servers.insert(1, gateway(args.model, args.agent_parallel, *engine, name=f"gateway, {label}",
+                                      env=dict(kv.split("=", 1) for kv in settings.split(",") if kv)))
         for srv in servers:
             with srv:
                 r = asyncio.run(agent(srv.url, args.model, args.agent_sessions, args.agent_turns, args.agent_prefix_words))
@@ -360,12 +381,17 @@ def main() -> int:
     if "agent" in raw:
         print(f"\nAgent sessions: {args.agent_sessions} at once on {args.agent_parallel} sequences, {args.agent_turns} "
               f"turns, ~{args.agent_prefix_words} words of stable prefix ({args.model}, {gemma.context_length} context):\n")
-        print("| server | cold prefill ms (tokens) | first turn p50 ms | later turns p50 / p95 ms | later p50 / max as share of cold |")
-        print("|---|---|---|---|---|")
+        print("| server | cold prefill ms (tokens) | first turn p50 ms | later turns p50 / p95 ms | later p50 / max as share of cold "
+              "| host cache: hits / saves / skipped, copy GB/s save / restore |")
+        print("|---|---|---|---|---|---|")
         for name, r in raw["agent"].items():
+            c = r.get("prefix_cache") or {}
+            cache = (f"{c['hits_total']:.0f} / {c['saves_total']:.0f} / {c['skipped_saves_total']:.0f}, "
+                     f"{c['save_bytes_per_second'] / 1e9:.1f} / {c['restore_bytes_per_second'] / 1e9:.1f}"
+                     f"{' (pinned)' if c.get('pinned') else ''}") if c.get("limit_bytes") else "-"
             print(f"| {name} | {r['cold_ms']:.0f} ({r['cold_prompt_tokens']}) | {r['first_turn_p50_ms']:.0f} | "
                   f"{r['later_p50_ms']:.0f} / {r['later_p95_ms']:.0f} | {r['later_p50_share'] * 100:.1f} % / "
-                  f"{r['later_max_share'] * 100:.1f} % |")
+                  f"{r['later_max_share'] * 100:.1f} % | {cache} |")
     if "interference" in raw:
         print(f"\nPrefill interference: {args.streams} streams decoding while a long prompt arrives "
               f"({args.long_model or args.model}):\n")

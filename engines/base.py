@@ -6,6 +6,7 @@ Engines never see HTTP or OpenAI types.  The gateway turns a validated API reque
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -181,6 +182,26 @@ class PrefixCacheStats:
     bytes: int = 0
     limit_bytes: int = 0
     pinned: bool = False  # entries live in the device's page-locked host memory (DMA copies)
+    # The copy rates measured (moving averages, bytes/s; 0 = none yet): device to host memory on a
+    # save, back on a restore. They decide whether a save or restore beats prefilling.
+    save_bytes_per_s: float = 0.0
+    restore_bytes_per_s: float = 0.0
+
+    @classmethod
+    def combine(cls, caches: list[PrefixCacheStats]) -> PrefixCacheStats:
+        """Several engines' caches as one: counts and sizes add up, rates average."""
+        rates = {"save_bytes_per_s", "restore_bytes_per_s"}
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            vals = [getattr(c, f.name) for c in caches]
+            if f.name == "pinned":
+                out[f.name] = bool(vals) and all(vals)
+            elif f.name in rates:
+                seen = [v for v in vals if v]
+                out[f.name] = sum(seen) / len(seen) if seen else 0.0
+            else:
+                out[f.name] = sum(vals)
+        return cls(**out)
 
 
 @dataclass(frozen=True)

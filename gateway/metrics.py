@@ -161,6 +161,9 @@ class _EngineGauges(Collector):
             "bytes": GaugeMetricFamily("gateway_prefix_cache_bytes", "Host memory held by the prefix cache.", labels=LABELS),
             "limit_bytes": GaugeMetricFamily("gateway_prefix_cache_limit_bytes", "The prefix cache's bound.", labels=LABELS),
             "entries": GaugeMetricFamily("gateway_prefix_cache_entries", "Sequence states held by the prefix cache.", labels=LABELS),
+            "pinned": GaugeMetricFamily("gateway_prefix_cache_pinned", "1 if the prefix cache is in the device's page-locked host memory (DMA copies).", labels=LABELS),
+            "save_bytes_per_s": GaugeMetricFamily("gateway_prefix_cache_save_bytes_per_second", "Measured copy rate of a sequence state to the host cache (moving average).", labels=LABELS),
+            "restore_bytes_per_s": GaugeMetricFamily("gateway_prefix_cache_restore_bytes_per_second", "Measured copy rate of a cached state back into a sequence (moving average).", labels=LABELS),
         }
         count = 0
         for model, engine, device, h in self._resident():
@@ -168,7 +171,7 @@ class _EngineGauges(Collector):
             waiting.add_metric([model, engine, device], h.waiting)
             if h.prefix_cache is not None:
                 for name, family in pc.items():
-                    family.add_metric([model, engine, device], getattr(h.prefix_cache, name))
+                    family.add_metric([model, engine, device], float(getattr(h.prefix_cache, name)))
             count += 1
         yield running
         yield waiting

@@ -227,6 +227,14 @@ def test_through_the_gateway_usage_and_metrics_show_restored_prefixes(tmp_path: 
         saves = [ln for ln in metrics.splitlines() if ln.startswith("gateway_prefix_cache_saves_total{")]
         assert saves and float(saves[0].rsplit(" ", 1)[1]) >= 4, saves  # each hit was saved first
         assert any(ln.startswith("gateway_prefix_cache_checkpoints_total{") for ln in metrics.splitlines())
+
+        def gauge(name: str) -> float:
+            return float(next(ln for ln in metrics.splitlines() if ln.startswith(name + "{")).rsplit(" ", 1)[1])
+
+        # The CPU engine's cache is ordinary memory; the copy rates it measured are there.
+        assert gauge("gateway_prefix_cache_pinned") == 0
+        assert gauge("gateway_prefix_cache_save_bytes_per_second") > 1e6
+        assert gauge("gateway_prefix_cache_restore_bytes_per_second") > 1e6
     finally:
         server.stop()
 

@@ -452,7 +452,7 @@ class BatchScheduler:
         t0 = time.perf_counter()
         n = lc.llama_state_seq_get_data(self._ctx, block.array.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)),
                                         size, slot.seq_id)
-        self.save_bps = _ema(self.save_bps, n / max(time.perf_counter() - t0, 1e-6))
+        self.save_bps = host.save_bytes_per_s = _ema(self.save_bps, n / max(time.perf_counter() - t0, 1e-6))
         if n <= 0:
             host.memory.give(block)
             return False
@@ -475,7 +475,7 @@ class BatchScheduler:
         t0 = time.perf_counter()
         read = lc.llama_state_seq_set_data(self._ctx, entry.data.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)),
                                            entry.nbytes, slot.seq_id)
-        self.restore_bps = _ema(self.restore_bps, entry.nbytes / max(time.perf_counter() - t0, 1e-6))
+        self.restore_bps = host.restore_bytes_per_s = _ema(self.restore_bps, entry.nbytes / max(time.perf_counter() - t0, 1e-6))
         if read == 0:
             log.warning("the host prefix cache's entry of %d tokens did not load; prefilling", len(entry.tokens))
             lc.llama_memory_seq_rm(self._mem, slot.seq_id, -1, -1)

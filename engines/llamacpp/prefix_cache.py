@@ -69,6 +69,8 @@ class HostPrefixCache:
     skipped_saves: int = 0  # states not saved: their new part prefills faster than the copy
     checkpoints: int = 0  # states saved mid-prompt at a shared prefix's end (sliding-window models)
     evictions: int = 0
+    save_bytes_per_s: float = 0.0  # the engine's measured copy rates (PrefixCacheStats)
+    restore_bytes_per_s: float = 0.0
 
     def lookup(self, identity: str, prompt: npt.NDArray[np.int32], limit: int,
                touch: bool = True, floors: bool = True) -> tuple[Entry | None, int]:
@@ -135,7 +137,8 @@ class HostPrefixCache:
         return PrefixCacheStats(hits=self.hits, misses=self.misses, restored_tokens=self.restored_tokens,
                                 saved=self.saved, skipped_saves=self.skipped_saves,
                                 checkpoints=self.checkpoints, evictions=self.evictions, entries=len(self._entries),
-                                bytes=self.bytes, limit_bytes=self.limit_bytes, pinned=self.memory.pinned)
+                                bytes=self.bytes, limit_bytes=self.limit_bytes, pinned=self.memory.pinned,
+                                save_bytes_per_s=self.save_bytes_per_s, restore_bytes_per_s=self.restore_bytes_per_s)
 
 
 def default_limit_bytes() -> int:

@@ -9,7 +9,6 @@ system prompt and the first user turn — which every later turn of it shares.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import hashlib
 import logging
 from collections import OrderedDict
@@ -131,8 +130,7 @@ class WorkerGroup:
         ready = [h for h in hs if h.ready]
         detail = "" if len(ready) == len(hs) else f"{len(ready)} of {len(hs)} workers ready"
         caches = [h.prefix_cache for h in hs if h.prefix_cache is not None]
-        total = PrefixCacheStats(*(sum(getattr(c, f.name) for c in caches) for f in dataclasses.fields(PrefixCacheStats))) \
-            if caches else None
+        total = PrefixCacheStats.combine(caches) if caches else None
         return EngineHealth(ready=bool(ready), detail=detail, running=sum(h.running for h in hs),
                             waiting=sum(h.waiting for h in hs), busy_seconds=max((h.busy_seconds for h in hs), default=0.0),
                             prefix_cache=total)
