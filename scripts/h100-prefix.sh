@@ -11,7 +11,8 @@
 #   scripts/h100-prefix.sh model     wait for the build; write the F16 GGUF and quantize it to Q4_K_M
 #   scripts/h100-prefix.sh agent|interference   bench_prefix_cache.py's part on CUDA -> $OUT
 #                                    (agent: AGENT_PARALLEL=2 sequences; VARIANT='NAME:VAR=VALUE' adds a
-#                                    gateway with that environment, e.g. 'pageable:GATEWAY_PINNED_HOST_CACHE=0')
+#                                    gateway with that environment, e.g. 'pageable:GATEWAY_PINNED_HOST_CACHE=0';
+#                                    AGENT_ARGS: more bench_prefix_cache.py options, e.g. --agent-skip-nocache)
 #                                    (interference: BUDGETS=256,512 UNIFIED_BUDGETS=256,512 to choose)
 #   scripts/h100-prefix.sh memory    bench_memory.py on CUDA (issue 29): the estimate vs the worker's
 #                                    resident memory and its memory on the GPU (nvidia-smi) -> $OUT
@@ -60,7 +61,7 @@ EOY
 agent)
   python3 benchmarks/bench_prefix_cache.py --backend cuda --server-bin "$W/build/bin" --config "$W/models.yaml" \
     --parts agent --model llama3-8b-random --agent-sessions 4 --agent-parallel "${AGENT_PARALLEL:-2}" \
-    ${VARIANT:+--gateway-variant "$VARIANT"} \
+    ${VARIANT:+--gateway-variant "$VARIANT"} ${AGENT_ARGS:-} \
     --json "$OUT/agent-p${AGENT_PARALLEL:-2}.json" 2>&1 | tail -14 | tee "$OUT/agent-p${AGENT_PARALLEL:-2}.md"
   ;;
 interference)
