@@ -14,7 +14,6 @@ import pytest
 
 from engines.base import ChatMessage, EngineConfig, GenerationRequest, SamplingParams, Usage
 from engines.llamacpp.engine import LlamaCppEngine
-from engines.llamacpp.host_memory import Block, HostMemory
 from engines.llamacpp.prefix_cache import MIN_ENTRY_TOKENS, HostPrefixCache, common_prefix
 from gateway.models.registry import load_registry
 from tests.conftest import ROOT
@@ -116,25 +115,28 @@ async def test_the_cache_never_exceeds_its_bound() -> None:
         await e.close()
 
 
-def _block(n: int) -> Block:
-    return HostMemory().take(n)
+def _fill(array: np.ndarray) -> int:
+    array[:] = 1
+    return len(array)
 
 
 def test_entries_of_another_engine_identity_are_never_restored() -> None:
     cache = HostPrefixCache(limit_bytes=1 << 20)
     tokens = np.arange(200, dtype=np.int32)
-    cache.put("model-a|cpu", tokens, _block(100), 100)
+    cache.put("model-a|cpu", tokens, 100, _fill)
     assert cache.lookup("model-b|cpu", tokens, 199) == (None, 0)
     entry, n = cache.lookup("model-a|cpu", tokens, 199)
     assert entry is not None and n == 199
     # A longer state of the same conversation replaces the shorter one; other identities stay.
-    cache.put("model-b|cpu", tokens[:150], _block(100), 100)
-    cache.put("model-a|cpu", np.arange(300, dtype=np.int32), _block(100), 100)
+    cache.put("model-b|cpu", tokens[:150], 100, _fill)
+    cache.put("model-a|cpu", np.arange(300, dtype=np.int32), 100, _fill)
     assert len(cache) == 2 and cache.covers("model-a|cpu", tokens) and not cache.covers("model-b|cpu", tokens)
+    # A state whose copy failed is not kept.
+    assert not cache.put("model-c|cpu", tokens, 100, lambda a: 0) and len(cache) == 2
     # LRU within the bound.
     small = HostPrefixCache(limit_bytes=250)
     for i in range(4):
-        small.put("m", np.full(100, i, dtype=np.int32), _block(100), 100)
+        small.put("m", np.full(100, i, dtype=np.int32), 100, _fill)
     assert len(small) == 2 and small.evictions == 2 and small.bytes == 200
     assert common_prefix(np.array([1, 2, 3]), np.array([1, 2, 4])) == 2
 

@@ -447,16 +447,14 @@ class BatchScheduler:
     def _copy_to_host(self, host: HostPrefixCache, slot: _Slot, tokens: npt.NDArray[np.int32], size: int) -> bool:
         """Copy the sequence's state (`size` bytes, covering `tokens`) into the host cache, timing
         the copy; whether it was stored."""
-        floor = self._floor(slot)
-        block = host.memory.take(size)
-        t0 = time.perf_counter()
-        n = lc.llama_state_seq_get_data(self._ctx, block.array.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)),
-                                        size, slot.seq_id)
-        self.save_bps = host.save_bytes_per_s = _ema(self.save_bps, n / max(time.perf_counter() - t0, 1e-6))
-        if n <= 0:
-            host.memory.give(block)
-            return False
-        return host.put(self._identity, tokens, block, n, floor)
+        def fill(array: npt.NDArray[np.uint8]) -> int:
+            t0 = time.perf_counter()
+            n = lc.llama_state_seq_get_data(self._ctx, array.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)),
+                                            size, slot.seq_id)
+            self.save_bps = host.save_bytes_per_s = _ema(self.save_bps, n / max(time.perf_counter() - t0, 1e-6))
+            return int(n)
+
+        return host.put(self._identity, tokens, size, fill, self._floor(slot))
 
     def _restore(self, slot: _Slot, job: GenJob, keep: int, limit: int) -> int:
         """Load the longest host-cached prefix of the prompt into the slot when it beats `keep`

@@ -10,7 +10,7 @@ buffer directly, so an entry that lives in such memory moves at the link's speed
 Pinning memory is slow (the driver locks every page) and a conversation's entry is replaced by a
 slightly longer one each turn, so freed blocks are kept and handed to the next entry that fits;
 blocks are allocated with 1/16 headroom for that. What is pinned, in use and kept, stays within
-the cache's byte bound. Where the device has no host buffer type (the CPU) or pinning fails,
+its bound (the engine gives it the cache's plus 1/8, for the headroom). Where the device has no host buffer type (the CPU) or pinning fails,
 entries are ordinary numpy memory.
 """
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +42,8 @@ class HostMemory:
     """Pageable numpy memory: what the CPU engine uses, and the fallback."""
 
     pinned = False
+    allocations = 0  # page-locked blocks allocated (not reused), and the time that took
+    allocation_seconds = 0.0
 
     def take(self, size: int) -> Block:
         return Block(np.empty(size, dtype=np.uint8), size)  # not zeroed: the copy fills it
@@ -114,7 +117,10 @@ class PinnedHostMemory(HostMemory):
                 b = self._free.pop()
                 self.kept -= b.capacity
                 self._lib.ggml_backend_buffer_free(b.handle)
+            t0 = time.perf_counter()
             buf = self._lib.ggml_backend_buft_alloc_buffer(self._buft, capacity)
+            self.allocations += 1
+            self.allocation_seconds += time.perf_counter() - t0
             if not buf:
                 self.failed += 1
                 return HostMemory().take(size)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -96,13 +97,15 @@ class HostPrefixCache:
             return any(e.identity == identity and len(e.tokens) >= len(tokens)
                        and common_prefix(e.tokens, tokens) == len(tokens) for e in self._entries.values())
 
-    def put(self, identity: str, tokens: npt.NDArray[np.int32], block: Block, nbytes: int, floor: int = 0) -> bool:
-        """Keep a sequence's state (`block`, from `memory`: the cache owns it from now on, and
-        gives it back when it drops the entry or turns it away); entries it extends and can stand in
-        for (the same conversation's earlier turn, unless a sliding window has moved past what that
-        turn could serve) go."""
+    def put(self, identity: str, tokens: npt.NDArray[np.int32], nbytes: int,
+            fill: Callable[[npt.NDArray[np.uint8]], int], floor: int = 0) -> bool:
+        """Keep a sequence's state of `nbytes`, written by `fill` into a block of `memory` (it returns
+        the bytes written, 0 if it failed). Entries it extends and can stand in for (the same
+        conversation's earlier turn, unless a sliding window has moved past what that turn could
+        serve) go, and the least recently used while there is no room, before the block is taken:
+        page-locked memory is slow to allocate and free, so the block of an entry dropped here is
+        the one the new state goes to when it fits (engines/llamacpp/host_memory.py)."""
         if nbytes > self.limit_bytes:
-            self.memory.give(block)
             return False
         with self._lock:
             for key, e in list(self._entries.items()):
@@ -112,9 +115,14 @@ class HostPrefixCache:
             while self._entries and self.bytes + nbytes > self.limit_bytes:
                 self._drop(next(iter(self._entries)))
                 self.evictions += 1
-            self._entries[self._next] = Entry(identity, tokens, block, nbytes, floor)
+            block = self.memory.take(nbytes)
+            n = fill(block.array)
+            if n <= 0:
+                self.memory.give(block)
+                return False
+            self._entries[self._next] = Entry(identity, tokens, block, n, floor)
             self._next += 1
-            self.bytes += nbytes
+            self.bytes += n
             self.saved += 1
         return True
 
@@ -138,7 +146,8 @@ class HostPrefixCache:
                                 saved=self.saved, skipped_saves=self.skipped_saves,
                                 checkpoints=self.checkpoints, evictions=self.evictions, entries=len(self._entries),
                                 bytes=self.bytes, limit_bytes=self.limit_bytes, pinned=self.memory.pinned,
-                                save_bytes_per_s=self.save_bytes_per_s, restore_bytes_per_s=self.restore_bytes_per_s)
+                                save_bytes_per_s=self.save_bytes_per_s, restore_bytes_per_s=self.restore_bytes_per_s,
+                                allocations=self.memory.allocations, allocation_seconds=self.memory.allocation_seconds)
 
 
 def default_limit_bytes() -> int:
