@@ -299,9 +299,7 @@ class LlamaCppEngine:
         if o.prefix_cache_mib == 0:
             return None
         limit = o.prefix_cache_mib << 20 if o.prefix_cache_mib > 0 else default_limit_bytes()
-        # Blocks carry 1/16 headroom (host_memory.py): page-locked memory may exceed the entries'
-        # bound by that much before a freed block is let go instead of kept.
-        pinned = PinnedHostMemory.for_device(o.device_key, limit + limit // 8) if o.pinned_host_cache else None
+        pinned = PinnedHostMemory.for_device(o.device_key, limit) if o.pinned_host_cache else None
         return HostPrefixCache(limit, pinned or HostMemory())
 
     def _identity(self, lc: Any, variant: str | None) -> str:

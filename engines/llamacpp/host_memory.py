@@ -4,14 +4,14 @@ Copying a sequence's KV between a GPU and pageable host memory goes through the 
 buffers: on the H100 an 11k-token Llama-3-8B state (1.4 GiB) took ~1.3 s each way, as long as
 prefilling it again (BENCHMARKS.md, issue 28), so the cache could not pay there. The device's own
 host buffer type (`ggml_backend_dev_host_buffer_type`: `cudaMallocHost` on CUDA, pinned memory on
-Vulkan) is copied by DMA; `llama_state_seq_get_data`/`set_data` read and write the caller's
-buffer directly, so an entry that lives in such memory moves at the link's speed.
+Vulkan) is copied by DMA (~50 GB/s measured there); `llama_state_seq_get_data`/`set_data` read
+and write the caller's buffer directly, so an entry that lives in such memory moves at that speed.
 
-Pinning memory is slow (the driver locks every page) and a conversation's entry is replaced by a
-slightly longer one each turn, so freed blocks are kept and handed to the next entry that fits;
-blocks are allocated with 1/16 headroom for that. What is pinned, in use and kept, stays within
-its bound (the engine gives it the cache's plus 1/8, for the headroom). Where the device has no host buffer type (the CPU) or pinning fails,
-entries are ordinary numpy memory.
+Pinning is slow (the driver locks every page: ~0.5 s per GiB on that host, and the scheduler
+thread would wait for it), so the memory is pinned once, as one arena of the cache's bound,
+in a background thread when the first state is saved; entries are ranges of it (best fit, freed
+ranges merge with their neighbours). Until the arena is there, and where the device has no host
+buffer type (the CPU), entries are ordinary numpy memory.
 """
 
 from __future__ import annotations
@@ -28,21 +28,19 @@ import numpy.typing as npt
 
 log = logging.getLogger(__name__)
 
-ALIGN = 2 << 20
-
 
 @dataclass(eq=False)
 class Block:
     array: npt.NDArray[np.uint8]  # the bytes asked for (a view of the block)
-    capacity: int = 0
-    handle: int | None = None  # the ggml buffer; None for numpy memory
+    capacity: int = 0  # bytes the block takes; 0: none was free (PinnedHostMemory.take)
+    handle: int | None = None  # its offset in the page-locked arena; None for numpy memory
 
 
 class HostMemory:
     """Pageable numpy memory: what the CPU engine uses, and the fallback."""
 
-    pinned = False
-    allocations = 0  # page-locked blocks allocated (not reused), and the time that took
+    pinned = False  # whether blocks now come from page-locked memory
+    allocations = 0  # page-locked allocations (one arena), and the seconds they took
     allocation_seconds = 0.0
 
     def take(self, size: int) -> Block:
@@ -52,7 +50,7 @@ class HostMemory:
         """A block the cache no longer needs."""
 
     def close(self) -> None:
-        """Free what is kept (the engine is going away)."""
+        """Free the memory (the engine is going away; no block is in use)."""
 
 
 def _ggml_host_api() -> ctypes.CDLL:
@@ -73,20 +71,22 @@ def _ggml_host_api() -> ctypes.CDLL:
 
 
 class PinnedHostMemory(HostMemory):
-    """Blocks of the device's host buffer type, reused once freed, within `limit_bytes` in all."""
+    """Ranges of one page-locked arena of `limit_bytes`, allocated in the background on first use."""
 
-    pinned = True
+    PAGE = 4096
 
     def __init__(self, lib: Any, buft: int, limit_bytes: int) -> None:
         self._lib = lib
         self._buft = buft
-        self.limit_bytes = limit_bytes
+        self.limit_bytes = -(-limit_bytes // self.PAGE) * self.PAGE
         self.name = (lib.ggml_backend_buft_name(buft) or b"").decode()
-        self._free: list[Block] = []  # kept for reuse, smallest first
         self._lock = threading.Lock()
-        self.used = 0  # capacity of the blocks the cache holds
-        self.kept = 0  # capacity of the blocks kept for reuse
-        self.failed = 0  # allocations that fell back to numpy memory
+        self._arena: int | None = None  # the ggml buffer
+        self._array: npt.NDArray[np.uint8] | None = None
+        self._pinning: threading.Thread | None = None
+        self._free: list[tuple[int, int]] = []  # (offset, length), by offset
+        self.used = 0  # bytes of the arena the cache holds
+        self.failed = False  # the arena could not be allocated: numpy memory from then on
 
     @classmethod
     def for_device(cls, device_key: str, limit_bytes: int) -> PinnedHostMemory | None:
@@ -102,49 +102,75 @@ class PinnedHostMemory(HostMemory):
             return None
         return cls(lib, buft, limit_bytes) if buft else None
 
-    def take(self, size: int) -> Block:
+    def _pin(self) -> None:
+        t0 = time.perf_counter()
+        buf = self._lib.ggml_backend_buft_alloc_buffer(self._buft, self.limit_bytes)
+        seconds = time.perf_counter() - t0
         with self._lock:
-            # The smallest kept block that fits without wasting more than half of it.
-            for i, b in enumerate(self._free):
-                if size <= b.capacity <= 2 * size + ALIGN:
-                    del self._free[i]
-                    self.kept -= b.capacity
-                    self.used += b.capacity
-                    return Block(b.array[:size], b.capacity, b.handle)
-            capacity = -(-(size + size // 16) // ALIGN) * ALIGN
-            # Room for it: kept blocks go first, largest first (the cache bounds what it holds).
-            while self._free and self.used + self.kept + capacity > self.limit_bytes:
-                b = self._free.pop()
-                self.kept -= b.capacity
-                self._lib.ggml_backend_buffer_free(b.handle)
-            t0 = time.perf_counter()
-            buf = self._lib.ggml_backend_buft_alloc_buffer(self._buft, capacity)
-            self.allocations += 1
-            self.allocation_seconds += time.perf_counter() - t0
+            self.allocations, self.allocation_seconds = 1, seconds
             if not buf:
-                self.failed += 1
-                return HostMemory().take(size)
+                self.failed = True
+                log.warning("could not pin %d MiB of host memory (%s) for the prefix cache: it stays in "
+                            "pageable memory", self.limit_bytes >> 20, self.name)
+                return
             base = self._lib.ggml_backend_buffer_get_base(buf)
-            array = np.ctypeslib.as_array((ctypes.c_uint8 * capacity).from_address(base))
-            self.used += capacity
-            return Block(array[:size], capacity, buf)
+            self._array = np.ctypeslib.as_array((ctypes.c_uint8 * self.limit_bytes).from_address(base))
+            self._free = [(0, self.limit_bytes)]
+            self._arena = buf
+        log.info("pinned %d MiB of host memory (%s) for the prefix cache in %.2f s",
+                 self.limit_bytes >> 20, self.name, seconds)
+
+    @property
+    def pinned(self) -> bool:  # type: ignore[override]
+        return self._arena is not None
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        if self._pinning is not None:
+            self._pinning.join(timeout)
+        return self.pinned
+
+    def take(self, size: int) -> Block:
+        """A range of the arena; numpy memory while it is being pinned or if pinning failed. When
+        the arena has no free range that large, an empty block (`capacity` 0): make room and retry."""
+        with self._lock:
+            if self._arena is None:
+                if self._pinning is None and not self.failed:
+                    self._pinning = threading.Thread(target=self._pin, name="pin-prefix-cache", daemon=True)
+                    self._pinning.start()
+                return HostMemory().take(size)
+            assert self._array is not None
+            length = -(-size // self.PAGE) * self.PAGE
+            fits = [(n, i) for i, (_, n) in enumerate(self._free) if n >= length]
+            if not fits:
+                return Block(self._array[:0], 0, None)
+            _, i = min(fits)
+            off, n = self._free[i]
+            if n == length:
+                del self._free[i]
+            else:
+                self._free[i] = (off + length, n - length)
+            self.used += length
+            return Block(self._array[off:off + size], length, off)
 
     def give(self, block: Block) -> None:
-        if block.handle is None:
+        if block.handle is None or self._array is None:
             return
         with self._lock:
-            self.used -= block.capacity
-            if self.used + self.kept + block.capacity > self.limit_bytes:
-                self._lib.ggml_backend_buffer_free(block.handle)
-                return
-            whole = np.ctypeslib.as_array((ctypes.c_uint8 * block.capacity).from_address(block.array.ctypes.data))
-            self._free.append(Block(whole, block.capacity, block.handle))
-            self._free.sort(key=lambda b: b.capacity)
-            self.kept += block.capacity
+            off, length = block.handle, block.capacity
+            self.used -= length
+            i = next((k for k, (o, _) in enumerate(self._free) if o > off), len(self._free))
+            self._free.insert(i, (off, length))
+            # Merge with the next range, then with the previous one.
+            if i + 1 < len(self._free) and off + length == self._free[i + 1][0]:
+                self._free[i] = (off, length + self._free.pop(i + 1)[1])
+            if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == off:
+                po, pn = self._free[i - 1]
+                self._free[i - 1] = (po, pn + self._free.pop(i)[1])
 
     def close(self) -> None:
+        if self._pinning is not None:
+            self._pinning.join()
         with self._lock:
-            for b in self._free:
-                self._lib.ggml_backend_buffer_free(b.handle)
-            self._free.clear()
-            self.kept = 0
+            if self._arena is not None:
+                self._lib.ggml_backend_buffer_free(self._arena)
+            self._arena, self._array, self._free = None, None, []

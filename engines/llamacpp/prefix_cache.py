@@ -102,9 +102,8 @@ class HostPrefixCache:
         """Keep a sequence's state of `nbytes`, written by `fill` into a block of `memory` (it returns
         the bytes written, 0 if it failed). Entries it extends and can stand in for (the same
         conversation's earlier turn, unless a sliding window has moved past what that turn could
-        serve) go, and the least recently used while there is no room, before the block is taken:
-        page-locked memory is slow to allocate and free, so the block of an entry dropped here is
-        the one the new state goes to when it fits (engines/llamacpp/host_memory.py)."""
+        serve) go, and the least recently used while there is no room, before the block is taken
+        (in page-locked memory, room for it in one range: engines/llamacpp/host_memory.py)."""
         if nbytes > self.limit_bytes:
             return False
         with self._lock:
@@ -116,6 +115,12 @@ class HostPrefixCache:
                 self._drop(next(iter(self._entries)))
                 self.evictions += 1
             block = self.memory.take(nbytes)
+            while not block.capacity and self._entries:  # no free range that large: make one
+                self._drop(next(iter(self._entries)))
+                self.evictions += 1
+                block = self.memory.take(nbytes)
+            if not block.capacity:
+                return False
             n = fill(block.array)
             if n <= 0:
                 self.memory.give(block)
