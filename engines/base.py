@@ -244,9 +244,10 @@ class EngineConfig:
     # llama.cpp: the host-memory prefix cache (engines/llamacpp/prefix_cache.py), in MiB; -1 = a
     # quarter of the memory available at load, at most 8 GiB; 0 = off.
     prefix_cache_mib: int = -1
-    # llama.cpp on a GPU: keep that cache in the device's page-locked host memory (DMA copies;
-    # engines/llamacpp/host_memory.py); False = pageable memory (GATEWAY_PINNED_HOST_CACHE=0).
-    pinned_host_cache: bool = True
+    # llama.cpp: keep that cache in the device's page-locked host memory, pinned at load (DMA
+    # copies; engines/llamacpp/host_memory.py): "auto" = on CUDA/ROCm, "on" (any device with
+    # such memory, e.g. Vulkan), "off" = pageable memory (GATEWAY_PINNED_HOST_CACHE).
+    pinned_host_cache: str = "auto"
     # llama.cpp: prompt tokens prefilled per step while other sequences are decoding (chunked
     # prefill); 0 = the device class's default (engines/llamacpp/engine.py PREFILL_BUDGET).
     prefill_budget: int = 0

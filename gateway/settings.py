@@ -45,7 +45,8 @@ class Settings:
     # llama.cpp's host-memory prefix cache per model, in MiB (None: models.yaml's, else a quarter of
     # the available memory up to 8 GiB; 0 = off), and prompt tokens per step beside running streams.
     prefix_cache: int | None = None
-    pinned_host_cache: bool = True  # GATEWAY_PINNED_HOST_CACHE=0: the host prefix cache in pageable memory
+    # GATEWAY_PINNED_HOST_CACHE: the host prefix cache in page-locked memory: auto (CUDA/ROCm), on, off.
+    pinned_host_cache: str = "auto"
     prefill_budget: int | None = None
     drain_timeout: float = 30.0  # seconds running requests get to finish after SIGTERM/SIGINT
     max_body: int = 4 * 1024 * 1024  # request body limit in bytes (413 beyond)
@@ -125,7 +126,7 @@ class Settings:
             preload=e.get("GATEWAY_PRELOAD", "1") not in ("0", "false", "no"),
             max_queue_wait=float(e.get("GATEWAY_MAX_QUEUE_WAIT", cls.max_queue_wait)),
             prefix_cache=parse_mib(e["GATEWAY_PREFIX_CACHE"]) if e.get("GATEWAY_PREFIX_CACHE") else None,
-            pinned_host_cache=e.get("GATEWAY_PINNED_HOST_CACHE", "1") not in ("0", "false", "no", "off"),
+            pinned_host_cache=_on_off_auto(e.get("GATEWAY_PINNED_HOST_CACHE", "auto")),
             prefill_budget=int(e["GATEWAY_PREFILL_BUDGET"]) if e.get("GATEWAY_PREFILL_BUDGET") else None,
             drain_timeout=float(e.get("GATEWAY_DRAIN_TIMEOUT", cls.drain_timeout)),
             max_body=parse_size(e.get("GATEWAY_MAX_BODY", str(cls.max_body))),
@@ -231,3 +232,8 @@ def parse_duration(value: str) -> float:
     if number:
         raise ValueError(f"{value!r} is missing a unit (s, m, h)")
     return sign * total
+
+
+def _on_off_auto(value: str) -> str:
+    v = value.strip().lower()
+    return "off" if v in ("0", "false", "no", "off") else "on" if v in ("1", "true", "yes", "on") else "auto"

@@ -121,7 +121,7 @@ async def _vulkan_engine(prefix_cache_mib: int) -> LlamaCppEngine:
     spec = reg.models[MODEL]
     e = LlamaCppEngine(EngineConfig(model_path=str(reg.resolve(spec, "gguf")), context_length=512, parallel=1,
                                     chat_template=spec.chat_template, backend="vulkan", device=dev.description,
-                                    device_key=dev.name, prefix_cache_mib=prefix_cache_mib))
+                                    device_key=dev.name, prefix_cache_mib=prefix_cache_mib, pinned_host_cache="on"))
     await e.load()
     return e
 
@@ -135,11 +135,9 @@ async def test_the_host_prefix_cache_is_page_locked_on_a_gpu_and_restores_exactl
     e = await _vulkan_engine(prefix_cache_mib=64)
     try:
         host = e._sched.host_cache  # type: ignore[union-attr]
-        assert host is not None and not host.memory.pinned and host.memory.name == "Vulkan_Host"
-        # The first save pins the arena in the background (and goes to numpy memory meanwhile):
-        # start it here so that A's state lands in it.
-        host.memory.give(host.memory.take(1))
-        assert host.memory.wait_ready(120) and host.memory.allocations == 1
+        # Pinned at load ("on": on Vulkan the default is pageable memory).
+        assert host is not None and host.memory.pinned and host.memory.name == "Vulkan_Host"
+        assert host.memory.allocations == 1 and host.memory.limit_bytes == 64 << 20
         a1, b1, a2 = _conversation(TOPICS[0], 1), _conversation(TOPICS[1], 1), _conversation(TOPICS[0], 2)
         await _ask(e, a1, max_tokens=4)
         await _ask(e, b1, max_tokens=4)  # takes the only slot: A's KV goes to page-locked memory
@@ -170,8 +168,8 @@ def test_page_locked_ranges_are_reused_and_merge() -> None:
     page = PinnedHostMemory.PAGE
     mem = PinnedHostMemory.for_device(dev.name, limit_bytes=10 * page)
     assert mem is not None
-    first = mem.take(100)  # starts pinning; numpy memory meanwhile
-    assert first.handle is None and mem.wait_ready(60) and mem.pinned
+    assert mem.take(100).handle is None and not mem.pinned  # numpy memory until pinned
+    assert mem.pin() and mem.pinned
     a, b, c = mem.take(3 * page), mem.take(2 * page + 1), mem.take(2 * page)
     assert (a.handle, b.handle, c.handle) == (0, 3 * page, 6 * page) and b.capacity == 3 * page
     a.array[:] = 7

@@ -299,8 +299,9 @@ class LlamaCppEngine:
         if o.prefix_cache_mib == 0:
             return None
         limit = o.prefix_cache_mib << 20 if o.prefix_cache_mib > 0 else default_limit_bytes()
-        pinned = PinnedHostMemory.for_device(o.device_key, limit) if o.pinned_host_cache else None
-        return HostPrefixCache(limit, pinned or HostMemory())
+        want = o.pinned_host_cache == "on" or (o.pinned_host_cache == "auto" and o.backend in ("cuda", "rocm", "hip"))
+        pinned = PinnedHostMemory.for_device(o.device_key, limit) if want else None
+        return HostPrefixCache(limit, pinned if pinned is not None and pinned.pin() else HostMemory())
 
     def _identity(self, lc: Any, variant: str | None) -> str:
         """What a saved sequence state depends on: the model file, the build and device, the KV

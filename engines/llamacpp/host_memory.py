@@ -7,11 +7,12 @@ host buffer type (`ggml_backend_dev_host_buffer_type`: `cudaMallocHost` on CUDA,
 Vulkan) is copied by DMA (~50 GB/s measured there); `llama_state_seq_get_data`/`set_data` read
 and write the caller's buffer directly, so an entry that lives in such memory moves at that speed.
 
-Pinning is slow (the driver locks every page: ~0.5 s per GiB on that host, and the scheduler
-thread would wait for it), so the memory is pinned once, as one arena of the cache's bound,
-in a background thread when the first state is saved; entries are ranges of it (best fit, freed
-ranges merge with their neighbours). Until the arena is there, and where the device has no host
-buffer type (the CPU), entries are ordinary numpy memory.
+Pinning is slow (the driver locks every page: ~0.5 s per GiB on that host) and holds the
+driver while it runs, so the memory is pinned once, when the engine loads, as one arena of the
+cache's bound; entries are ranges of it (best fit; freed ranges merge with their neighbours).
+(Pinning lazily, in a thread beside a serving engine, stalled its CUDA calls for seconds: the
+worker missed its heartbeats.) Where the device has no host buffer type (the CPU) or pinning
+fails, entries are ordinary numpy memory.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def _ggml_host_api() -> ctypes.CDLL:
 
 
 class PinnedHostMemory(HostMemory):
-    """Ranges of one page-locked arena of `limit_bytes`, allocated in the background on first use."""
+    """Ranges of one page-locked arena of `limit_bytes` (`pin` allocates it)."""
 
     PAGE = 4096
 
@@ -83,7 +84,6 @@ class PinnedHostMemory(HostMemory):
         self._lock = threading.Lock()
         self._arena: int | None = None  # the ggml buffer
         self._array: npt.NDArray[np.uint8] | None = None
-        self._pinning: threading.Thread | None = None
         self._free: list[tuple[int, int]] = []  # (offset, length), by offset
         self.used = 0  # bytes of the arena the cache holds
         self.failed = False  # the arena could not be allocated: numpy memory from then on
@@ -102,7 +102,8 @@ class PinnedHostMemory(HostMemory):
             return None
         return cls(lib, buft, limit_bytes) if buft else None
 
-    def _pin(self) -> None:
+    def pin(self) -> bool:
+        """Allocate the arena (seconds per GiB): whether it is there."""
         t0 = time.perf_counter()
         buf = self._lib.ggml_backend_buft_alloc_buffer(self._buft, self.limit_bytes)
         seconds = time.perf_counter() - t0
@@ -112,31 +113,24 @@ class PinnedHostMemory(HostMemory):
                 self.failed = True
                 log.warning("could not pin %d MiB of host memory (%s) for the prefix cache: it stays in "
                             "pageable memory", self.limit_bytes >> 20, self.name)
-                return
+                return False
             base = self._lib.ggml_backend_buffer_get_base(buf)
             self._array = np.ctypeslib.as_array((ctypes.c_uint8 * self.limit_bytes).from_address(base))
             self._free = [(0, self.limit_bytes)]
             self._arena = buf
         log.info("pinned %d MiB of host memory (%s) for the prefix cache in %.2f s",
                  self.limit_bytes >> 20, self.name, seconds)
+        return True
 
     @property
     def pinned(self) -> bool:  # type: ignore[override]
         return self._arena is not None
 
-    def wait_ready(self, timeout: float | None = None) -> bool:
-        if self._pinning is not None:
-            self._pinning.join(timeout)
-        return self.pinned
-
     def take(self, size: int) -> Block:
-        """A range of the arena; numpy memory while it is being pinned or if pinning failed. When
-        the arena has no free range that large, an empty block (`capacity` 0): make room and retry."""
+        """A range of the arena (numpy memory without one). When the arena has no free range that
+        large, an empty block (`capacity` 0): make room and retry."""
         with self._lock:
             if self._arena is None:
-                if self._pinning is None and not self.failed:
-                    self._pinning = threading.Thread(target=self._pin, name="pin-prefix-cache", daemon=True)
-                    self._pinning.start()
                 return HostMemory().take(size)
             assert self._array is not None
             length = -(-size // self.PAGE) * self.PAGE
@@ -168,8 +162,6 @@ class PinnedHostMemory(HostMemory):
                 self._free[i - 1] = (po, pn + self._free.pop(i)[1])
 
     def close(self) -> None:
-        if self._pinning is not None:
-            self._pinning.join()
         with self._lock:
             if self._arena is not None:
                 self._lib.ggml_backend_buffer_free(self._arena)
