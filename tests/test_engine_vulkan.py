@@ -191,5 +191,13 @@ def test_page_locked_ranges_are_reused_and_merge() -> None:
     assert len(cache) == 3 and cache.evictions == 1 and mem.used == 9 * page
     assert cache.put("big", np.arange(50, dtype=np.int32), 6 * page, lambda arr: len(arr))
     assert len(cache) == 2 and mem.used == 9 * page
+    # No free range that large (fragments of 1 page): pageable memory, not an eviction.
+    small = HostPrefixCache(limit_bytes=10 * page, memory=mem)
+    assert small.put("x", np.arange(10, dtype=np.int32), page, lambda arr: len(arr))
+    assert small.unpinned == 0 and mem.used == 10 * page
+    evictions = cache.evictions
+    assert cache.put("y", np.arange(20, dtype=np.int32), page, lambda arr: len(arr))
+    assert cache.unpinned == 1 and cache.evictions == evictions and len(cache) == 3
+    small.close()
     cache.close()
     assert mem.used == 0 and not mem.pinned

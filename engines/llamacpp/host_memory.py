@@ -165,4 +165,4 @@ class PinnedHostMemory(HostMemory):
         with self._lock:
             if self._arena is not None:
                 self._lib.ggml_backend_buffer_free(self._arena)
-            self._arena, self._array, self._free = None, None, []
+            self._arena, self._array, self._free, self.used = None, None, [], 0

@@ -70,6 +70,7 @@ class HostPrefixCache:
     skipped_saves: int = 0  # states not saved: their new part prefills faster than the copy
     checkpoints: int = 0  # states saved mid-prompt at a shared prefix's end (sliding-window models)
     evictions: int = 0
+    unpinned: int = 0  # states saved to pageable memory: no page-locked range was free
     save_bytes_per_s: float = 0.0  # the engine's measured copy rates (PrefixCacheStats)
     restore_bytes_per_s: float = 0.0
 
@@ -103,7 +104,7 @@ class HostPrefixCache:
         the bytes written, 0 if it failed). Entries it extends and can stand in for (the same
         conversation's earlier turn, unless a sliding window has moved past what that turn could
         serve) go, and the least recently used while there is no room, before the block is taken
-        (in page-locked memory, room for it in one range: engines/llamacpp/host_memory.py)."""
+        (in page-locked memory when a range is free, else pageable: engines/llamacpp/host_memory.py)."""
         if nbytes > self.limit_bytes:
             return False
         with self._lock:
@@ -115,12 +116,11 @@ class HostPrefixCache:
                 self._drop(next(iter(self._entries)))
                 self.evictions += 1
             block = self.memory.take(nbytes)
-            while not block.capacity and self._entries:  # no free range that large: make one
-                self._drop(next(iter(self._entries)))
-                self.evictions += 1
-                block = self.memory.take(nbytes)
             if not block.capacity:
-                return False
+                # No free range that large in the page-locked arena (a conversation's state grows
+                # each turn): pageable memory rather than evicting entries still in use.
+                block = HostMemory().take(nbytes)
+                self.unpinned += 1
             n = fill(block.array)
             if n <= 0:
                 self.memory.give(block)
