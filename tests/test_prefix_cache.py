@@ -277,3 +277,14 @@ async def test_one_shared_kv_cache_serves_concurrent_streams_and_reuses_prefixes
             assert u.cached_tokens >= first.prompt_tokens - 8, (u.cached_tokens, first.prompt_tokens)
     finally:
         await e.close()
+
+
+def test_the_stats_of_several_workers_combine() -> None:
+    from engines.base import PrefixCacheStats
+
+    a = PrefixCacheStats(hits=2, bytes=10, pinned=True, save_bytes_per_s=4e9, restore_bytes_per_s=0.0)
+    b = PrefixCacheStats(hits=3, bytes=5, pinned=False, save_bytes_per_s=2e9, restore_bytes_per_s=6e9)
+    c = PrefixCacheStats.combine([a, b])
+    assert (c.hits, c.bytes, c.pinned) == (5, 15, False)
+    assert c.save_bytes_per_s == 3e9 and c.restore_bytes_per_s == 6e9  # rates average the ones measured
+    assert PrefixCacheStats.combine([a, a]).pinned
