@@ -236,11 +236,14 @@ async def prefix_cache_metrics(client: httpx.AsyncClient, url: str) -> dict[str,
     r = await client.get(f"{url}/metrics")
     if r.status_code != 200:
         return {}
+    from prometheus_client.parser import text_string_to_metric_families
+
     out: dict[str, float] = {}
-    for ln in r.text.splitlines():
-        if ln.startswith("gateway_prefix_cache_") and "{" in ln:
-            name = ln.split("{", 1)[0].removeprefix("gateway_prefix_cache_")
-            out[name] = out.get(name, 0.0) + float(ln.rsplit(" ", 1)[1])
+    for fam in text_string_to_metric_families(r.text):
+        for sm in fam.samples:
+            if sm.name.startswith("gateway_prefix_cache_") and not sm.name.endswith("_created"):
+                name = sm.name.removeprefix("gateway_prefix_cache_")
+                out[name] = out.get(name, 0.0) + sm.value
     return out
 
 

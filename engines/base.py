@@ -186,7 +186,7 @@ class PrefixCacheStats:
     # save, back on a restore. They decide whether a save or restore beats prefilling.
     save_bytes_per_s: float = 0.0
     restore_bytes_per_s: float = 0.0
-    # Page-locked blocks allocated rather than reused, and the seconds that took (0 in pageable memory).
+    # Page-locked allocations (the arena, at load) and the seconds they took (0 in pageable memory).
     allocations: int = 0
     allocation_seconds: float = 0.0
 

@@ -161,7 +161,7 @@ class _EngineGauges(Collector):
             "bytes": GaugeMetricFamily("gateway_prefix_cache_bytes", "Host memory held by the prefix cache.", labels=LABELS),
             "limit_bytes": GaugeMetricFamily("gateway_prefix_cache_limit_bytes", "The prefix cache's bound.", labels=LABELS),
             "entries": GaugeMetricFamily("gateway_prefix_cache_entries", "Sequence states held by the prefix cache.", labels=LABELS),
-            "allocations": CounterMetricFamily("gateway_prefix_cache_allocations", "Page-locked host memory blocks allocated for the prefix cache (not reused).", labels=LABELS),
+            "allocations": CounterMetricFamily("gateway_prefix_cache_allocations", "Page-locked host memory allocations for the prefix cache (its arena, at load).", labels=LABELS),
             "allocation_seconds": CounterMetricFamily("gateway_prefix_cache_allocation_seconds", "Time spent allocating page-locked host memory for the prefix cache.", labels=LABELS),
             "pinned": GaugeMetricFamily("gateway_prefix_cache_pinned", "1 if the prefix cache is in the device's page-locked host memory (DMA copies).", labels=LABELS),
             "save_bytes_per_s": GaugeMetricFamily("gateway_prefix_cache_save_bytes_per_second", "Measured copy rate of a sequence state to the host cache (moving average).", labels=LABELS),

@@ -126,7 +126,7 @@ class Settings:
             preload=e.get("GATEWAY_PRELOAD", "1") not in ("0", "false", "no"),
             max_queue_wait=float(e.get("GATEWAY_MAX_QUEUE_WAIT", cls.max_queue_wait)),
             prefix_cache=parse_mib(e["GATEWAY_PREFIX_CACHE"]) if e.get("GATEWAY_PREFIX_CACHE") else None,
-            pinned_host_cache=_on_off_auto(e.get("GATEWAY_PINNED_HOST_CACHE", "auto")),
+            pinned_host_cache=_on_off(e.get("GATEWAY_PINNED_HOST_CACHE", "auto")),
             prefill_budget=int(e["GATEWAY_PREFILL_BUDGET"]) if e.get("GATEWAY_PREFILL_BUDGET") else None,
             drain_timeout=float(e.get("GATEWAY_DRAIN_TIMEOUT", cls.drain_timeout)),
             max_body=parse_size(e.get("GATEWAY_MAX_BODY", str(cls.max_body))),
@@ -170,6 +170,8 @@ class Settings:
             raise ValueError(f"GATEWAY_FAILOVER_REPLAY must be exact or fast, not {s.failover_replay!r}")
         if s.device_sampling not in (None, "auto", "on", "off"):
             raise ValueError(f"GATEWAY_DEVICE_SAMPLING must be auto, on or off, not {s.device_sampling!r}")
+        if s.pinned_host_cache not in ("auto", "on", "off"):
+            raise ValueError(f"GATEWAY_PINNED_HOST_CACHE must be auto, on or off, not {s.pinned_host_cache!r}")
         return s
 
     def api_keys(self) -> tuple[str, ...]:
@@ -234,6 +236,8 @@ def parse_duration(value: str) -> float:
     return sign * total
 
 
-def _on_off_auto(value: str) -> str:
+def _on_off(value: str) -> str:
+    """A switch's value with the usual spellings of on and off (1, true, yes / 0, false, no) as
+    `on` / `off`; anything else as written (the caller checks it)."""
     v = value.strip().lower()
-    return "off" if v in ("0", "false", "no", "off") else "on" if v in ("1", "true", "yes", "on") else "auto"
+    return "off" if v in ("0", "false", "no", "off") else "on" if v in ("1", "true", "yes", "on") else v

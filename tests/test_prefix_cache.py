@@ -288,3 +288,15 @@ def test_the_stats_of_several_workers_combine() -> None:
     assert (c.hits, c.bytes, c.pinned) == (5, 15, False)
     assert c.save_bytes_per_s == 3e9 and c.restore_bytes_per_s == 6e9  # rates average the ones measured
     assert PrefixCacheStats.combine([a, a]).pinned
+
+
+def test_the_pinned_host_cache_switch_reads_the_usual_spellings_and_refuses_others() -> None:
+    from gateway.settings import Settings
+
+    def read(v: str) -> str:
+        return Settings.from_env(env={"GATEWAY_PINNED_HOST_CACHE": v}).pinned_host_cache
+
+    assert Settings.from_env(env={}).pinned_host_cache == "auto"
+    assert [read(v) for v in ("0", "off", "False", "1", "on", "auto")] == ["off", "off", "off", "on", "on", "auto"]
+    with pytest.raises(ValueError, match="GATEWAY_PINNED_HOST_CACHE must be auto, on or off"):
+        read("pageable")

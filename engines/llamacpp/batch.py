@@ -471,7 +471,7 @@ class BatchScheduler:
         lc.llama_memory_seq_rm(self._mem, slot.seq_id, -1, -1)
         slot.cached = []
         t0 = time.perf_counter()
-        read = lc.llama_state_seq_set_data(self._ctx, entry.data.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)),
+        read = lc.llama_state_seq_set_data(self._ctx, entry.block.array.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)),
                                            entry.nbytes, slot.seq_id)
         self.restore_bps = host.restore_bytes_per_s = _ema(self.restore_bps, entry.nbytes / max(time.perf_counter() - t0, 1e-6))
         if read == 0:

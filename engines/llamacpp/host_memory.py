@@ -86,7 +86,6 @@ class PinnedHostMemory(HostMemory):
         self._array: npt.NDArray[np.uint8] | None = None
         self._free: list[tuple[int, int]] = []  # (offset, length), by offset
         self.used = 0  # bytes of the arena the cache holds
-        self.failed = False  # the arena could not be allocated: numpy memory from then on
 
     @classmethod
     def for_device(cls, device_key: str, limit_bytes: int) -> PinnedHostMemory | None:
@@ -110,7 +109,6 @@ class PinnedHostMemory(HostMemory):
         with self._lock:
             self.allocations, self.allocation_seconds = 1, seconds
             if not buf:
-                self.failed = True
                 log.warning("could not pin %d MiB of host memory (%s) for the prefix cache: it stays in "
                             "pageable memory", self.limit_bytes >> 20, self.name)
                 return False

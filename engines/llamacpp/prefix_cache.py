@@ -39,17 +39,13 @@ def common_prefix(a: npt.NDArray[np.int32], b: npt.NDArray[np.int32]) -> int:
 @dataclass(eq=False)
 class Entry:
     identity: str
-    tokens: npt.NDArray[np.int32]  # the tokens whose KV `data` holds, from position 0
+    tokens: npt.NDArray[np.int32]  # the tokens whose KV `block` holds, from position 0
     block: Block  # its `array` holds llama_state_seq_get_data's output
     nbytes: int
     # The shortest prefix of `tokens` this state can serve: 0, but for a sliding-window KV cache
     # (the window's layers keep only their last positions), the oldest position kept plus the
     # window (a prefix cut earlier would miss the window before its end).
     floor: int = 0
-
-    @property
-    def data(self) -> npt.NDArray[np.uint8]:
-        return self.block.array
 
 
 @dataclass
