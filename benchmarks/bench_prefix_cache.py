@@ -6,10 +6,13 @@ llama-server from the same llama.cpp (its default prompt cache), one run, server
 
 - conversations: N conversations of 4 turns at once (each turn sends the whole history; the
   workload of bench_cluster's affinity part) on one server of 8 sequences, N = 8 and 16, SmolLM2:
-  share of follow-up prompt tokens served from cache, follow-up TTFT p50/p95.
+  share of follow-up prompt tokens served from cache, follow-up TTFT p50/p95. Also the gateway with
+  one KV cache of 8 sequences' size shared by 16 (kv_unified + sequences), and llama-server with 16
+  slots over the same cells.
 - agent: sessions with a long stable prefix (instructions, tool list) and a growing history,
   Gemma-3-270M at 32k context, more sessions than sequences: TTFT of each turn after the first, as
-  a share of a cold prefill of the same prefix.
+  a share of a cold prefill of the same prefix. Also the gateway with those sequences' KV shared by
+  as many sequences as sessions.
 - interference: streams decoding while a long prompt arrives (Gemma-3-270M): the running streams'
   inter-token latency p50/p99 while it is prefilled, and its TTFT against the same prompt alone;
   the gateway at several prefill budgets.
@@ -111,7 +114,19 @@ def gateway(model: str, parallel: int, *extra: str, name: str = "gateway", env: 
                   env={"GATEWAY_LOG_LEVEL": "warning", **(env or {})})
 
 
-def llama_server(bin_dir: str, model_path: str, parallel: int, ctx: int, template: str | None, *extra: str) -> Server:
+def derived_config(model: str, label: str, **fields: Any) -> str:
+    """A copy of the models.yaml in use with `fields` set on `model`; its path."""
+    import yaml
+
+    data = yaml.safe_load(Path(CONFIG).read_text())
+    next(m for m in data["models"] if m["id"] == model).update(fields)
+    path = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-prefix-{label}-{os.getpid()}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def llama_server(bin_dir: str, model_path: str, parallel: int, ctx: int, template: str | None, *extra: str,
+                 name: str = "llama-server") -> Server:
     threads = str(os.cpu_count() or 1)
     cmd = [f"{bin_dir}/llama-server", "-m", model_path, "--port", "{port}", "-np", str(parallel),
            "-c", str(ctx * parallel), "-t", threads, "-tb", threads, *extra]
@@ -119,7 +134,7 @@ def llama_server(bin_dir: str, model_path: str, parallel: int, ctx: int, templat
         path = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-template-{abs(hash(template))}.jinja"
         path.write_text(template)
         cmd += ["--jinja", "--chat-template-file", str(path)]
-    return Server("llama-server", cmd)
+    return Server(name, cmd)
 
 
 @dataclass
@@ -284,9 +299,16 @@ def main() -> int:
     ap.add_argument("--server-bin", default=None, help="an existing llama-server build's bin dir")
     ap.add_argument("--parallel", type=int, default=8, help="sequences per server, conversations part")
     ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--shared-sequences", type=int, default=None,
+                    help="conversations part: also the gateway with one KV cache of --parallel sequences' size shared by "
+                         "this many (kv_unified + sequences), and llama-server with as many slots over the same cells "
+                         "(default 2 x --parallel; 0 = leave out)")
     ap.add_argument("--agent-sessions", type=int, default=4)
     ap.add_argument("--agent-parallel", type=int, default=2, help="fewer sequences than sessions: the cache's case")
     ap.add_argument("--agent-turns", type=int, default=10)
+    ap.add_argument("--agent-shared-sequences", type=int, default=None,
+                    help="agent part: also the gateway with one KV cache of --agent-parallel sequences' size shared by "
+                         "this many (default --agent-sessions; 0 = leave out)")
     ap.add_argument("--agent-prefix-words", type=int, default=9000, help="~12k tokens")
     ap.add_argument("--model", default=GEMMA, help="model id of the agent and interference parts")
     ap.add_argument("--long-model", default=None, help="model id of the interference part (default --model): "
@@ -321,9 +343,17 @@ def main() -> int:
     raw: dict[str, Any] = {}
 
     if "conversations" in parts:
+        smol_ctx = reg.models[SMOL].context_length
         servers = [gateway(SMOL, args.parallel, *engine),
                    gateway(SMOL, args.parallel, *engine, "--prefix-cache", "0", name="gateway, no host cache"),
-                   llama_server(bin_dir, smol_path, args.parallel, reg.models[SMOL].context_length, None, *ngl)]
+                   llama_server(bin_dir, smol_path, args.parallel, smol_ctx, None, *ngl)]
+        shared = 2 * args.parallel if args.shared_sequences is None else args.shared_sequences
+        if shared:
+            cfg = derived_config(SMOL, "shared", kv_unified=True, sequences=shared)
+            servers.insert(1, gateway(SMOL, args.parallel, *engine, "--config", cfg,
+                                      name=f"gateway, shared KV, {shared} sequences"))
+            servers.append(llama_server(bin_dir, smol_path, shared, smol_ctx * args.parallel // shared, None, *ngl,
+                                        name=f"llama-server, {shared} slots"))
         for srv in servers:
             with srv:
                 for n in (args.parallel, 2 * args.parallel):
@@ -337,6 +367,11 @@ def main() -> int:
                    llama_server(bin_dir, gemma_path, args.agent_parallel, gemma.context_length, gemma.chat_template, *ngl)]
         if args.agent_skip_nocache:  # every later turn re-prefills the whole prefix: an hour on 2 cores
             servers.pop(1)
+        shared = args.agent_sessions if args.agent_shared_sequences is None else args.agent_shared_sequences
+        if shared:
+            cfg = derived_config(args.model, "agent-shared", kv_unified=True, sequences=shared)
+            servers.insert(1, gateway(args.model, args.agent_parallel, *engine, "--config", cfg,
+                                      name=f"gateway, shared KV, {shared} sequences"))
         for variant in args.gateway_variant:
             label, _, settings = variant.partition(":")
             servers.insert(1, gateway(args.model, args.agent_parallel, *engine, name=f"gateway, {label}",
@@ -353,14 +388,9 @@ def main() -> int:
         servers = [gateway(long_id, args.streams + 1, *engine, "--prefill-budget", b, "--prefix-cache", "0",
                            name=f"gateway, budget {b}") for b in args.budgets.split(",") if b]
         if args.unified_budgets:
-            import yaml
-
-            data = yaml.safe_load(Path(CONFIG).read_text())
-            next(m for m in data["models"] if m["id"] == long_id)["kv_unified"] = True
-            unified = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-prefix-unified-{os.getpid()}.yaml"
-            unified.write_text(yaml.safe_dump(data))
+            unified = derived_config(long_id, "unified", kv_unified=True)
             servers += [gateway(long_id, args.streams + 1, *engine, "--prefill-budget", b, "--prefix-cache", "0",
-                                "--config", str(unified), name=f"gateway, unified KV, budget {b}")
+                                "--config", unified, name=f"gateway, unified KV, budget {b}")
                         for b in args.unified_budgets.split(",")]
         servers.append(llama_server(bin_dir, str(reg.resolve(long_spec, "gguf")), args.streams + 1,
                                     long_spec.context_length, long_spec.chat_template, "--cache-ram", "0", *ngl))

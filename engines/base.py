@@ -189,6 +189,10 @@ class PrefixCacheStats:
     # Page-locked allocations (the arena, at load) and the seconds they took (0 in pageable memory).
     allocations: int = 0
     allocation_seconds: float = 0.0
+    unpinned: int = 0  # states that found no free page-locked range and went to pageable memory
+    # Requests paused because the KV cache their sequences share (kv_unified) was full; they
+    # resumed when there was room (their KV restored from this cache where that was worth it).
+    preemptions: int = 0
 
     @classmethod
     def combine(cls, caches: list[PrefixCacheStats]) -> PrefixCacheStats:
@@ -259,6 +263,11 @@ class EngineConfig:
     # prompt's chunk and the running streams' tokens share one pass over the weights), but a
     # sequence's context is no longer its own (the sequences share context_length x parallel).
     kv_unified: bool = False
+    # llama.cpp with kv_unified: requests decoded at once (0 = parallel). More than `parallel`
+    # share the KV of context_length x parallel tokens: concurrency is bounded by that memory, not
+    # by a sequence count. When it fills, idle sequences' KV goes to the host prefix cache first,
+    # then the newest request is paused (its KV saved there) and resumes when there is room.
+    sequences: int = 0
 
 
 @dataclass(frozen=True)

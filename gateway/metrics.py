@@ -166,7 +166,9 @@ class _EngineGauges(Collector):
             "pinned": GaugeMetricFamily("gateway_prefix_cache_pinned", "1 if the prefix cache is in the device's page-locked host memory (DMA copies).", labels=LABELS),
             "save_bytes_per_s": GaugeMetricFamily("gateway_prefix_cache_save_bytes_per_second", "Measured copy rate of a sequence state to the host cache (moving average).", labels=LABELS),
             "restore_bytes_per_s": GaugeMetricFamily("gateway_prefix_cache_restore_bytes_per_second", "Measured copy rate of a cached state back into a sequence (moving average).", labels=LABELS),
+            "unpinned": CounterMetricFamily("gateway_prefix_cache_unpinned", "States that found no free page-locked range and were kept in pageable memory.", labels=LABELS),
         }
+        preempted = CounterMetricFamily("gateway_kv_preemptions", "Requests paused because the KV cache their model's sequences share was full (resumed when there was room).", labels=LABELS)
         count = 0
         for model, engine, device, h in self._resident():
             running.add_metric([model, engine, device], h.running)
@@ -174,10 +176,12 @@ class _EngineGauges(Collector):
             if h.prefix_cache is not None:
                 for name, family in pc.items():
                     family.add_metric([model, engine, device], float(getattr(h.prefix_cache, name)))
+                preempted.add_metric([model, engine, device], float(h.prefix_cache.preemptions))
             count += 1
         yield running
         yield waiting
         yield from pc.values()
+        yield preempted
         yield GaugeMetricFamily("gateway_models_resident", "Models loaded now.", value=count)
 
 

@@ -14,6 +14,8 @@
 #                                    gateway with that environment, e.g. 'pageable:GATEWAY_PINNED_HOST_CACHE=0';
 #                                    AGENT_ARGS: more bench_prefix_cache.py options, e.g. --agent-skip-nocache)
 #                                    (interference: BUDGETS=256,512 UNIFIED_BUDGETS=256,512 to choose)
+#   scripts/h100-prefix.sh stash D   keep D's parts of the SmolLM2 GGUF (.dev27/a, b, c: split -b 33M)
+#   scripts/h100-prefix.sh conversations   join them; bench_prefix_cache.py's conversations part -> $OUT
 #   scripts/h100-prefix.sh memory    bench_memory.py on CUDA (issue 29): the estimate vs the worker's
 #                                    resident memory and its memory on the GPU (nvidia-smi) -> $OUT
 set -uo pipefail
@@ -47,6 +49,10 @@ models:
     description: the same file, 13k tokens per sequence (33 sequences fit the H100 with it)
     context_length: 13312
     formats: {gguf: {path: $W/llama8b-q4_k_m.gguf}}
+  - id: smollm2-135m-instruct
+    description: SmolLM2-135M-Instruct Q4_1 (from the parts kept by 'stash')
+    context_length: 2048
+    formats: {gguf: {path: $W/smollm2.gguf}}
 EOY
   ;;
 agent)
@@ -54,6 +60,15 @@ agent)
     --parts agent --model llama3-8b-random --agent-sessions 4 --agent-parallel "${AGENT_PARALLEL:-2}" \
     ${VARIANT:+--gateway-variant "$VARIANT"} ${AGENT_ARGS:-} \
     --json "$OUT/agent-p${AGENT_PARALLEL:-2}.json" 2>&1 | tail -14 | tee "$OUT/agent-p${AGENT_PARALLEL:-2}.md"
+  ;;
+stash)
+  mkdir -p "$W/stash" && cp "$2"/model.part-* "$W/stash/" && ls "$W/stash"
+  ;;
+conversations)
+  [ -s "$W/smollm2.gguf" ] || cat "$W"/stash/model.part-* > "$W/smollm2.gguf"
+  sha256sum "$W/smollm2.gguf"
+  python3 benchmarks/bench_prefix_cache.py --backend cuda --server-bin "$W/build/bin" --config "$W/models.yaml" \
+    --parts conversations --json "$OUT/conversations.json" 2>&1 | tail -14 | tee "$OUT/conversations.md"
   ;;
 interference)
   python3 benchmarks/bench_prefix_cache.py --backend cuda --server-bin "$W/build/bin" --config "$W/models.yaml" \

@@ -11,7 +11,7 @@
 #   scripts/h100-speed.sh stash D     keep D's parts
 #   scripts/h100-speed.sh measure R   wait for the build, join the model, bench_speed.py with R rounds -> $OUT
 set -uo pipefail
-W=/tmp/h28s
+W=${H100_W:-/tmp/h28s}  # H100_W=/tmp/h28: the build and model parts of h100-prefix.sh on a warm machine
 mkdir -p "$W/site" "$W/stash"
 export PYTHONPATH="$W/site:$W/src:$PWD" LLAMA_CPP_LIB_PATH="$W/build/bin" PYTHONUNBUFFERED=1
 . "$(dirname "$0")/h100-common.sh"

@@ -237,6 +237,8 @@ def test_through_the_gateway_usage_and_metrics_show_restored_prefixes(tmp_path: 
         assert gauge("gateway_prefix_cache_pinned") == 0
         assert gauge("gateway_prefix_cache_save_bytes_per_second") > 1e6
         assert gauge("gateway_prefix_cache_restore_bytes_per_second") > 1e6
+        assert gauge("gateway_prefix_cache_unpinned_total") == 0
+        assert gauge("gateway_kv_preemptions_total") == 0  # one KV stream per sequence: nothing is paused
     finally:
         server.stop()
 

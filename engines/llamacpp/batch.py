@@ -166,8 +166,17 @@ class BatchScheduler:
         identity: str = "",
         prefill_budget: int = 0,
         n_swa: int = 0,
+        kv_pool: int = 0,
     ) -> None:
         self._ctx = ctx
+        # One KV cache shared by the sequences (kv_unified), of this many cells (0: one stream per
+        # sequence, each with its own context). Shared, it bounds how many requests run at once,
+        # not the sequence count: a request starts when its prompt fits beside the others, idle
+        # sequences' KV gives way first (to the host cache), and when the running ones outgrow it
+        # the newest is paused (`_preempt`) and resumes when there is room, as vLLM preempts.
+        self._kv_pool = kv_pool
+        self.preemptions = 0  # requests paused because the shared KV was full
+        self.kv_evictions = 0  # idle sequences' KV dropped (after saving it to the host cache) to make room
         # The sliding window of the model's SWA layers when their KV keeps only the window
         # (swa_full off): a sequence's KV then serves a prefix only if the window before its end is
         # still there (`_floor`). 0: every layer keeps every position.
@@ -321,13 +330,25 @@ class BatchScheduler:
         # than evicting another conversation's KV to copy this one's over.
         free = [s for s in self._slots if s.job is None]
         while self._waiting and free:
-            job = self._waiting.popleft()
+            job = self._waiting[0]
             slot = self._slot_for(job, free)
+            if self._kv_pool and not self._fits(job, slot):
+                break  # in order: the first waiting request starts first
+            self._waiting.popleft()
             free.remove(slot)
             self._start(slot, job)
 
-    @staticmethod
-    def _slot_for(job: Job, free: list[_Slot]) -> _Slot:
+    def _slot_for(self, job: Job, free: list[_Slot]) -> _Slot:
+        if self._kv_pool:
+            # Shared KV: a sequence id costs nothing, the cells do. A sequence whose KV starts the
+            # prompt but for a few tokens (the conversation's own: nothing of it is lost), else an empty one (a
+            # prefix another sequence holds is copied in by sharing its cells), else the one idle
+            # longest (its KV gives way).
+            held = [_common_prefix(s.cached, job.prompt_ids) if s.cached else 0 for s in free]
+            best = max(range(len(free)), key=held.__getitem__)
+            if held[best] >= MIN_COPY_GAIN and held[best] + MIN_COPY_GAIN >= len(free[best].cached):
+                return free[best]
+            return min(free, key=lambda s: (bool(s.cached), s.idle_since))
         if isinstance(job, GenJob) and len(free) > 1 and len(job.prompt_ids) >= 2 * OWN_SLOT_TOKENS:
             held = [_common_prefix(s.cached, job.prompt_ids) for s in free]
             best = max(range(len(free)), key=held.__getitem__)
@@ -397,6 +418,70 @@ class BatchScheduler:
                 slot.drafted = slot.accepted = 0
                 slot.draft_len = self._draft_max
         self._place_sampler(slot, job)
+
+    # --- one KV cache shared by the sequences (kv_pool) ----------------------------------------
+
+    def _used(self) -> int:
+        """Cells of the shared KV the sequences hold (an upper bound: a prefix copied from another
+        sequence shares that sequence's cells)."""
+        return sum(len(s.cached) for s in self._slots)
+
+    def _make_room(self, need: int, keep: _Slot | None = None) -> bool:
+        """Free idle sequences' KV, least recently used first (each saved to the host cache when
+        that is worth its copy), until `need` cells are free; whether they are."""
+        idle = sorted((s for s in self._slots if s.job is None and s.cached and s is not keep),
+                      key=lambda s: s.idle_since)
+        for slot in idle:
+            if self._kv_pool - self._used() >= need:
+                break
+            self._save(slot, 0)
+            lc.llama_memory_seq_rm(self._mem, slot.seq_id, -1, -1)
+            slot.cached = []
+            self.kv_evictions += 1
+        return self._kv_pool - self._used() >= need
+
+    def _fits(self, job: Job, slot: _Slot) -> bool:
+        """Room for `job` in `slot`: its prompt (less what the slot holds of it) beside what the
+        running requests have yet to prefill, and a batch more, so that a request just started is
+        not paused by the next step. Alone, it always fits (a request's context is at most the
+        shared KV)."""
+        owed = sum(len(s.job.prompt_ids) - s.n_fed for s in self._active() if s.job is not None and s.pending is None)
+        need = owed + len(job.prompt_ids) - _common_prefix(slot.cached, job.prompt_ids) + self._n_batch
+        return self._make_room(need, keep=slot) or not self._active()
+
+    def _fit_step(self, drafting: bool) -> None:
+        """Make room for the next step's tokens: idle sequences' KV first, then pause the newest
+        running requests until the step fits."""
+        while True:
+            active = self._active()
+            decode = sum(1 + (self._draft_max if drafting else 0) for s in active if s.pending is not None)
+            prefill = sum(len(s.job.prompt_ids) - s.n_fed for s in active if s.pending is None and s.job is not None)
+            if self._make_room(min(self._n_batch, decode + prefill)) or len(active) <= 1:
+                return
+            self._preempt(max(active, key=lambda s: s.job.submitted if s.job is not None else 0.0))
+
+    def _preempt(self, slot: _Slot) -> None:
+        """Pause the slot's request: its KV to the host cache (when worth the copy), the request back
+        to the head of the queue. A generation resumes with what it generated as prompt, counted as
+        generated and not sent again (as after a failover); a scoring job starts over."""
+        job = slot.job
+        assert job is not None
+        if isinstance(job, GenJob) and slot.n_fed >= len(job.prompt_ids):
+            done = slot.cached[len(job.prompt_ids):] + ([slot.pending] if slot.pending is not None else [])
+            job.prompt_ids = job.prompt_ids + done
+            job.resumed += len(done)
+        elif isinstance(job, ScoreJob):
+            job.rows.clear()
+        self._save(slot, 0)
+        lc.llama_memory_seq_rm(self._mem, slot.seq_id, -1, -1)
+        slot.cached = []
+        slot.job = None
+        slot.pending = None
+        slot.idle_since = time.perf_counter()
+        self.preemptions += 1
+        log.info("the shared KV cache is full: paused a request (%d tokens) until there is room", len(job.prompt_ids))
+        with self._cv:
+            self._waiting.appendleft(job)
 
     def _floor(self, slot: _Slot) -> int:
         """The shortest prefix of the slot's KV that can be kept: 0 without a sliding window; with
@@ -575,6 +660,9 @@ class BatchScheduler:
 
         active = self._active()
         drafting = bool(self._draft_ngram) and sum(s.pending is not None for s in active) <= self._draft_streams
+        if self._kv_pool:
+            self._fit_step(drafting)
+            active = self._active()
         # Decoding sequences first: one token each (plus its draft), so running streams never
         # wait for prefill.
         for slot in active:

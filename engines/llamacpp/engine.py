@@ -98,7 +98,7 @@ class LlamaCppEngine:
             device=options.device,
             version=llama_cpp_version(),
             context_length=options.context_length,
-            parallel=options.parallel,
+            parallel=_sequences(options),
         )
         self._model: Any = None
         self._ctx: Any = None
@@ -172,7 +172,9 @@ class LlamaCppEngine:
         cparams.n_ctx = self._n_ctx_seq * o.parallel
         cparams.n_batch = o.n_batch
         cparams.n_ubatch = o.n_batch
-        cparams.n_seq_max = o.parallel
+        # With one KV cache shared by all (kv_unified), `sequences` may exceed `parallel`: the cache
+        # still holds context_length x parallel tokens, and the scheduler runs as many requests as fit.
+        cparams.n_seq_max = _sequences(o)
         # One KV stream per sequence: each request gets its full context, whatever the others do.
         # (llama.cpp then splits a step into ubatches of equal tokens per sequence: the running
         # streams' tokens and a prompt's chunk go through the model one after the other.)
@@ -209,7 +211,7 @@ class LlamaCppEngine:
         self._sched = BatchScheduler(
             ctx=ctx,
             n_vocab=self._n_vocab,
-            n_parallel=o.parallel,
+            n_parallel=_sequences(o),
             n_batch=o.n_batch,
             max_queue=o.max_queue,
             piece=self.piece,
@@ -222,6 +224,7 @@ class LlamaCppEngine:
             identity=self._identity(lc, variant),
             prefill_budget=o.prefill_budget or prefill_budget(o.backend),
             n_swa=self._n_swa,
+            kv_pool=lc.llama_n_ctx(ctx) if o.kv_unified else 0,
         )
         from engines.llamacpp.embed import Embedder
 
@@ -291,8 +294,8 @@ class LlamaCppEngine:
         started = self._sched.step_started
         busy = time.perf_counter() - started if started else 0.0
         host = self._sched.host_cache
-        return EngineHealth(ready=True, running=running, waiting=waiting, busy_seconds=busy,
-                            prefix_cache=host.stats() if host is not None else None)
+        stats = replace(host.stats(), preemptions=self._sched.preemptions) if host is not None else None
+        return EngineHealth(ready=True, running=running, waiting=waiting, busy_seconds=busy, prefix_cache=stats)
 
     @staticmethod
     def _host_cache(o: EngineConfig) -> HostPrefixCache | None:
@@ -310,7 +313,7 @@ class LlamaCppEngine:
         st = os.stat(o.model_path)
         return (f"{os.path.realpath(o.model_path)}:{st.st_size}:{st.st_mtime_ns}|llama-cpp-python "
                 f"{lc.__version__} {o.backend} {o.device_key or 'CPU'} {variant or ''} repack={o.repack}"
-                f"|ctx/seq={self._n_ctx_seq} parallel={o.parallel} type_k/v=f16 swa={self._n_swa or 'full'}"
+                f"|ctx/seq={self._n_ctx_seq} parallel={o.parallel} sequences={_sequences(o)} type_k/v=f16 swa={self._n_swa or 'full'}"
                 f"{' unified' if o.kv_unified else ''}")
 
     # --- text ------------------------------------------------------------------------------
@@ -496,3 +499,8 @@ def _schema_grammar(schema: str) -> bytes:
 @register_runtime("llamacpp")
 def create_llamacpp(options: EngineConfig) -> LlamaCppEngine:
     return LlamaCppEngine(options)
+
+
+def _sequences(o: EngineConfig) -> int:
+    """Requests decoded at once: `sequences` where the KV is shared (kv_unified), else `parallel`."""
+    return max(o.sequences, o.parallel) if o.kv_unified else o.parallel

@@ -148,7 +148,8 @@ class HostPrefixCache:
                                 checkpoints=self.checkpoints, evictions=self.evictions, entries=len(self._entries),
                                 bytes=self.bytes, limit_bytes=self.limit_bytes, pinned=self.memory.pinned,
                                 save_bytes_per_s=self.save_bytes_per_s, restore_bytes_per_s=self.restore_bytes_per_s,
-                                allocations=self.memory.allocations, allocation_seconds=self.memory.allocation_seconds)
+                                allocations=self.memory.allocations, allocation_seconds=self.memory.allocation_seconds,
+                                unpinned=self.unpinned)
 
 
 def default_limit_bytes() -> int:

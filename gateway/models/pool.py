@@ -748,6 +748,7 @@ def engine_config(spec: ModelSpec, cand: Candidate, path: str, settings: Setting
         prefill_budget=_first(settings.prefill_budget, spec.prefill_budget, 0),
         swa_full=spec.swa_full,
         kv_unified=spec.kv_unified,
+        sequences=spec.sequences or 0,
     )
 
 

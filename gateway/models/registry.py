@@ -245,6 +245,11 @@ class ModelSpec(_Strict):
                              "(llama-server's default) instead of one per sequence: a long prompt's chunks and the "
                              "running streams' tokens go through the model together, but a request's context is no "
                              "longer reserved for it (all share context_length x parallel)")
+    sequences: int | None = Field(default=None, ge=1, le=256, description="llama.cpp with kv_unified: requests decoded "
+                                  "at once (default: parallel). More than parallel share the KV of context_length x "
+                                  "parallel tokens, so more conversations keep their KV on the device and none waits "
+                                  "for a sequence while there is room; when it fills, idle sequences' KV goes to the "
+                                  "host prefix cache, then the newest request pauses until there is room")
     swa_full: bool = Field(default=False, description="llama.cpp: keep every position in the KV of sliding-window "
                            "layers (llama-server's --swa-full): more memory and slower long prompts, but any prefix "
                            "of a sequence's KV can be reused (by default only prefixes ending within the window of "
@@ -277,6 +282,9 @@ class ModelSpec(_Strict):
     def _served_somewhere(self) -> ModelSpec:
         if not self.formats and not self.workers:
             raise ValueError(f"model {self.id!r} needs `formats` (files to serve here) or `workers` (remote workers)")
+        if self.sequences is not None and not self.kv_unified:
+            raise ValueError(f"model {self.id!r}: `sequences` needs `kv_unified: true` (with one KV cache per "
+                             "sequence, `parallel` is the number of sequences)")
         return self
 
     def endpoints(self) -> list[str]:

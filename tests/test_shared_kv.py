@@ -1,0 +1,93 @@
+"""One KV cache shared by more requests than `parallel` (kv_unified + sequences), on the real model:
+requests run at once as long as their KV fits, and when the running ones outgrow it the newest
+pauses and resumes later with the same output it would have had (greedy), nothing lost."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from engines.base import ChatMessage, EngineConfig, GenerationRequest, SamplingParams
+from engines.llamacpp.engine import LlamaCppEngine
+from gateway.models.registry import RegistryFile
+from tests.test_prefix_cache import TOPICS, _ask, _conversation, _path
+
+
+async def _engine(**kw: Any) -> LlamaCppEngine:
+    path, spec = _path("smollm2-135m-instruct")
+    e = LlamaCppEngine(EngineConfig(**{"model_path": path, "context_length": 2048, "kv_unified": True,
+                                       "prefix_cache_mib": 64, "chat_template": spec.chat_template, **kw}))
+    await e.load()
+    return e
+
+
+async def _running_peak(e: LlamaCppEngine, work: Any) -> tuple[Any, int]:
+    """Run `work`, sampling how many requests the engine runs at once."""
+    peak = 0
+    task = asyncio.ensure_future(work)
+    while not task.done():
+        peak = max(peak, e.health().running)
+        await asyncio.sleep(0.005)
+    return await task, peak
+
+
+async def test_more_conversations_than_parallel_run_at_once_in_a_shared_kv() -> None:
+    # 2 x 2048 cells shared by up to 8 requests: 8 short conversations all fit at once.
+    e = await _engine(parallel=2, sequences=8)
+    try:
+        assert e.info.parallel == 8
+        convs = [_conversation(f"{TOPICS[i % 4]} (number {i})", 1) for i in range(8)]
+        results, peak = await _running_peak(e, asyncio.gather(*(_ask(e, c, 16) for c in convs)))
+        assert peak > 2, f"at most {peak} requests ran at once: the sequences did not go beyond `parallel`"
+        assert all(text for text, _ in results)
+        # The next turn of each finds its own KV still on the device (nothing evicted: it fit).
+        again = await asyncio.gather(*(_ask(e, _conversation(f"{TOPICS[i % 4]} (number {i})", 2), 16) for i in range(8)))
+        assert all(u.cached_tokens >= results[i][1].prompt_tokens - 8 for i, (_, u) in enumerate(again))
+        stats = e.health().prefix_cache
+        assert stats is not None and stats.preemptions == 0
+    finally:
+        await e.close()
+
+
+async def _story(e: LlamaCppEngine, i: int, n: int) -> tuple[str, list[int], tuple[int, ...]]:
+    """A greedy story of `n` tokens: its text, its token ids, its prompt's token ids."""
+    msgs = (ChatMessage("user", f"Story {i}: " + f"{TOPICS[i % 4]} walks to the market and meets a friend. " * 6),)
+    text, ids, prompt = "", [], ()
+    async for ev in e.generate(GenerationRequest("t", SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
+                                                 messages=msgs)):
+        text += ev.text
+        ids += ev.token_ids
+        prompt = ev.usage.prompt_ids if ev.usage is not None else prompt
+    return text, ids, prompt
+
+
+async def test_requests_that_outgrow_the_shared_kv_pause_and_resume_without_losing_a_token() -> None:
+    # 512 cells for up to 4 requests of ~90 + 160 tokens: they cannot all keep their KV at once.
+    e = await _engine(parallel=1, sequences=4, context_length=512, n_batch=64)
+    try:
+        stories = await asyncio.gather(*(_story(e, i, 160) for i in range(4)))
+        stats = e.health().prefix_cache
+        assert stats is not None and stats.preemptions >= 1, "the requests fit: the test does not test pausing"
+        for text, ids, prompt in stories:
+            assert len(ids) == 160 and len(prompt) > 64
+            # Every token sent once, in order: the text is exactly the tokens' text.
+            assert text == b"".join(e.piece(t) for t in ids).decode("utf-8", errors="replace")
+            # Each token is the greedy choice after everything before it, pause or not (the model
+            # scoring the whole sequence at once; a token lost or repeated at a pause would not be;
+            # small differences allowed: batched steps round differently).
+            logits = await e.logits(list(prompt) + ids)
+            for j, t in enumerate(ids):
+                row = logits[len(prompt) - 1 + j]
+                assert row.max() - row[t] < 0.25, (j, float(row.max() - row[t]))
+    finally:
+        await e.close()
+
+
+def test_sequences_need_a_shared_kv() -> None:
+    base = {"id": "m", "formats": {"gguf": {"path": "/x.gguf"}}, "parallel": 2, "sequences": 8}
+    with pytest.raises(ValueError, match="kv_unified"):
+        RegistryFile.model_validate({"models": [base]})
+    ok = RegistryFile.model_validate({"models": [{**base, "kv_unified": True}]})
+    assert ok.models[0].sequences == 8
