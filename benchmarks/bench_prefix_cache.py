@@ -247,7 +247,8 @@ async def agent(url: str, model: str, sessions: int, turns: int, prefix_words: i
 
 
 async def prefix_cache_metrics(client: httpx.AsyncClient, url: str) -> dict[str, float]:
-    """The gateway's gateway_prefix_cache_* series (hits, saves, copy rates, pinned...); {} elsewhere."""
+    """The gateway's gateway_prefix_cache_* series (hits, saves, copy rates, pinned...) and
+    gateway_kv_preemptions_total; {} elsewhere."""
     r = await client.get(f"{url}/metrics")
     if r.status_code != 200:
         return {}
@@ -256,7 +257,7 @@ async def prefix_cache_metrics(client: httpx.AsyncClient, url: str) -> dict[str,
     out: dict[str, float] = {}
     for fam in text_string_to_metric_families(r.text):
         for sm in fam.samples:
-            if sm.name.startswith("gateway_prefix_cache_") and not sm.name.endswith("_created"):
+            if sm.name.startswith(("gateway_prefix_cache_", "gateway_kv_")) and not sm.name.endswith("_created"):
                 name = sm.name.removeprefix("gateway_prefix_cache_")
                 out[name] = out.get(name, 0.0) + sm.value
     return out

@@ -553,6 +553,9 @@ class BatchScheduler:
                 self.restore_bps and self.prefill_tps and (hit - keep) / self.prefill_tps < entry.nbytes / self.restore_bps):
             host.misses += 1  # nothing, or nothing that loads faster than it prefills
             return 0
+        if self._kv_pool and not self._make_room(len(entry.tokens) - len(slot.cached), keep=slot):
+            host.misses += 1  # the shared KV has no room for the whole entry now: prefill the rest
+            return 0
         lc.llama_memory_seq_rm(self._mem, slot.seq_id, -1, -1)
         slot.cached = []
         t0 = time.perf_counter()
