@@ -97,3 +97,31 @@ def test_sequences_need_a_shared_kv() -> None:
         RegistryFile.model_validate({"models": [base]})
     ok = RegistryFile.model_validate({"models": [{**base, "kv_unified": True}]})
     assert ok.models[0].sequences == 8
+
+
+async def test_sliding_window_sessions_in_a_shared_kv_keep_their_windows_for_the_next_turn() -> None:
+    """Gemma-3 (sliding-window layers) with 4 sessions in 2 sequences' KV: a window cache shared by
+    several sequences keeps each one's window and no more, and the next turn still reuses the whole
+    previous turn (it did not when the scheduler asked for one position more than the next token
+    attends to: half the sessions prefilled everything again)."""
+    import random
+
+    def text_of(n_words: int, seed: int) -> str:
+        rng = random.Random(seed)
+        return " ".join(rng.choice(("file", "tool", "call", "path", "read", "write", "shell", "patch", "test", "json"))
+                        for _ in range(n_words))
+
+    path, spec = _path("gemma-3-270m")
+    e = LlamaCppEngine(EngineConfig(model_path=path, context_length=4096, parallel=2, kv_unified=True, sequences=4,
+                                    prefix_cache_mib=0, chat_template=spec.chat_template))
+    await e.load()
+    try:
+        sessions = [[ChatMessage("user", "Instructions and tools:\n" + text_of(900, 1000 + i))] for i in range(4)]
+        firsts = await asyncio.gather(*(_ask(e, tuple(s), 16) for s in sessions))
+        for s, (text, _) in zip(sessions, firsts, strict=True):
+            s += [ChatMessage("assistant", text), ChatMessage("user", "Step 1: " + text_of(60, 7))]
+        nexts = await asyncio.gather(*(_ask(e, tuple(s), 4) for s in sessions))
+        for (_, first), (_, u) in zip(firsts, nexts, strict=True):
+            assert u.cached_tokens >= first.prompt_tokens, (u.cached_tokens, first.prompt_tokens)
+    finally:
+        await e.close()

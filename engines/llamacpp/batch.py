@@ -485,12 +485,14 @@ class BatchScheduler:
 
     def _floor(self, slot: _Slot) -> int:
         """The shortest prefix of the slot's KV that can be kept: 0 without a sliding window; with
-        one, the oldest position its window layers still hold plus the window (the next token
-        attends to the window before it, and older positions have been overwritten)."""
+        one, the oldest position its window layers still hold plus the window less one (the next
+        token, at position `keep`, attends to positions keep - window + 1 ... keep, and older ones
+        have been overwritten). A window cache under pressure (one shared by several sequences)
+        keeps exactly that much: the whole KV of a sequence is then still usable, no shorter part."""
         if not self._n_swa or not slot.cached:
             return 0
         pos_min = lc.llama_memory_seq_pos_min(self._mem, slot.seq_id)
-        return 0 if pos_min <= 0 else pos_min + self._n_swa
+        return 0 if pos_min <= 0 else pos_min + self._n_swa - 1
 
     def _usable(self, slot: _Slot, n: int) -> int:
         """`n` tokens of the slot's prefix if its KV can serve them, else 0."""
