@@ -10,6 +10,8 @@
 #   scripts/h100-speed.sh setup       install the wheels, unpack the source, start the CUDA build, keep part a
 #   scripts/h100-speed.sh stash D     keep D's parts
 #   scripts/h100-speed.sh measure R   wait for the build, join the model, bench_speed.py with R rounds -> $OUT
+#                                     (SPEED_VARIANT='NAME:VAR=VALUE' adds a gateway with that environment,
+#                                     e.g. a GATEWAY_CONFIG with kv_unified and sequences)
 set -uo pipefail
 W=${H100_W:-/tmp/h28s}  # H100_W=/tmp/h28: the build and model parts of h100-prefix.sh on a warm machine
 mkdir -p "$W/site" "$W/stash"
@@ -18,7 +20,7 @@ export PYTHONPATH="$W/site:$W/src:$PWD" LLAMA_CPP_LIB_PATH="$W/build/bin" PYTHON
 case "${1:-}" in
 setup)
   h100_install
-  cp .dev27/a/model.part-* "$W/stash/"
+  cp .dev27/a/model.part-* "$W/stash/" 2>/dev/null || true  # or later with stash
   h100_build llama llama-server
   ;;
 stash)
@@ -32,7 +34,7 @@ measure)
   rm -f ~/.cache/llm-gateway/functional-checks.json
   timeout "${SPEED_TIMEOUT:-570}" python3 benchmarks/bench_speed.py --backend cuda --server-bin "$W/build/bin" \
     --rounds "${2:-2}" --concurrency "${CONC:-1,8,16}" --no-other-sampling --no-backend-sampling \
-    --gateway-variant "no host cache:GATEWAY_PREFIX_CACHE=0" --json "$OUT/speed-cuda.json" > "$OUT/speed-cuda.txt" 2>&1
+    --gateway-variant "no host cache:GATEWAY_PREFIX_CACHE=0" ${SPEED_VARIANT:+--gateway-variant "$SPEED_VARIANT"} --json "$OUT/speed-cuda.json" > "$OUT/speed-cuda.txt" 2>&1
   grep -v "^throughput round" "$OUT/speed-cuda.txt" | tail -n 20; grep "^throughput round" "$OUT/speed-cuda.txt" | tail -n 12
   ;;
 esac
