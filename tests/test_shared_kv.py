@@ -125,3 +125,24 @@ async def test_sliding_window_sessions_in_a_shared_kv_keep_their_windows_for_the
             assert u.cached_tokens >= first.prompt_tokens, (u.cached_tokens, first.prompt_tokens)
     finally:
         await e.close()
+
+
+async def test_a_conversation_whose_answer_tokenizes_differently_keeps_its_own_sequence() -> None:
+    """Every sequence holds a conversation: a next turn whose history differs from the sequence's KV
+    from the answer on (the client sent the answer back differently) goes to its own sequence and
+    cuts only that tail, instead of taking the sequence idle longest, another conversation's."""
+    e = await _engine(parallel=2, sequences=2)
+    try:
+        b1, a1 = _conversation(TOPICS[1], 1), _conversation(TOPICS[0], 1)
+        b = asyncio.ensure_future(_ask(e, b1, 4))  # B finishes first: its sequence is idle longest
+        _, a_first = await _ask(e, a1, 24)
+        _, b_first = await b
+        a2 = _conversation(TOPICS[0], 2, ["A different answer, not the one the model gave. " * 3])
+        _, a_next = await _ask(e, a2, 4)
+        assert a_next.cached_tokens >= a_first.prompt_tokens - 8
+        b2 = _conversation(TOPICS[1], 2, ["Another answer. " * 3])
+        _, b_next = await _ask(e, b2, 4)
+        # B's KV was still on the device: nothing restored from the host cache.
+        assert b_next.cached_tokens >= b_first.prompt_tokens - 8 and b_next.restored_tokens == 0, b_next
+    finally:
+        await e.close()

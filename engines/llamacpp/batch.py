@@ -176,7 +176,6 @@ class BatchScheduler:
         # the newest is paused (`_preempt`) and resumes when there is room, as vLLM preempts.
         self._kv_pool = kv_pool
         self.preemptions = 0  # requests paused because the shared KV was full
-        self.kv_evictions = 0  # idle sequences' KV dropped (after saving it to the host cache) to make room
         # The sliding window of the model's SWA layers when their KV keeps only the window
         # (swa_full off): a sequence's KV then serves a prefix only if the window before its end is
         # still there (`_floor`). 0: every layer keeps every position.
@@ -341,14 +340,21 @@ class BatchScheduler:
     def _slot_for(self, job: Job, free: list[_Slot]) -> _Slot:
         if self._kv_pool:
             # Shared KV: a sequence id costs nothing, the cells do. A sequence whose KV starts the
-            # prompt but for a few tokens (the conversation's own: nothing of it is lost), else an empty one (a
-            # prefix another sequence holds is copied in by sharing its cells), else the one idle
-            # longest (its KV gives way).
+            # prompt but for a few tokens (nothing of it is lost), else an empty one (a prefix
+            # another sequence holds is copied in by sharing its cells), else one holding at least
+            # half its KV of the prompt (the conversation's own, whose last answer was tokenized
+            # differently: only that tail goes), else the one idle longest (its KV gives way).
             held = [_common_prefix(s.cached, job.prompt_ids) if s.cached else 0 for s in free]
             best = max(range(len(free)), key=held.__getitem__)
-            if held[best] >= MIN_COPY_GAIN and held[best] + MIN_COPY_GAIN >= len(free[best].cached):
+            mine = held[best] >= MIN_COPY_GAIN
+            if mine and held[best] + MIN_COPY_GAIN >= len(free[best].cached):
                 return free[best]
-            return min(free, key=lambda s: (bool(s.cached), s.idle_since))
+            empty = [s for s in free if not s.cached]
+            if empty:
+                return empty[0]
+            if mine and 2 * held[best] >= len(free[best].cached):
+                return free[best]
+            return min(free, key=lambda s: s.idle_since)
         if isinstance(job, GenJob) and len(free) > 1 and len(job.prompt_ids) >= 2 * OWN_SLOT_TOKENS:
             held = [_common_prefix(s.cached, job.prompt_ids) for s in free]
             best = max(range(len(free)), key=held.__getitem__)
@@ -437,7 +443,6 @@ class BatchScheduler:
             self._save(slot, 0)
             lc.llama_memory_seq_rm(self._mem, slot.seq_id, -1, -1)
             slot.cached = []
-            self.kv_evictions += 1
         return self._kv_pool - self._used() >= need
 
     def _fits(self, job: Job, slot: _Slot) -> bool:
