@@ -221,8 +221,14 @@ def test_through_the_gateway_usage_and_metrics_show_restored_prefixes(tmp_path: 
                 if turn:
                     cached.append(r.usage.prompt_tokens_details.cached_tokens or 0)
         assert all(c >= 64 for c in cached), cached
-        metrics = httpx.get(f"{server.url}/metrics").text
-        hits = [ln for ln in metrics.splitlines() if ln.startswith("gateway_prefix_cache_hits_total{")]
+        # The worker's stats reach /metrics with its next heartbeat: read until they have caught up.
+        deadline = time.monotonic() + 15
+        while True:
+            metrics = httpx.get(f"{server.url}/metrics").text
+            hits = [ln for ln in metrics.splitlines() if ln.startswith("gateway_prefix_cache_hits_total{")]
+            if (hits and float(hits[0].rsplit(" ", 1)[1]) >= 4) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
         assert hits and float(hits[0].rsplit(" ", 1)[1]) >= 4, hits
         limit = [ln for ln in metrics.splitlines() if ln.startswith("gateway_prefix_cache_limit_bytes{")]
         assert limit and float(limit[0].rsplit(" ", 1)[1]) == 64 << 20
