@@ -440,18 +440,25 @@ class BatchScheduler:
         for slot in idle:
             if self._kv_pool - self._used() >= need:
                 break
-            self._save(slot, 0)
-            lc.llama_memory_seq_rm(self._mem, slot.seq_id, -1, -1)
-            slot.cached = []
+            self._evict(slot)
         return self._kv_pool - self._used() >= need
+
+    def _evict(self, slot: _Slot) -> None:
+        """The sequence's KV out of the shared cache, saved to the host cache when worth its copy."""
+        self._save(slot, 0)
+        lc.llama_memory_seq_rm(self._mem, slot.seq_id, -1, -1)
+        slot.cached = []
+
+    def _unfed(self) -> int:
+        """Prompt tokens the running requests have yet to prefill."""
+        return sum(len(s.job.prompt_ids) - s.n_fed for s in self._active() if s.job is not None and s.pending is None)
 
     def _fits(self, job: Job, slot: _Slot) -> bool:
         """Room for `job` in `slot`: its prompt (less what the slot holds of it) beside what the
         running requests have yet to prefill, and a batch more, so that a request just started is
         not paused by the next step. Alone, it always fits (a request's context is at most the
         shared KV)."""
-        owed = sum(len(s.job.prompt_ids) - s.n_fed for s in self._active() if s.job is not None and s.pending is None)
-        need = owed + len(job.prompt_ids) - _common_prefix(slot.cached, job.prompt_ids) + self._n_batch
+        need = self._unfed() + len(job.prompt_ids) - _common_prefix(slot.cached, job.prompt_ids) + self._n_batch
         return self._make_room(need, keep=slot) or not self._active()
 
     def _fit_step(self, drafting: bool) -> None:
@@ -460,8 +467,7 @@ class BatchScheduler:
         while True:
             active = self._active()
             decode = sum(1 + (self._draft_max if drafting else 0) for s in active if s.pending is not None)
-            prefill = sum(len(s.job.prompt_ids) - s.n_fed for s in active if s.pending is None and s.job is not None)
-            if self._make_room(min(self._n_batch, decode + prefill)) or len(active) <= 1:
+            if self._make_room(min(self._n_batch, decode + self._unfed())) or len(active) <= 1:
                 return
             self._preempt(max(active, key=lambda s: s.job.submitted if s.job is not None else 0.0))
 
@@ -477,9 +483,7 @@ class BatchScheduler:
             job.resumed += len(done)
         elif isinstance(job, ScoreJob):
             job.rows.clear()
-        self._save(slot, 0)
-        lc.llama_memory_seq_rm(self._mem, slot.seq_id, -1, -1)
-        slot.cached = []
+        self._evict(slot)
         slot.job = None
         slot.pending = None
         slot.idle_since = time.perf_counter()
