@@ -165,6 +165,27 @@ class EngineHealth:
     waiting: int = 0
     busy_seconds: float = 0.0  # how long the current decode step has run (0 when idle): a watchdog's input
     prefix_cache: PrefixCacheStats | None = None  # engines with a host-memory prefix cache
+    kv: KvStats | None = None  # engines that report their KV cache (llama.cpp)
+
+
+@dataclass(frozen=True)
+class KvStats:
+    """An engine's KV cache: its cells, what its sequences hold, and what its scheduler did to
+    fit requests into one cache the sequences share (kv_unified)."""
+
+    cells: int = 0  # the cache's cells (tokens), every sequence's together
+    used: int = 0  # cells the sequences hold, running and idle
+    idle: int = 0  # cells idle sequences hold (finished requests' KV, kept for a next turn)
+    # Requests paused because the shared cache was full; they resumed when there was room.
+    preemptions: int = 0
+    # Idle sequences' KV moved out of the shared cache (to the host prefix cache when worth the
+    # copy) because it outgrew the running requests' own, which attend over it too.
+    idle_evictions: int = 0
+
+    @classmethod
+    def combine(cls, stats: list[KvStats]) -> KvStats:
+        """Several engines' caches as one: everything adds up."""
+        return cls(**{f.name: sum(getattr(s, f.name) for s in stats) for f in dataclasses.fields(cls)})
 
 
 @dataclass(frozen=True)
@@ -190,9 +211,6 @@ class PrefixCacheStats:
     allocations: int = 0
     allocation_seconds: float = 0.0
     unpinned: int = 0  # states that found no free page-locked range and went to pageable memory
-    # Requests paused because the KV cache their sequences share (kv_unified) was full; they
-    # resumed when there was room (their KV restored from this cache where that was worth it).
-    preemptions: int = 0
 
     @classmethod
     def combine(cls, caches: list[PrefixCacheStats]) -> PrefixCacheStats:

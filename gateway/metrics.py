@@ -168,7 +168,14 @@ class _EngineGauges(Collector):
             "restore_bytes_per_s": GaugeMetricFamily("gateway_prefix_cache_restore_bytes_per_second", "Measured copy rate of a cached state back into a sequence (moving average).", labels=LABELS),
             "unpinned": CounterMetricFamily("gateway_prefix_cache_unpinned", "States that found no free page-locked range and were kept in pageable memory.", labels=LABELS),
         }
-        preempted = CounterMetricFamily("gateway_kv_preemptions", "Requests paused because the KV cache their model's sequences share was full (resumed when there was room).", labels=LABELS)
+        # The engines' KV caches (llama.cpp): cells, what sequences hold, what a shared cache did.
+        kv = {
+            "cells": GaugeMetricFamily("gateway_kv_cells", "The KV cache's cells (tokens), every sequence's together.", labels=LABELS),
+            "used": GaugeMetricFamily("gateway_kv_cells_used", "KV cells the sequences hold, running and idle.", labels=LABELS),
+            "idle": GaugeMetricFamily("gateway_kv_cells_idle", "KV cells idle sequences hold (finished requests' KV, kept for a next turn).", labels=LABELS),
+            "preemptions": CounterMetricFamily("gateway_kv_preemptions", "Requests paused because the KV cache their model's sequences share was full (resumed when there was room).", labels=LABELS),
+            "idle_evictions": CounterMetricFamily("gateway_kv_idle_evictions", "Idle sequences' KV moved out of a shared KV cache (to the host prefix cache when worth the copy) because it outgrew the running requests' own.", labels=LABELS),
+        }
         count = 0
         for model, engine, device, h in self._resident():
             running.add_metric([model, engine, device], h.running)
@@ -176,12 +183,14 @@ class _EngineGauges(Collector):
             if h.prefix_cache is not None:
                 for name, family in pc.items():
                     family.add_metric([model, engine, device], float(getattr(h.prefix_cache, name)))
-                preempted.add_metric([model, engine, device], float(h.prefix_cache.preemptions))
+            if h.kv is not None:
+                for name, family in kv.items():
+                    family.add_metric([model, engine, device], float(getattr(h.kv, name)))
             count += 1
         yield running
         yield waiting
         yield from pc.values()
-        yield preempted
+        yield from kv.values()
         yield GaugeMetricFamily("gateway_models_resident", "Models loaded now.", value=count)
 
 

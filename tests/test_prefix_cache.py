@@ -221,12 +221,19 @@ def test_through_the_gateway_usage_and_metrics_show_restored_prefixes(tmp_path: 
                 if turn:
                     cached.append(r.usage.prompt_tokens_details.cached_tokens or 0)
         assert all(c >= 64 for c in cached), cached
-        # The worker's stats reach /metrics with its next heartbeat: read until they have caught up.
+        def value(name: str) -> float | None:
+            line = next((ln for ln in metrics.splitlines() if ln.startswith(name + "{")), None)
+            return float(line.rsplit(" ", 1)[1]) if line is not None else None
+
+        # The worker's stats reach /metrics with its next heartbeat: read until they have caught up
+        # (the four hits, and the last request finished: its sequence idle).
         deadline = time.monotonic() + 15
         while True:
             metrics = httpx.get(f"{server.url}/metrics").text
             hits = [ln for ln in metrics.splitlines() if ln.startswith("gateway_prefix_cache_hits_total{")]
-            if (hits and float(hits[0].rsplit(" ", 1)[1]) >= 4) or time.monotonic() > deadline:
+            caught_up = (value("gateway_prefix_cache_hits_total") or 0) >= 4 and (
+                value("gateway_kv_cells_idle") == value("gateway_kv_cells_used"))
+            if caught_up or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
         assert hits and float(hits[0].rsplit(" ", 1)[1]) >= 4, hits
@@ -244,7 +251,11 @@ def test_through_the_gateway_usage_and_metrics_show_restored_prefixes(tmp_path: 
         assert gauge("gateway_prefix_cache_save_bytes_per_second") > 1e6
         assert gauge("gateway_prefix_cache_restore_bytes_per_second") > 1e6
         assert gauge("gateway_prefix_cache_unpinned_total") == 0
+        # The KV cache: one sequence of 2048 cells, holding the last conversation, now idle.
+        assert gauge("gateway_kv_cells") == 2048
+        assert 0 < gauge("gateway_kv_cells_used") == gauge("gateway_kv_cells_idle")
         assert gauge("gateway_kv_preemptions_total") == 0  # one KV stream per sequence: nothing is paused
+        assert gauge("gateway_kv_idle_evictions_total") == 0
     finally:
         server.stop()
 

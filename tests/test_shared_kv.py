@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from engines.base import ChatMessage, EngineConfig, GenerationRequest, SamplingParams
+from engines.base import ChatMessage, EngineConfig, GenerationRequest, SamplingParams, Usage
 from engines.llamacpp.engine import LlamaCppEngine
 from gateway.models.registry import RegistryFile
 from tests.test_prefix_cache import TOPICS, _ask, _conversation, _path
@@ -45,8 +45,8 @@ async def test_more_conversations_than_parallel_run_at_once_in_a_shared_kv() -> 
         # The next turn of each finds its own KV still on the device (nothing evicted: it fit).
         again = await asyncio.gather(*(_ask(e, _conversation(f"{TOPICS[i % 4]} (number {i})", 2), 16) for i in range(8)))
         assert all(u.cached_tokens >= results[i][1].prompt_tokens - 8 for i, (_, u) in enumerate(again))
-        stats = e.health().prefix_cache
-        assert stats is not None and stats.preemptions == 0
+        kv = e.health().kv
+        assert kv is not None and kv.preemptions == 0 and kv.cells == 2 * 2048
     finally:
         await e.close()
 
@@ -69,8 +69,8 @@ async def test_requests_that_outgrow_the_shared_kv_pause_and_resume_without_losi
     e = await _engine(parallel=1, sequences=4, context_length=512, n_batch=64)
     try:
         stories = await asyncio.gather(*(_story(e, i, 160) for i in range(4)))
-        stats = e.health().prefix_cache
-        assert stats is not None and stats.preemptions >= 1, "the requests fit: the test does not test pausing"
+        kv = e.health().kv
+        assert kv is not None and kv.preemptions >= 1, "the requests fit: the test does not test pausing"
         for text, ids, prompt in stories:
             assert len(ids) == 160 and len(prompt) > 64
             # Every token sent once, in order: the text is exactly the tokens' text.
@@ -87,6 +87,43 @@ async def test_requests_that_outgrow_the_shared_kv_pause_and_resume_without_losi
         for i in range(4):
             await _story(e, i, 8)
         assert not [r for r in caplog.records if "did not load" in r.getMessage()]
+    finally:
+        await e.close()
+
+
+async def test_idle_kv_gives_way_when_it_outgrows_the_running_requests() -> None:
+    """llama.cpp attends over every used cell of a shared cache, so idle sequences' KV costs every
+    running token: beyond what the running requests hold, it moves to the host cache (least
+    recently used first) and the next turns restore it from there, whole."""
+    e = await _engine(parallel=2, sequences=4)
+    try:
+        async def turn(i: int, turns: int) -> Usage:
+            usage = None
+            async for ev in e.generate(GenerationRequest("t", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                                                         messages=_conversation(TOPICS[i], turns))):
+                usage = ev.usage or usage
+            assert usage is not None
+            return usage
+
+        # Three conversations at once (they finish in one step: nothing is idle while they run).
+        firsts = await asyncio.gather(*(turn(i, 1) for i in range(3)))
+        kv = e.health().kv
+        assert kv is not None and kv.idle >= sum(u.prompt_tokens for u in firsts) and kv.idle_evictions == 0
+        # Another request runs beside ~330 idle cells: while it does, idle KV is at most its own.
+        during = None
+        msgs = _conversation(TOPICS[3], 2)
+        async for _ev in e.generate(GenerationRequest("t", SamplingParams(temperature=0, max_tokens=48, ignore_eos=True),
+                                                     messages=msgs)):
+            during = during or e.health().kv  # after its first token: its prompt is in
+        assert during is not None and 0 < during.idle <= during.used - during.idle, during
+        evicted = e.health().kv.idle_evictions  # type: ignore[union-attr]
+        assert 1 <= evicted < 3, evicted
+        # The next turns, whole: the evicted conversations' from the host cache (the first to start
+        # may evict more of the others: each comes back whole all the same), the others' in place.
+        nexts = await asyncio.gather(*(turn(i, 2) for i in range(3)))
+        for first, u in zip(firsts, nexts, strict=True):
+            assert u.cached_tokens >= first.prompt_tokens - 8, (first, u)
+        assert sum(u.restored_tokens > 0 for u in nexts) >= evicted, (evicted, nexts)
     finally:
         await e.close()
 
@@ -123,6 +160,10 @@ async def test_sliding_window_sessions_in_a_shared_kv_keep_their_windows_for_the
         nexts = await asyncio.gather(*(_ask(e, tuple(s), 4) for s in sessions))
         for (_, first), (_, u) in zip(firsts, nexts, strict=True):
             assert u.cached_tokens >= first.prompt_tokens, (u.cached_tokens, first.prompt_tokens)
+        # No host cache: the KV cache is reported all the same (idle KV stayed: nowhere else to go).
+        health = e.health()
+        assert health.prefix_cache is None and health.kv is not None and health.kv.cells == 2 * 4096
+        assert health.kv.idle_evictions == 0 and health.kv.idle == health.kv.used > 0
     finally:
         await e.close()
 
@@ -133,11 +174,14 @@ async def test_a_conversation_whose_answer_tokenizes_differently_keeps_its_own_s
     cuts only that tail, instead of taking the sequence idle longest, another conversation's."""
     e = await _engine(parallel=2, sequences=2)
     try:
-        b1, a1 = _conversation(TOPICS[1], 1), _conversation(TOPICS[0], 1)
+        # A is the longer conversation: B's idle KV never outgrows A's running one (it would move
+        # to the host cache, `_trim_idle`).
+        b1, a1 = _conversation(TOPICS[1], 1), _conversation(TOPICS[0], 2)
         b = asyncio.ensure_future(_ask(e, b1, 4))  # B finishes first: its sequence is idle longest
         _, a_first = await _ask(e, a1, 24)
         _, b_first = await b
-        a2 = _conversation(TOPICS[0], 2, ["A different answer, not the one the model gave. " * 3])
+        a2 = _conversation(TOPICS[0], 3, [f"Here is part 0 of the story of {TOPICS[0]}. " * 6,
+                                          "A different answer, not the one the model gave. " * 3])
         _, a_next = await _ask(e, a2, 4)
         assert a_next.cached_tokens >= a_first.prompt_tokens - 8
         b2 = _conversation(TOPICS[1], 2, ["Another answer. " * 3])

@@ -225,6 +225,7 @@ class LlamaCppEngine:
             prefill_budget=o.prefill_budget or prefill_budget(o.backend),
             n_swa=self._n_swa,
             kv_pool=lc.llama_n_ctx(ctx) if o.kv_unified else 0,
+            n_cells=lc.llama_n_ctx(ctx),
         )
         from engines.llamacpp.embed import Embedder
 
@@ -294,8 +295,8 @@ class LlamaCppEngine:
         started = self._sched.step_started
         busy = time.perf_counter() - started if started else 0.0
         host = self._sched.host_cache
-        stats = replace(host.stats(), preemptions=self._sched.preemptions) if host is not None else None
-        return EngineHealth(ready=True, running=running, waiting=waiting, busy_seconds=busy, prefix_cache=stats)
+        return EngineHealth(ready=True, running=running, waiting=waiting, busy_seconds=busy,
+                            prefix_cache=host.stats() if host is not None else None, kv=self._sched.kv_stats())
 
     @staticmethod
     def _host_cache(o: EngineConfig) -> HostPrefixCache | None:

@@ -423,7 +423,8 @@ class WorkerEngine:
                 detail += f" after: {self.crashes[-1][1]}"
         return EngineHealth(ready=self._connected.is_set(), detail=detail,
                             running=running, waiting=outstanding - running, busy_seconds=busy,
-                            prefix_cache=self._pong.prefix_cache if self._pong is not None else None)
+                            prefix_cache=self._pong.prefix_cache if self._pong is not None else None,
+                            kv=self._pong.kv if self._pong is not None else None)
 
     def retry_after(self) -> int:
         """Seconds until the worker should be back (for Retry-After while it restarts)."""

@@ -66,7 +66,7 @@ class Session:
                 task.cancel()
         elif isinstance(msg, wire.Ping):
             h = self.engine.health()
-            self.send(wire.Pong(msg.id, h.running, h.waiting, h.busy_seconds, h.prefix_cache))
+            self.send(wire.Pong(msg.id, h.running, h.waiting, h.busy_seconds, h.prefix_cache, h.kv))
         elif isinstance(msg, wire.Tokenize):
             self._spawn(msg.id, self._call(msg.id, self._tokenize(msg.id, msg.text)))
         elif isinstance(msg, wire.Logits):

@@ -27,6 +27,7 @@ from engines.base import (
     EngineOverloaded,
     GenerationRequest,
     InvalidGenerationRequest,
+    KvStats,
     ModelLoadError,
     ModelNotAvailable,
     PrefixCacheStats,
@@ -133,6 +134,7 @@ class Pong(_Msg, tag="pong"):
     waiting: int
     busy_seconds: float  # how long the engine's current step has run (0 when idle)
     prefix_cache: PrefixCacheStats | None = None  # the engine's host-memory prefix cache
+    kv: KvStats | None = None  # the engine's KV cache
 
 
 ToWorker = Hello | Load | Generate | Cancel | Tokenize | Logits | Embed | Ping | Shutdown

@@ -25,6 +25,7 @@ from engines.base import (
     EngineHealth,
     EngineInfo,
     GenerationRequest,
+    KvStats,
     ModelLoadError,
     PrefixCacheStats,
     TokenEvent,
@@ -131,9 +132,10 @@ class WorkerGroup:
         detail = "" if len(ready) == len(hs) else f"{len(ready)} of {len(hs)} workers ready"
         caches = [h.prefix_cache for h in hs if h.prefix_cache is not None]
         total = PrefixCacheStats.combine(caches) if caches else None
+        kvs = [h.kv for h in hs if h.kv is not None]
         return EngineHealth(ready=bool(ready), detail=detail, running=sum(h.running for h in hs),
                             waiting=sum(h.waiting for h in hs), busy_seconds=max((h.busy_seconds for h in hs), default=0.0),
-                            prefix_cache=total)
+                            prefix_cache=total, kv=KvStats.combine(kvs) if kvs else None)
 
     def worker_status(self) -> dict[str, Any]:
         members = []
