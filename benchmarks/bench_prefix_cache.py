@@ -324,8 +324,11 @@ def main() -> int:
     ap.add_argument("--budgets", default="64,256", help="gateway prefill budgets to compare")
     ap.add_argument("--unified-budgets", default="", help="interference part: also the gateway with one KV cache "
                     "shared by its sequences (models.yaml kv_unified, llama-server's layout) at these budgets")
+    ap.add_argument("--only", default="", help="run only the servers of these names, ';'-separated "
+                    "(e.g. 'gateway;gateway, shared KV, 16 sequences')")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    only = {n.strip() for n in args.only.split(";") if n.strip()}
     parts = set(args.parts.split(","))
     sys.path.insert(0, str(ROOT))
     from gateway.models.registry import load_registry
@@ -356,6 +359,8 @@ def main() -> int:
             servers.append(llama_server(bin_dir, smol_path, shared, smol_ctx * args.parallel // shared, None, *ngl,
                                         name=f"llama-server, {shared} slots"))
         for srv in servers:
+            if only and srv.name not in only:
+                continue
             with srv:
                 for n in (args.parallel, 2 * args.parallel):
                     r = asyncio.run(conversations(srv.url, n, args.turns))
@@ -378,6 +383,8 @@ def main() -> int:
             servers.insert(1, gateway(args.model, args.agent_parallel, *engine, name=f"gateway, {label}",
                                       env=dict(kv.split("=", 1) for kv in settings.split(",") if kv)))
         for srv in servers:
+            if only and srv.name not in only:
+                continue
             with srv:
                 r = asyncio.run(agent(srv.url, args.model, args.agent_sessions, args.agent_turns, args.agent_prefix_words))
                 raw.setdefault("agent", {})[srv.name] = r
@@ -396,6 +403,8 @@ def main() -> int:
         servers.append(llama_server(bin_dir, str(reg.resolve(long_spec, "gguf")), args.streams + 1,
                                     long_spec.context_length, long_spec.chat_template, "--cache-ram", "0", *ngl))
         for srv in servers:
+            if only and srv.name not in only:
+                continue
             with srv:
                 r = asyncio.run(interference(srv.url, long_id, args.streams, args.long_words))
                 raw.setdefault("interference", {})[srv.name] = r

@@ -52,6 +52,11 @@ MIN_COPY_GAIN = 16
 # each cost 4-12% of 1-16-stream throughput and 40% of TTFT; BENCHMARKS.md, issue 28).
 MIN_SAVE_GAIN_S = 0.05
 
+# `_save_size` verdicts besides a size: prefilling the state again beats copying it; it cannot be
+# saved (no host cache, or larger than its bound).
+NOT_WORTH_IT = -1
+NOT_SAVABLE = -2
+
 # A prompt goes to the free sequence already holding its prefix (instead of the lowest free one)
 # when that prefix is at least this long and at least half the prompt.
 OWN_SLOT_TOKENS = 256
@@ -145,6 +150,9 @@ class _Slot:
     # way (the end of a prefix another sequence or entry shares but, its window having moved on,
     # cannot serve); 0 = none.
     checkpoint: int = 0
+    # `_trim_idle`'s verdict on this idle sequence's KV while it holds this many tokens and the
+    # host cache this many bytes (the lookup and state size it needs cost too much for every step).
+    trim_memo: tuple[int, int, bool] = (-1, -1, False)
 
 
 class BatchScheduler:
@@ -492,9 +500,31 @@ class BatchScheduler:
         for slot in idle:
             if held <= running:
                 break
+            if not self._trimmable(slot):
+                continue
             held -= len(slot.cached)
             self._evict(slot)
             self.idle_evictions += 1
+
+    def _trimmable(self, slot: _Slot) -> bool:
+        """Whether the idle sequence's KV may leave the device for `_trim_idle`: when nothing of it
+        is lost (an entry covers it, or it prefills again faster than it copies) or the host cache
+        has room for it (its earlier turn's entry counted free). Not when saving it would push other
+        conversations' entries out: on the H100 an agent session's KV (1.4 GiB) did, the 8 GiB
+        cache held 5 of them, and a 4-session replay's later turns went from 160 to 532 ms p50
+        (restores that missed) while the device had room."""
+        host = self.host_cache
+        assert host is not None
+        if slot.trim_memo[:2] != (len(slot.cached), host.bytes):
+            size = self._save_size(slot, 0)
+            if size == NOT_SAVABLE:
+                ok = False  # it would be lost, prefill and all
+            elif size <= 0:
+                ok = True  # nothing to save, or not worth a copy
+            else:
+                ok = host.has_room(self._identity, np.asarray(slot.cached, dtype=np.int32), size, self._floor(slot))
+            slot.trim_memo = (len(slot.cached), host.bytes, ok)
+        return slot.trim_memo[2]
 
     def _fit_step(self, drafting: bool) -> None:
         """Make room for the next step's tokens: idle sequences' KV first, then pause the newest
@@ -547,23 +577,35 @@ class BatchScheduler:
         """Keep the slot's KV in host memory when the new request would cut it (its conversation
         may come back after the slot has gone to others)."""
         host = self.host_cache
-        if host is None or len(slot.cached) < MIN_ENTRY_TOKENS or len(slot.cached) - keep < MIN_COPY_GAIN:
-            return
+        size = self._save_size(slot, keep)
+        if host is not None and size == NOT_WORTH_IT:
+            host.skipped_saves += 1
+        elif host is not None and size > 0:
+            self._copy_to_host(host, slot, np.asarray(slot.cached, dtype=np.int32), size)
+
+    def _save_size(self, slot: _Slot, keep: int) -> int:
+        """Bytes `_save` would copy of the slot's KV before it is cut to `keep` tokens; else 0 (too
+        short, or an entry holds it already), NOT_WORTH_IT (prefilling its new part again is
+        quicker than the copy) or NOT_SAVABLE (no host cache, or the state exceeds its bound)."""
+        host = self.host_cache
+        if host is None:
+            return NOT_SAVABLE
+        if len(slot.cached) < MIN_ENTRY_TOKENS or len(slot.cached) - keep < MIN_COPY_GAIN:
+            return 0
         tokens = np.asarray(slot.cached, dtype=np.int32)
         _, covered = host.lookup(self._identity, tokens, len(tokens), touch=False)
         if covered == len(tokens):
-            return
+            return 0
         size = lc.llama_state_seq_get_size(self._ctx, slot.seq_id)
         if size <= 0 or size > host.limit_bytes:
-            return
+            return NOT_SAVABLE
         # Worth it when prefilling what no entry holds yet would take longer than the copy, and
         # long enough to matter.
         tail = len(tokens) - max(covered, keep)
         if self.prefill_tps and (tail / self.prefill_tps < MIN_SAVE_GAIN_S or (
                 self.save_bps and tail / self.prefill_tps < size / self.save_bps)):
-            host.skipped_saves += 1
-            return
-        self._copy_to_host(host, slot, tokens, size)
+            return NOT_WORTH_IT
+        return int(size)
 
     def _save_checkpoint(self, slot: _Slot) -> None:
         """The sequence's state at its checkpoint (its prompt's first `checkpoint` tokens, nothing

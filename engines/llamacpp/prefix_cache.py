@@ -94,6 +94,20 @@ class HostPrefixCache:
             return any(e.identity == identity and len(e.tokens) >= len(tokens)
                        and common_prefix(e.tokens, tokens) == len(tokens) for e in self._entries.values())
 
+    def has_room(self, identity: str, tokens: npt.NDArray[np.int32], nbytes: int, floor: int = 0) -> bool:
+        """Whether `put` could keep this state without evicting another conversation's entry (the
+        entries it replaces, this conversation's earlier turns, make room)."""
+        with self._lock:
+            freed = sum(e.nbytes for e in self._entries.values() if self._replaces(e, identity, tokens, floor))
+            return self.bytes - freed + nbytes <= self.limit_bytes
+
+    @staticmethod
+    def _replaces(e: Entry, identity: str, tokens: npt.NDArray[np.int32], floor: int) -> bool:
+        """Whether a new entry of `tokens` stands in for `e` (it extends it, and a sliding window
+        has not moved past what `e` could serve)."""
+        return e.identity == identity and len(e.tokens) <= len(tokens) and floor <= e.floor \
+            and common_prefix(e.tokens, tokens) == len(e.tokens)
+
     def put(self, identity: str, tokens: npt.NDArray[np.int32], nbytes: int,
             fill: Callable[[npt.NDArray[np.uint8]], int], floor: int = 0) -> bool:
         """Keep a sequence's state of `nbytes`, written by `fill` into a block of `memory` (it returns
@@ -105,8 +119,7 @@ class HostPrefixCache:
             return False
         with self._lock:
             for key, e in list(self._entries.items()):
-                if e.identity == identity and len(e.tokens) <= len(tokens) and floor <= e.floor \
-                        and common_prefix(e.tokens, tokens) == len(e.tokens):
+                if self._replaces(e, identity, tokens, floor):
                     self._drop(key)
             while self._entries and self.bytes + nbytes > self.limit_bytes:
                 self._drop(next(iter(self._entries)))
