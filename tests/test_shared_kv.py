@@ -190,3 +190,28 @@ async def test_a_conversation_whose_answer_tokenizes_differently_keeps_its_own_s
         assert b_next.cached_tokens >= b_first.prompt_tokens - 8 and b_next.restored_tokens == 0, b_next
     finally:
         await e.close()
+
+
+async def test_the_memory_estimate_counts_a_shared_cache_as_llama_cpp_allocates_it(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A shared cache's sliding-window layers hold a window per sequence (llama.cpp's unified
+    layout), not per `parallel`: the estimate the residency budget uses is the KV llama.cpp
+    allocates (its log: "KV buffer size"), for Gemma-3 (window layers) and SmolLM2 (none)."""
+    import logging
+    import re
+
+    from gateway.models.memory import MiB, estimate, gguf_info
+
+    caplog.set_level(logging.DEBUG, logger="llama.cpp")
+    for model, ctx in (("gemma-3-270m", 4096), ("smollm2-135m-instruct", 2048)):
+        caplog.clear()
+        path, spec = _path(model)
+        e = LlamaCppEngine(EngineConfig(model_path=path, context_length=ctx, parallel=2, kv_unified=True, sequences=4,
+                                        prefix_cache_mib=0, chat_template=spec.chat_template))
+        await e.load()
+        await e.close()
+        allocated = sum(float(m.group(1)) for r in caplog.records
+                        if (m := re.search(r"KV buffer size = +([0-9.]+) MiB", r.getMessage())))
+        info = gguf_info(path)
+        assert info is not None
+        assert abs(estimate(info, ctx, 2, shared=4).parts["kv"] / MiB - allocated) < 0.01, (model, allocated)

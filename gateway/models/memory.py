@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from gateway.models.gguf_info import GGUFError, GGUFInfo, read_gguf
 
@@ -90,6 +91,18 @@ def kv_bytes_per_sequence(info: GGUFInfo, ctx: int, n_batch: int = 512, swa_full
     return sum(b * (swa_cells if i < len(is_swa) and is_swa[i] else ctx) for i, b in enumerate(per_layer))
 
 
+def kv_bytes_shared(info: GGUFInfo, ctx: int, parallel: int, sequences: int, n_batch: int = 512,
+                    swa_full: bool = False) -> int:
+    """The KV of one cache of ctx x parallel cells shared by `sequences` (kv_unified): its
+    sliding-window layers hold a window per sequence and one batch (llama.cpp's unified layout),
+    rounded up to 256 cells, at most the whole cache."""
+    per_layer = _layer_kv_bytes(info)
+    cells = ctx * parallel
+    window, is_swa = (0, []) if swa_full else swa_layers(info)
+    swa_cells = min(cells, -(-(window * sequences + n_batch) // 256) * 256) if window else cells
+    return sum(b * (swa_cells if i < len(is_swa) and is_swa[i] else cells) for i, b in enumerate(per_layer))
+
+
 @functools.lru_cache(maxsize=64)
 def _info(path: str, size: int, mtime: int) -> GGUFInfo:
     return read_gguf(path)
@@ -126,12 +139,18 @@ class Need:
 
 
 def estimate(info: GGUFInfo, context: int, parallel: int, device: str = "cpu", worker: bool = True,
-             swa_full: bool = False) -> Need:
+             swa_full: bool = False, shared: int = 0) -> Need:
     """The memory of `info` served with `context` tokens per sequence and `parallel` sequences on
-    `device` ("cpu" or a GPU key), with the engine's batch of 512 tokens. The host prefix cache is
-    not in it: it counts as it fills, through the worker's measured memory."""
+    `device` ("cpu" or a GPU key), with the engine's batch of 512 tokens; `shared` > 0: one KV cache
+    of context x parallel cells shared by that many sequences (kv_unified), whose per-sequence
+    buffers and sliding windows count for each. The host prefix cache is not in it: it counts as it
+    fills, through the worker's measured memory."""
     ctx = min(context, info.context_length) if info.context_length else context
-    kv = kv_bytes_per_sequence(info, ctx, swa_full=swa_full) * parallel
+    if shared:
+        kv = kv_bytes_shared(info, ctx, parallel, max(shared, parallel), swa_full=swa_full)
+    else:
+        kv = kv_bytes_per_sequence(info, ctx, swa_full=swa_full) * parallel
+    seqs = max(shared, parallel)
     compute = RUNTIME_BYTES + PER_VOCAB_BYTES * info.n_vocab
     weights = info.weight_bytes
     embed = next((t.nbytes for t in info.tensors if t.name == "token_embd.weight"), 0)
@@ -140,19 +159,24 @@ def estimate(info: GGUFInfo, context: int, parallel: int, device: str = "cpu", w
         parts = {"weights": weights, "kv": kv, "compute": compute, "worker": process}
         return Need("cpu", sum(parts.values()), 0, parts, ctx, parallel)
     gpu_parts = {"weights": weights - embed, "kv": kv, "compute": compute, "gpu runtime": GPU_CONTEXT_BYTES}
-    host_parts = {"embeddings": embed, "runtime": GPU_RUNTIME_HOST_BYTES + PER_SEQ_VOCAB_HOST_BYTES * info.n_vocab * parallel,
+    host_parts = {"embeddings": embed, "runtime": GPU_RUNTIME_HOST_BYTES + PER_SEQ_VOCAB_HOST_BYTES * info.n_vocab * seqs,
                   "worker": process}
     return Need(device, sum(host_parts.values()), sum(gpu_parts.values()), {**gpu_parts, **host_parts}, ctx, parallel)
 
 
+def shared_sequences(config: Any) -> int:
+    """The sequences sharing one KV cache in an EngineConfig (`kv_unified`), else 0."""
+    return max(config.sequences, config.parallel) if config.kv_unified else 0
+
+
 def fit(info: GGUFInfo, context: int, parallel: int, device: str, room_host: int, room_gpu: int | None,
-        min_context: int = 2048, swa_full: bool = False) -> tuple[Need, str]:
+        min_context: int = 2048, swa_full: bool = False, shared: int = 0) -> tuple[Need, str]:
     """The largest way to serve `info` within the room given: first fewer sequences (down to one),
     then a shorter context (halved, not below `min_context` or the asked one). (need, what was
     changed, "" when nothing); the need returned may still not fit (the caller refuses it)."""
 
     def need(c: int, p: int) -> Need:
-        return estimate(info, c, p, device, swa_full=swa_full)
+        return estimate(info, c, p, device, swa_full=swa_full, shared=shared)
 
     def fits(n: Need) -> bool:
         return n.host <= room_host and (room_gpu is None or n.gpu <= room_gpu)
@@ -174,13 +198,13 @@ def fit(info: GGUFInfo, context: int, parallel: int, device: str, room_host: int
 
 
 def fit_budgets(info: GGUFInfo, context: int, parallel: int, device: str,
-                budgets: dict[str, int], swa_full: bool = False) -> tuple[Need, str, str]:
+                budgets: dict[str, int], swa_full: bool = False, shared: int = 0) -> tuple[Need, str, str]:
     """`fit` within `budgets` (which has "cpu"): (need, what was sized down, "" when it fits or else
     the budget it exceeds, e.g. "450 MiB RAM" or "2048 MiB RAM, 7000 MiB on cuda:0")."""
     room_host = budgets["cpu"]
     room_gpu = budgets.get(device) if device != "cpu" else None  # unknown GPU memory: RAM only
     need, changed = fit(info, context, parallel, device, room_host, room_gpu, min_context=min(2048, context),
-                        swa_full=swa_full)
+                        swa_full=swa_full, shared=shared)
     if need.host > room_host or (room_gpu is not None and need.gpu > room_gpu):
         return need, "", f"{room_host / MiB:.0f} MiB RAM" + (f", {room_gpu / MiB:.0f} MiB on {device}" if room_gpu else "")
     return need, changed, ""

@@ -38,7 +38,7 @@ from gateway.host.functional_check import (
 from gateway.host.hardware import HostCapabilities, LlamaCppBuild, probe_host, vulkan_visible_env
 from gateway.host.selection import Candidate, Plan, Preference, SelectionError, plan
 from gateway.metrics import Metrics
-from gateway.models.memory import MiB, Need, default_reserve, fit_budgets, gguf_info
+from gateway.models.memory import MiB, Need, default_reserve, fit_budgets, gguf_info, shared_sequences
 from gateway.models.registry import ModelSpec, ModelUnavailable, Registry
 from gateway.models.routing import WorkerGroup
 from gateway.settings import Settings
@@ -230,7 +230,7 @@ class ModelManager:
             return config, None, ""
         device = device_of(cand, self.host)
         need, changed, exceeded = fit_budgets(info, config.context_length, config.parallel, device, self.budgets,
-                                               swa_full=config.swa_full)
+                                               swa_full=config.swa_full, shared=shared_sequences(config))
         if exceeded:
             raise ModelTooLarge(
                 f"model {spec.id!r} needs {need.describe()} even with one sequence and a {need.context}-token "
