@@ -329,6 +329,10 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     only = {n.strip() for n in args.only.split(";") if n.strip()}
+
+    def chosen(servers: list[Server]) -> list[Server]:
+        return [s for s in servers if not only or s.name in only]
+
     parts = set(args.parts.split(","))
     sys.path.insert(0, str(ROOT))
     from gateway.models.registry import load_registry
@@ -358,9 +362,7 @@ def main() -> int:
                                       name=f"gateway, shared KV, {shared} sequences"))
             servers.append(llama_server(bin_dir, smol_path, shared, smol_ctx * args.parallel // shared, None, *ngl,
                                         name=f"llama-server, {shared} slots"))
-        for srv in servers:
-            if only and srv.name not in only:
-                continue
+        for srv in chosen(servers):
             with srv:
                 for n in (args.parallel, 2 * args.parallel):
                     r = asyncio.run(conversations(srv.url, n, args.turns))
@@ -382,9 +384,7 @@ def main() -> int:
             label, _, settings = variant.partition(":")
             servers.insert(1, gateway(args.model, args.agent_parallel, *engine, name=f"gateway, {label}",
                                       env=dict(kv.split("=", 1) for kv in settings.split(",") if kv)))
-        for srv in servers:
-            if only and srv.name not in only:
-                continue
+        for srv in chosen(servers):
             with srv:
                 r = asyncio.run(agent(srv.url, args.model, args.agent_sessions, args.agent_turns, args.agent_prefix_words))
                 raw.setdefault("agent", {})[srv.name] = r
@@ -402,9 +402,7 @@ def main() -> int:
                         for b in args.unified_budgets.split(",")]
         servers.append(llama_server(bin_dir, str(reg.resolve(long_spec, "gguf")), args.streams + 1,
                                     long_spec.context_length, long_spec.chat_template, "--cache-ram", "0", *ngl))
-        for srv in servers:
-            if only and srv.name not in only:
-                continue
+        for srv in chosen(servers):
             with srv:
                 r = asyncio.run(interference(srv.url, long_id, args.streams, args.long_words))
                 raw.setdefault("interference", {})[srv.name] = r

@@ -180,12 +180,10 @@ class _EngineGauges(Collector):
         for model, engine, device, h in self._resident():
             running.add_metric([model, engine, device], h.running)
             waiting.add_metric([model, engine, device], h.waiting)
-            if h.prefix_cache is not None:
-                for name, family in pc.items():
-                    family.add_metric([model, engine, device], float(getattr(h.prefix_cache, name)))
-            if h.kv is not None:
-                for name, family in kv.items():
-                    family.add_metric([model, engine, device], float(getattr(h.kv, name)))
+            for families, stats in ((pc, h.prefix_cache), (kv, h.kv)):
+                if stats is not None:
+                    for name, family in families.items():
+                        family.add_metric([model, engine, device], float(getattr(stats, name)))
             count += 1
         yield running
         yield waiting

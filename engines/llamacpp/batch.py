@@ -454,13 +454,15 @@ class BatchScheduler:
     def _make_room(self, need: int, keep: _Slot | None = None) -> bool:
         """Free idle sequences' KV, least recently used first (each saved to the host cache when
         that is worth its copy), until `need` cells are free; whether they are."""
-        idle = sorted((s for s in self._slots if s.job is None and s.cached and s is not keep),
-                      key=lambda s: s.idle_since)
-        for slot in idle:
+        for slot in self._idle_by_age(keep):
             if self._kv_pool - self._used() >= need:
                 break
             self._evict(slot)
         return self._kv_pool - self._used() >= need
+
+    def _idle_by_age(self, keep: _Slot | None = None) -> list[_Slot]:
+        """Idle sequences holding KV (but `keep`), idle longest first."""
+        return sorted((s for s in self._slots if s.job is None and s.cached and s is not keep), key=lambda s: s.idle_since)
 
     def _evict(self, slot: _Slot) -> None:
         """The sequence's KV out of the shared cache, saved to the host cache when worth its copy."""
@@ -495,7 +497,7 @@ class BatchScheduler:
         if not active or self.host_cache is None:
             return
         running = sum(len(s.cached) for s in active) + self._unfed()
-        idle = sorted((s for s in self._slots if s.job is None and s.cached), key=lambda s: s.idle_since)
+        idle = self._idle_by_age()
         held = sum(len(s.cached) for s in idle)
         for slot in idle:
             if held <= running:

@@ -85,17 +85,14 @@ def swa_layers(info: GGUFInfo) -> tuple[int, list[bool]]:
 def kv_bytes_per_sequence(info: GGUFInfo, ctx: int, n_batch: int = 512, swa_full: bool = False) -> int:
     """The KV of one sequence of `ctx` tokens: sliding-window layers hold their window and a batch
     (llama.cpp's default, and the engine's unless `swa_full`), rounded up to 256 cells."""
-    per_layer = _layer_kv_bytes(info)
-    window, is_swa = (0, []) if swa_full else swa_layers(info)
-    swa_cells = min(ctx, -(-(window + n_batch) // 256) * 256) if window else ctx
-    return sum(b * (swa_cells if i < len(is_swa) and is_swa[i] else ctx) for i, b in enumerate(per_layer))
+    return kv_bytes_shared(info, ctx, 1, 1, n_batch, swa_full)
 
 
 def kv_bytes_shared(info: GGUFInfo, ctx: int, parallel: int, sequences: int, n_batch: int = 512,
                     swa_full: bool = False) -> int:
     """The KV of one cache of ctx x parallel cells shared by `sequences` (kv_unified): its
     sliding-window layers hold a window per sequence and one batch (llama.cpp's unified layout),
-    rounded up to 256 cells, at most the whole cache."""
+    rounded up to 256 cells, at most the whole cache. One sequence's own cache is the case 1, 1."""
     per_layer = _layer_kv_bytes(info)
     cells = ctx * parallel
     window, is_swa = (0, []) if swa_full else swa_layers(info)
@@ -146,11 +143,11 @@ def estimate(info: GGUFInfo, context: int, parallel: int, device: str = "cpu", w
     buffers and sliding windows count for each. The host prefix cache is not in it: it counts as it
     fills, through the worker's measured memory."""
     ctx = min(context, info.context_length) if info.context_length else context
+    seqs = max(shared, parallel)
     if shared:
-        kv = kv_bytes_shared(info, ctx, parallel, max(shared, parallel), swa_full=swa_full)
+        kv = kv_bytes_shared(info, ctx, parallel, seqs, swa_full=swa_full)
     else:
         kv = kv_bytes_per_sequence(info, ctx, swa_full=swa_full) * parallel
-    seqs = max(shared, parallel)
     compute = RUNTIME_BYTES + PER_VOCAB_BYTES * info.n_vocab
     weights = info.weight_bytes
     embed = next((t.nbytes for t in info.tensors if t.name == "token_embd.weight"), 0)
