@@ -10,9 +10,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engines.base import EngineConfig
+from engines.base import ChatMessage, EngineConfig, EngineHealth, GenerationRequest, SamplingParams
 from gateway.app import create_app
 from gateway.models.registry import load_registry
+from gateway.models.routing import WorkerGroup
 from gateway.settings import Settings
 from tests import hosts
 from tests.conftest import ServerThread
@@ -296,3 +297,30 @@ def test_responses_stream_closes_each_call_before_the_next_is_added() -> None:
     done = [data["item"] for kind, data in out if kind == "response.output_item.done"]
     assert [(d["call_id"], d["arguments"]) for d in done] == [("call_a", '{"x": 1}'), ("call_b", '{"y": 2}')]
     assert [data["sequence_number"] for _, data in out] == list(range(len(out)))
+
+
+class _LaggingEngine(FakeEngine):
+    """Reports no requests in its health, as a worker does until its connection's loop registers them."""
+
+    def health(self) -> EngineHealth:
+        return EngineHealth(ready=self.loaded and not self.closed)
+
+
+async def test_a_burst_spreads_over_workers_whose_own_counts_lag_the_pick() -> None:
+
+    members = [_LaggingEngine(EngineConfig(model_path="fake", backend="cpu", parallel=2), token_delay=0.01)
+               for _ in range(2)]
+    for m in members:
+        await m.load()
+    group = WorkerGroup(list(members))
+    streams = [group.generate(GenerationRequest(
+        f"r{i}", SamplingParams(max_tokens=8), messages=(ChatMessage("user", f"conversation {i}"),)))
+               for i in range(4)]
+    for s in streams:
+        await anext(s)  # picked and started, one after another
+    assert group.served == {0: 2, 1: 2} and group.routing == {0: 2, 1: 2}
+    for s in streams[:3]:
+        async for _ in s:
+            pass
+    await streams[3].aclose()  # cut off mid-stream: no longer counted either
+    assert group.routing == {0: 0, 1: 0}

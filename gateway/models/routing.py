@@ -52,11 +52,6 @@ def affinity_key(request: GenerationRequest) -> str | None:
     return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
 
-def _load(engine: Engine) -> int:
-    h = engine.health()
-    return h.running + h.waiting
-
-
 class WorkerGroup:
     """The workers of one model as one engine."""
 
@@ -69,6 +64,10 @@ class WorkerGroup:
         self.affinity_hits = 0
         self.affinity_misses = 0
         self.served: dict[int, int] = {}  # member index -> requests routed to it
+        # Member index -> this group's requests on it now, counted when picked: a member's own count
+        # (its health) may lag the pick (a worker's stream registers on its connection's loop), and
+        # a burst picked within that lag would all land on the same "idle" worker.
+        self.routing: dict[int, int] = {}
 
     async def load(self) -> None:
         results = await asyncio.gather(*(m.load() for m in self.members), return_exceptions=True)
@@ -92,10 +91,11 @@ class WorkerGroup:
         live = [m for m in self.members if m.health().ready]
         if not live:
             raise EngineCrashed("no worker of this model is reachable now")
-        best = min(live, key=_load)
+        best = min(live, key=self._load)
         if key is not None:
             mine = self._affinity.get(key)
-            if mine is not None and mine in live and (_load(mine) < mine.info.parallel or _load(mine) <= _load(best)):
+            if mine is not None and mine in live and (self._load(mine) < mine.info.parallel
+                                                      or self._load(mine) <= self._load(best)):
                 best = mine
                 self.affinity_hits += 1
             elif mine is not None:
@@ -108,14 +108,24 @@ class WorkerGroup:
         self.served[index] = self.served.get(index, 0) + 1
         return best
 
+    def _load(self, member: Engine) -> int:
+        """Requests on a member: those this group has sent it, or what it reports if more."""
+        h = member.health()
+        return max(self.routing.get(self.members.index(member), 0), h.running + h.waiting)
+
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
         engine = self.pick(affinity_key(request))
-        stream = engine.generate(request)
+        index = self.members.index(engine)
+        self.routing[index] = self.routing.get(index, 0) + 1
         try:
-            async for event in stream:
-                yield event
+            stream = engine.generate(request)
+            try:
+                async for event in stream:
+                    yield event
+            finally:
+                await stream.aclose()  # type: ignore[attr-defined]
         finally:
-            await stream.aclose()  # type: ignore[attr-defined]
+            self.routing[index] -= 1
 
     async def tokenize(self, text: str) -> list[int]:
         return await self.pick(None).tokenize(text)
