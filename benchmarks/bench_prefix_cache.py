@@ -111,7 +111,8 @@ NO_KEEPALIVE = httpx.Limits(max_keepalive_connections=0)
 def gateway(model: str, parallel: int, *extra: str, name: str = "gateway", env: dict[str, str] | None = None) -> Server:
     return Server(name, [sys.executable, "-m", "gateway.cli", "serve", "--port", "{port}", "--model", model,
                          "--config", CONFIG, "--parallel", str(parallel), "--max-queue-wait", "600", *extra],
-                  env={"GATEWAY_LOG_LEVEL": "warning", **(env or {})})
+                  # BENCH_LOG_LEVEL=debug: the engine's step-by-step log in the server's log file
+                  env={"GATEWAY_LOG_LEVEL": os.environ.get("BENCH_LOG_LEVEL", "warning"), **(env or {})})
 
 
 def derived_config(model: str, label: str, **fields: Any) -> str:

@@ -248,3 +248,28 @@ async def test_the_memory_estimate_counts_a_shared_cache_as_llama_cpp_allocates_
         info = gguf_info(path)
         assert info is not None
         assert abs(estimate(info, ctx, 2, shared=4).parts["kv"] / MiB - allocated) < 0.01, (model, allocated)
+
+
+@pytest.mark.parametrize("split", ["auto", "off"])
+async def test_a_prompt_beside_running_streams_takes_a_pass_of_its_own_on_the_cpu(
+        split: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The shared layout on the CPU: a step with a running stream's token and a prompt chunk runs
+    # them as two passes (engines.llamacpp.batch, `_step`), and both outputs stay greedy.
+    monkeypatch.setenv("GATEWAY_SPLIT_MIXED", split)
+    e = await _engine(parallel=2, sequences=2, n_batch=64)
+    try:
+        first = asyncio.ensure_future(_story(e, 0, 96))
+        while e.health().running == 0:
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.2)  # its prompt is in: it decodes when the second one arrives
+        second = await _story(e, 1, 16)
+        assert not first.done(), "the first story ended before the second started: nothing to test"
+        stories = [await first, second]
+        assert (e._sched.split_steps > 0) == (split == "auto"), e._sched.split_steps
+        for _, ids, prompt in stories:
+            logits = await e.logits(list(prompt) + ids)
+            for j, t in enumerate(ids):
+                row = logits[len(prompt) - 1 + j]
+                assert row.max() - row[t] < 0.25, (j, float(row.max() - row[t]))
+    finally:
+        await e.close()

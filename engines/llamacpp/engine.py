@@ -53,6 +53,14 @@ PREFILL_BUDGET = {"cpu": 64, "vulkan": 256, "cuda": 512, "metal": 256, "rocm": 5
 
 def prefill_budget(backend: str) -> int:
     return PREFILL_BUDGET.get(backend, 256)
+
+
+def split_mixed(backend: str) -> bool:
+    """Whether a step of the shared layout (kv_unified) runs its running streams' tokens and its
+    prompt chunks as two passes (BatchScheduler._step says why): on the CPU, whose attention
+    skips the masked tiles of a pass; GATEWAY_SPLIT_MIXED=on/off overrides it (for measuring)."""
+    choice = os.environ.get("GATEWAY_SPLIT_MIXED", "auto")
+    return backend == "cpu" if choice == "auto" else choice == "on"
 native_log = logging.getLogger("llama.cpp")
 # ggml.h: NONE=0, DEBUG=1, INFO=2, WARN=3, ERROR=4, CONT=5 (llama_cpp/_logger.py still has the old order).
 _GGML_LEVELS = {1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}
@@ -226,6 +234,7 @@ class LlamaCppEngine:
             n_swa=self._n_swa,
             kv_pool=lc.llama_n_ctx(ctx) if o.kv_unified else 0,
             n_cells=lc.llama_n_ctx(ctx),
+            split_mixed=o.kv_unified and split_mixed(o.backend),
         )
         from engines.llamacpp.embed import Embedder
 
