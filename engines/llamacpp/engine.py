@@ -48,7 +48,11 @@ log = logging.getLogger(__name__)
 # Prompt tokens per step while other sequences decode (chunked prefill), by backend: a chunk costs
 # the running streams its compute in every step it shares with them. Measured in BENCHMARKS.md
 # ("Prefill interference"); EngineConfig.prefill_budget / models.yaml `prefill_budget` override.
-PREFILL_BUDGET = {"cpu": 64, "vulkan": 256, "cuda": 512, "metal": 256, "rocm": 512}
+# The CPU's 128 (64 until session 18): ggml's CPU attention takes a prompt chunk in tiles of 64
+# query rows per head, 4 row ranges per thread, so on 2 threads a 64-token chunk of a 4-head model
+# (Gemma-3-270M) fills its tiles by half and costs about what 128 tokens do (8 streams beside a
+# 17.9k-token prompt: steps 424 vs 396 ms, the prompt through in 1.43x its time alone vs 2.28x).
+PREFILL_BUDGET = {"cpu": 128, "vulkan": 256, "cuda": 512, "metal": 256, "rocm": 512}
 
 
 def prefill_budget(backend: str) -> int:
