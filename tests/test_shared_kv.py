@@ -273,3 +273,14 @@ async def test_a_prompt_beside_running_streams_takes_a_pass_of_its_own_on_the_cp
                 assert row.max() - row[t] < 0.25, (j, float(row.max() - row[t]))
     finally:
         await e.close()
+
+
+def test_mixed_steps_run_as_two_passes_on_the_cpu_only_unless_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    from engines.llamacpp.engine import split_mixed
+
+    monkeypatch.delenv("GATEWAY_SPLIT_MIXED", raising=False)
+    assert split_mixed("cpu") and not split_mixed("cuda") and not split_mixed("vulkan")
+    monkeypatch.setenv("GATEWAY_SPLIT_MIXED", "on")
+    assert split_mixed("cuda")
+    monkeypatch.setenv("GATEWAY_SPLIT_MIXED", "off")
+    assert not split_mixed("cpu")

@@ -3,7 +3,9 @@
 One thread owns the `llama_context`.  Every active request holds a slot: its own KV sequence id,
 sampler chain, detokenizer and stop matcher.  Each step builds one `llama_batch` with one token per
 decoding sequence plus chunks of pending prompts (chunked prefill, so a long prompt cannot stall
-running streams), calls `llama_decode` once, then samples each sequence that produced logits.
+running streams), calls `llama_decode` once (twice in the shared KV layout on the CPU: the
+decoding tokens, then the prompt chunks; `_step` says why), then samples each sequence that
+produced logits.
 Requests join and leave the batch at token boundaries.  A finished slot keeps its tokens in the KV
 cache, so a later request sharing a prefix (the next chat turn, a common system prompt) only
 prefills the part that differs.
