@@ -307,6 +307,9 @@ def main() -> int:
                          "(default 2 x --parallel; 0 = leave out)")
     ap.add_argument("--agent-sessions", type=int, default=4)
     ap.add_argument("--agent-parallel", type=int, default=2, help="fewer sequences than sessions: the cache's case")
+    ap.add_argument("--agent-cold-ms", type=float, default=0.0,
+                    help="agent part: the cold prefill (ms) the later turns are compared with (default: the "
+                         "fastest server's own in this run)")
     ap.add_argument("--agent-turns", type=int, default=10)
     ap.add_argument("--agent-shared-sequences", type=int, default=None,
                     help="agent part: also the gateway with one KV cache of --agent-parallel sequences' size shared by "
@@ -423,17 +426,23 @@ def main() -> int:
     if "agent" in raw:
         print(f"\nAgent sessions: {args.agent_sessions} at once on {args.agent_parallel} sequences, {args.agent_turns} "
               f"turns, ~{args.agent_prefix_words} words of stable prefix ({args.model}, {gemma.context_length} context):\n")
-        print("| server | cold prefill ms (tokens) | first turn p50 ms | later turns p50 / p95 ms | later p50 / max as share of cold "
-              "| host cache: hits / saves / skipped, copy GB/s save / restore |")
+        # The share that the target means: of a cold prefill alone. A server's own cold prefill runs
+        # beside the sessions' KV, which the shared layout may keep on the device (H100: 2.4x slower),
+        # so the reference is the fastest cold prefill of the run, or --agent-cold-ms.
+        ref = args.agent_cold_ms or min(r["cold_ms"] for r in raw["agent"].values())
+        print(f"Reference cold prefill: {ref:.0f} ms ({'given' if args.agent_cold_ms else 'the fastest of this run'}).\n")
+        print("| server | cold prefill ms (tokens) | first turn p50 ms | later turns p50 / p95 / max ms "
+              "| later p50 / p95 / max as share of the reference | host cache: hits / saves / skipped, copy GB/s save / restore |")
         print("|---|---|---|---|---|---|")
         for name, r in raw["agent"].items():
             c = r.get("prefix_cache") or {}
             cache = (f"{c['hits_total']:.0f} / {c['saves_total']:.0f} / {c['skipped_saves_total']:.0f}, "
                      f"{c['save_bytes_per_second'] / 1e9:.1f} / {c['restore_bytes_per_second'] / 1e9:.1f}"
                      f"{' (pinned)' if c.get('pinned') else ''}") if c.get("limit_bytes") else "-"
+            later_max = max(r["later_ttfts_ms"])
+            shares = " / ".join(f"{x / ref * 100:.1f} %" for x in (r["later_p50_ms"], r["later_p95_ms"], later_max))
             print(f"| {name} | {r['cold_ms']:.0f} ({r['cold_prompt_tokens']}) | {r['first_turn_p50_ms']:.0f} | "
-                  f"{r['later_p50_ms']:.0f} / {r['later_p95_ms']:.0f} | {r['later_p50_share'] * 100:.1f} % / "
-                  f"{r['later_max_share'] * 100:.1f} % | {cache} |")
+                  f"{r['later_p50_ms']:.0f} / {r['later_p95_ms']:.0f} / {later_max:.0f} | {shares} | {cache} |")
     if "interference" in raw:
         print(f"\nPrefill interference: {args.streams} streams decoding while a long prompt arrives "
               f"({args.long_model or args.model}):\n")
