@@ -307,7 +307,6 @@ class _LaggingEngine(FakeEngine):
 
 
 async def test_a_burst_spreads_over_workers_whose_own_counts_lag_the_pick() -> None:
-
     members = [_LaggingEngine(EngineConfig(model_path="fake", backend="cpu", parallel=2), token_delay=0.01)
                for _ in range(2)]
     for m in members:

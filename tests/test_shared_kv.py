@@ -51,16 +51,29 @@ async def test_more_conversations_than_parallel_run_at_once_in_a_shared_kv() -> 
         await e.close()
 
 
-async def _story(e: LlamaCppEngine, i: int, n: int) -> tuple[str, list[int], tuple[int, ...]]:
-    """A greedy story of `n` tokens: its text, its token ids, its prompt's token ids."""
+async def _story(e: LlamaCppEngine, i: int, n: int,
+                 decoding: asyncio.Event | None = None) -> tuple[str, list[int], tuple[int, ...]]:
+    """A greedy story of `n` tokens: its text, its token ids, its prompt's token ids (`decoding`
+    is set at its first token)."""
     msgs = (ChatMessage("user", f"Story {i}: " + f"{TOPICS[i % 4]} walks to the market and meets a friend. " * 6),)
     text, ids, prompt = "", [], ()
     async for ev in e.generate(GenerationRequest("t", SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
                                                  messages=msgs)):
+        if decoding is not None:
+            decoding.set()
         text += ev.text
         ids += ev.token_ids
         prompt = ev.usage.prompt_ids if ev.usage is not None else prompt
     return text, ids, prompt
+
+
+async def _assert_greedy(e: LlamaCppEngine, prompt: tuple[int, ...], ids: list[int]) -> None:
+    """Each token is the greedy choice after everything before it, as the model scores the whole
+    sequence at once (small differences allowed: batched steps round differently)."""
+    logits = await e.logits(list(prompt) + ids)
+    for j, t in enumerate(ids):
+        row = logits[len(prompt) - 1 + j]
+        assert row.max() - row[t] < 0.25, (j, float(row.max() - row[t]))
 
 
 async def test_requests_that_outgrow_the_shared_kv_pause_and_resume_without_losing_a_token(
@@ -75,13 +88,9 @@ async def test_requests_that_outgrow_the_shared_kv_pause_and_resume_without_losi
             assert len(ids) == 160 and len(prompt) > 64
             # Every token sent once, in order: the text is exactly the tokens' text.
             assert text == b"".join(e.piece(t) for t in ids).decode("utf-8", errors="replace")
-            # Each token is the greedy choice after everything before it, pause or not (the model
-            # scoring the whole sequence at once; a token lost or repeated at a pause would not be;
-            # small differences allowed: batched steps round differently).
-            logits = await e.logits(list(prompt) + ids)
-            for j, t in enumerate(ids):
-                row = logits[len(prompt) - 1 + j]
-                assert row.max() - row[t] < 0.25, (j, float(row.max() - row[t]))
+            # Each token is the greedy choice, pause or not (a token lost or repeated at a pause
+            # would not be).
+            await _assert_greedy(e, prompt, ids)
         # Again, one at a time: each finds its state in the host cache or a sequence, and a restore
         # first makes room for the whole entry (idle sequences' KV gives way) instead of failing.
         for i in range(4):
@@ -258,19 +267,15 @@ async def test_a_prompt_beside_running_streams_takes_a_pass_of_its_own_on_the_cp
     monkeypatch.setenv("GATEWAY_SPLIT_MIXED", split)
     e = await _engine(parallel=2, sequences=2, n_batch=64)
     try:
-        first = asyncio.ensure_future(_story(e, 0, 96))
-        while e.health().running == 0:
-            await asyncio.sleep(0.005)
-        await asyncio.sleep(0.2)  # its prompt is in: it decodes when the second one arrives
+        decoding = asyncio.Event()
+        first = asyncio.ensure_future(_story(e, 0, 96, decoding))
+        await decoding.wait()  # its prompt is in: it decodes when the second one arrives
         second = await _story(e, 1, 16)
         assert not first.done(), "the first story ended before the second started: nothing to test"
         stories = [await first, second]
         assert (e._sched.split_steps > 0) == (split == "auto"), e._sched.split_steps
         for _, ids, prompt in stories:
-            logits = await e.logits(list(prompt) + ids)
-            for j, t in enumerate(ids):
-                row = logits[len(prompt) - 1 + j]
-                assert row.max() - row[t] < 0.25, (j, float(row.max() - row[t]))
+            await _assert_greedy(e, prompt, ids)
     finally:
         await e.close()
 

@@ -786,8 +786,7 @@ class BatchScheduler:
         # they get at most the prefill budget.
         prefill_room = self._prefill_budget if n else self._n_batch
         decoding = n
-        split = bool(decoding) and self._split_mixed and any(
-            s.n_fed < len(s.job.prompt_ids) for s in active if s.job is not None)
+        split = bool(decoding) and self._split_mixed and self._unfed() > 0
         if split:
             # One shared KV stream (kv_unified): ggml's CPU attention takes a prompt pass in tiles
             # of 64 query rows and skips a tile of cells only when every row of it masks them all,

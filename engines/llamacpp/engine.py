@@ -65,6 +65,8 @@ def split_mixed(backend: str) -> bool:
     skips the masked tiles of a pass; GATEWAY_SPLIT_MIXED=on/off overrides it (for measuring)."""
     choice = os.environ.get("GATEWAY_SPLIT_MIXED", "auto")
     return backend == "cpu" if choice == "auto" else choice == "on"
+
+
 native_log = logging.getLogger("llama.cpp")
 # ggml.h: NONE=0, DEBUG=1, INFO=2, WARN=3, ERROR=4, CONT=5 (llama_cpp/_logger.py still has the old order).
 _GGML_LEVELS = {1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}
