@@ -14,6 +14,8 @@
 #                                    gateway with that environment, e.g. 'pageable:GATEWAY_PINNED_HOST_CACHE=0';
 #                                    AGENT_ARGS: more bench_prefix_cache.py options, e.g. --agent-skip-nocache)
 #                                    (interference: BUDGETS=256,512 UNIFIED_BUDGETS=256,512 to choose)
+#                                    (both: ONLY='name;name' runs only those servers; BENCH_LOG_LEVEL=debug
+#                                    brings back each server's log, the engine's pass-by-pass lines, gzipped)
 #   scripts/h100-prefix.sh stash D   keep D's parts of the SmolLM2 GGUF (.dev27/a, b, c: split -b 33M)
 #   scripts/h100-prefix.sh conversations   join them; bench_prefix_cache.py's conversations part -> $OUT
 #   scripts/h100-prefix.sh memory    bench_memory.py on CUDA (issue 29): the estimate vs the worker's
@@ -23,6 +25,14 @@ W=/tmp/h28
 mkdir -p "$W/site"
 export PYTHONPATH="$W/site:$W/src:$PWD" LLAMA_CPP_LIB_PATH="$W/build/bin" PYTHONUNBUFFERED=1
 V="$W/src/vendor/llama.cpp"
+# The servers' logs (bench-NAME.log) go to $TMPDIR; with BENCH_LOG_LEVEL set they come back in $OUT.
+export TMPDIR="$W/logs-${1:-none}-$$"
+mkdir -p "$TMPDIR"
+logs_back() {
+  if [ -n "${BENCH_LOG_LEVEL:-}" ]; then
+    for f in "$TMPDIR"/bench-*.log; do [ -e "$f" ] && gzip -c "$f" > "$OUT/$(basename "$f").gz"; done
+  fi
+}
 . "$(dirname "$0")/h100-common.sh"
 case "${1:-}" in
 setup)
@@ -58,8 +68,9 @@ EOY
 agent)
   python3 benchmarks/bench_prefix_cache.py --backend cuda --server-bin "$W/build/bin" --config "$W/models.yaml" \
     --parts agent --model llama3-8b-random --agent-sessions 4 --agent-parallel "${AGENT_PARALLEL:-2}" \
-    ${VARIANT:+--gateway-variant "$VARIANT"} ${AGENT_ARGS:-} \
+    ${VARIANT:+--gateway-variant "$VARIANT"} ${AGENT_ARGS:-} --only "${ONLY:-}" \
     --json "$OUT/agent-p${AGENT_PARALLEL:-2}.json" 2>&1 | tail -14 | tee "$OUT/agent-p${AGENT_PARALLEL:-2}.md"
+  logs_back
   ;;
 stash)
   mkdir -p "$W/stash" && cp "$2"/model.part-* "$W/stash/" && ls "$W/stash"
@@ -73,8 +84,9 @@ conversations)
 interference)
   python3 benchmarks/bench_prefix_cache.py --backend cuda --server-bin "$W/build/bin" --config "$W/models.yaml" \
     --parts interference --model llama3-8b-random --long-model llama3-8b-random-13k --streams 32 \
-    --long-words 9000 --budgets "${BUDGETS:-512,2048}" --unified-budgets "${UNIFIED_BUDGETS:-}" \
-    --json "$OUT/interference.json" 2>&1 | tail -16 | tee "$OUT/interference.md"
+    --long-words 9000 --budgets "${BUDGETS:-512,2048}" --unified-budgets "${UNIFIED_BUDGETS:-}" --only "${ONLY:-}" \
+    --json "$OUT/interference${TAG:-}.json" 2>&1 | tail -16 | tee "$OUT/interference${TAG:-}.md"
+  logs_back
   ;;
 memory)
   python3 benchmarks/bench_memory.py --engine cuda --models "" --gguf "$W/llama8b-q4_k_m.gguf" \

@@ -639,7 +639,11 @@ class BatchScheduler:
             t0 = time.perf_counter()
             n = lc.llama_state_seq_get_data(self._ctx, array.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)),
                                             size, slot.seq_id)
-            self.save_bps = host.save_bytes_per_s = _ema(self.save_bps, n / max(time.perf_counter() - t0, 1e-6))
+            took = max(time.perf_counter() - t0, 1e-6)
+            self.save_bps = host.save_bytes_per_s = _ema(self.save_bps, n / took)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("saved sequence %d: %d tokens, %.1f MiB in %.1f ms", slot.seq_id, len(tokens),
+                          n / 2**20, took * 1000)
             return int(n)
 
         return host.put(self._identity, tokens, size, fill, self._floor(slot))
@@ -664,7 +668,11 @@ class BatchScheduler:
         t0 = time.perf_counter()
         read = lc.llama_state_seq_set_data(self._ctx, entry.block.array.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)),
                                            entry.nbytes, slot.seq_id)
-        self.restore_bps = host.restore_bytes_per_s = _ema(self.restore_bps, entry.nbytes / max(time.perf_counter() - t0, 1e-6))
+        took = max(time.perf_counter() - t0, 1e-6)
+        self.restore_bps = host.restore_bytes_per_s = _ema(self.restore_bps, entry.nbytes / took)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("restored sequence %d: %d tokens, %.1f MiB in %.1f ms", slot.seq_id, len(entry.tokens),
+                      entry.nbytes / 2**20, took * 1000)
         if read == 0:
             log.warning("the host prefix cache's entry of %d tokens did not load; prefilling", len(entry.tokens))
             lc.llama_memory_seq_rm(self._mem, slot.seq_id, -1, -1)
@@ -826,6 +834,7 @@ class BatchScheduler:
         self._batch.n_tokens = n
         step_started = time.perf_counter()
         rc = lc.llama_decode(self._ctx, self._batch)
+        decoded = time.perf_counter()
         if rc != 0:
             reason = "no free KV cache space" if rc == 1 else f"llama_decode returned {rc}"
             for slot in {s for s, _, _ in outputs} | set(active):
@@ -843,8 +852,9 @@ class BatchScheduler:
                 else:
                     self._sample(slot, idx)
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("pass: %d decoding, %d prompt tokens, %.1f ms, %d running, %d cells used", n - prompt_tokens,
-                      prompt_tokens, (time.perf_counter() - step_started) * 1000, len(active), self._used())
+            log.debug("pass: %d decoding, %d prompt tokens, %.1f ms (llama_decode %.1f), %d running, %d cells used",
+                      n - prompt_tokens, prompt_tokens, (time.perf_counter() - step_started) * 1000,
+                      (decoded - step_started) * 1000, len(active), self._used())
         if prompt_tokens >= 64:  # a pass mostly of prompt: its rate (the sampling above waited for it)
             self.prefill_tps = _ema(self.prefill_tps, n / max(time.perf_counter() - step_started, 1e-6))
         return True
