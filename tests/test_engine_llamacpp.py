@@ -340,3 +340,38 @@ async def test_a_resumed_request_keeps_its_grammar_and_stop_strings(smol: LlamaC
     assert again[-1].finish_reason == "stop" and again[-1].stop_sequence == stop  # type: ignore[attr-defined]
     assert "".join(ev.text for ev in cut_run[:k]) + "".join(ev.text for ev in again) == \
         "".join(ev.text for ev in cut_run)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("kv_unified", [False, True])
+async def test_the_warm_up_leaves_no_kv_behind_and_changes_no_output(kv_unified: bool, monkeypatch: pytest.MonkeyPatch,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """GPU backends run one pass of each serving shape at load (their first pass of a shape is slow);
+    forced on here on the CPU: every pass runs, no KV of it is left in any sequence, and a greedy
+    answer is the one the engine without a warm-up gives."""
+    from engines.llamacpp.engine import warm_up_wanted
+
+    assert warm_up_wanted("cuda") and warm_up_wanted("vulkan") and not warm_up_wanted("cpu")
+    monkeypatch.setenv("GATEWAY_WARMUP", "off")
+    assert not warm_up_wanted("cuda")
+    monkeypatch.setenv("GATEWAY_WARMUP", "on")
+    caplog.set_level("INFO", logger="engines.llamacpp.engine")
+    extra = {"kv_unified": True, "sequences": 6} if kv_unified else {}
+    e = await _engine("smollm2-135m-instruct", parallel=4, prefill_budget=64, **extra)
+    try:
+        import llama_cpp as lc
+
+        # 1-6 sequences decoding (8, 16... exceed them), a 64-token chunk beside 5 of them, a full batch.
+        n_seqs = 6 if kv_unified else 4
+        assert f"warm-up: {n_seqs + 2} passes" in caplog.text, caplog.text
+        mem = lc.llama_get_memory(e._ctx)
+        assert all(lc.llama_memory_seq_pos_max(mem, s) == -1 for s in range(n_seqs))
+        req = _req("The quick brown fox", max_tokens=12)
+        warmed = await _run(e, req)
+    finally:
+        await e.close()
+    monkeypatch.setenv("GATEWAY_WARMUP", "off")
+    cold = await _engine("smollm2-135m-instruct", parallel=4, prefill_budget=64, **extra)
+    try:
+        assert warmed == await _run(cold, req)
+    finally:
+        await cold.close()

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from engines.base import ChatMessage, EngineConfig, GenerationRequest, SamplingParams, Usage
+from engines.llamacpp import batch
 from engines.llamacpp.engine import LlamaCppEngine
 from gateway.models.registry import RegistryFile
 from tests.test_prefix_cache import TOPICS, _ask, _conversation, _path
@@ -100,10 +101,13 @@ async def test_requests_that_outgrow_the_shared_kv_pause_and_resume_without_losi
         await e.close()
 
 
-async def test_idle_kv_gives_way_when_it_outgrows_the_running_requests() -> None:
+@pytest.mark.parametrize("grace", [0.0, 60.0])
+async def test_idle_kv_gives_way_when_it_outgrows_the_running_requests(grace: float, monkeypatch: pytest.MonkeyPatch) -> None:
     """llama.cpp attends over every used cell of a shared cache, so idle sequences' KV costs every
     running token: beyond what the running requests hold, it moves to the host cache (least
-    recently used first) and the next turns restore it from there, whole."""
+    recently used first) and the next turns restore it from there, whole. Not before it has been
+    idle for IDLE_TRIM_S: a conversation back sooner finds its KV in place."""
+    monkeypatch.setattr(batch, "IDLE_TRIM_S", grace)
     e = await _engine(parallel=2, sequences=4)
     try:
         async def turn(i: int, turns: int) -> Usage:
@@ -127,8 +131,15 @@ async def test_idle_kv_gives_way_when_it_outgrows_the_running_requests() -> None
         async for _ev in e.generate(GenerationRequest("t", SamplingParams(temperature=0, max_tokens=48, ignore_eos=True),
                                                      messages=msgs)):
             during = during or e.health().kv  # after its first token: its prompt is in
-        assert during is not None and 0 < during.idle <= during.used - during.idle, during
+        assert during is not None
         evicted = e.health().kv.idle_evictions  # type: ignore[union-attr]
+        if grace:  # idle for less than the grace: nothing moved, the next turns find their KV in place
+            assert evicted == before.idle_evictions == 0 and during.idle == before.idle, (before, during)
+            nexts = await asyncio.gather(*(turn(i, 2) for i in range(3)))
+            for first, u in zip(firsts, nexts, strict=True):
+                assert u.cached_tokens >= first.prompt_tokens - 8 and u.restored_tokens == 0, (first, u)
+            return
+        assert 0 < during.idle <= during.used - during.idle, during
         assert 1 <= evicted - before.idle_evictions and evicted < 3, (before, evicted)
         # The next turns, whole: the evicted conversations' from the host cache (the first to start
         # may evict more of the others: each comes back whole all the same), the others' in place.
@@ -140,10 +151,12 @@ async def test_idle_kv_gives_way_when_it_outgrows_the_running_requests() -> None
         await e.close()
 
 
-async def test_idle_kv_stays_when_saving_it_would_push_another_conversation_out_of_the_host_cache() -> None:
+async def test_idle_kv_stays_when_saving_it_would_push_another_conversation_out_of_the_host_cache(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """A host cache with room for one conversation: X's idle KV goes there when a short request
     runs; later A's idle KV, which would push X out, stays on the device (X's next turn still
     restores from the host cache, A's finds its KV in place)."""
+    monkeypatch.setattr(batch, "IDLE_TRIM_S", 0.0)
     e = await _engine(parallel=2, sequences=4, prefix_cache_mib=16)
     try:
         async def ask(msgs: tuple[ChatMessage, ...], n: int) -> Usage:
@@ -166,6 +179,42 @@ async def test_idle_kv_stays_when_saving_it_would_push_another_conversation_out_
         assert a2.cached_tokens >= a1.prompt_tokens - 8 and a2.restored_tokens == 0, a2
         x2 = await ask(_conversation(TOPICS[0], 4), 4)
         assert x2.restored_tokens >= x1.prompt_tokens - 8, x2
+    finally:
+        await e.close()
+
+
+async def test_idle_kv_that_another_sequence_holds_leaves_without_a_save(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A next turn whose history differs from its sequence's KV after the shared part by more than a
+    few tokens takes an empty sequence and shares the prefix's cells. When the old sequence's KV
+    later gives way, it is not copied to the host cache: another sequence holds all of it but a
+    tail that prefills again in a moment (on the H100 such a save of 1.4 GiB stopped every stream
+    for 44 ms and pushed other conversations' entries out)."""
+    monkeypatch.setattr(batch, "IDLE_TRIM_S", 0.0)
+    # A tail of 23 tokens prefills again in less than a second on any machine (this 2-core one's
+    # first measured rate: 250 tokens/s); the whole conversation (~440 tokens) does not.
+    monkeypatch.setattr(batch, "MIN_SAVE_GAIN_S", 1.0)
+    e = await _engine(parallel=2, sequences=4)
+    try:
+        first = _conversation(TOPICS[0], 3)
+        _, u1 = await _ask(e, first, 24)  # its KV: the prompt and 23 generated tokens
+        host = e._sched.host_cache  # type: ignore[union-attr]
+        assert host is not None
+        saved, skipped = host.saved, host.skipped_saves
+        # The same history, but a different last answer than the one generated: 23 tokens differ.
+        nxt = first + (ChatMessage("assistant", "Something else entirely, said differently."),
+                       ChatMessage("user", "And then?"))
+        _, u2 = await _ask(e, nxt, 4)
+        assert u2.cached_tokens >= u1.prompt_tokens - 8, u2  # the prefix from the first sequence's cells
+        # The first turn's KV outgrows the next turn's (or later a short request's) and gives way,
+        # without a copy; the next turn's, which holds the shared prefix, goes to the host cache.
+        await _ask(e, (ChatMessage("user", "Hi."),), 24)
+        kv = e.health().kv
+        assert kv is not None and kv.idle_evictions >= 1, kv
+        assert host.skipped_saves > skipped, (host.skipped_saves, skipped)
+        assert host.saved - saved <= kv.idle_evictions - 1, (host.saved, saved, kv)
+        # The conversation's next turn still gets its whole history from the host cache.
+        _, u3 = await _ask(e, nxt + (ChatMessage("assistant", "Fine."), ChatMessage("user", "More?")), 4)
+        assert u3.cached_tokens >= u2.prompt_tokens - 8, u3
     finally:
         await e.close()
 
