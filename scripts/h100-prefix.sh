@@ -16,6 +16,8 @@
 #                                    (interference: BUDGETS=256,512 UNIFIED_BUDGETS=256,512 to choose)
 #                                    (both: ONLY='name;name' runs only those servers; BENCH_LOG_LEVEL=debug
 #                                    brings back each server's log, the engine's pass-by-pass lines, gzipped)
+#   scripts/h100-prefix.sh probe     benchmarks/probe_two_contexts.py: the long prompt prefilled in a second
+#                                    context beside 32 decoding streams vs chunked into their steps -> $OUT
 #   scripts/h100-prefix.sh stash D   keep D's parts of the SmolLM2 GGUF (.dev27/a, b, c: split -b 33M)
 #   scripts/h100-prefix.sh conversations   join them; bench_prefix_cache.py's conversations part -> $OUT
 #   scripts/h100-prefix.sh memory    bench_memory.py on CUDA (issue 29): the estimate vs the worker's
@@ -71,6 +73,11 @@ agent)
     ${VARIANT:+--gateway-variant "$VARIANT"} ${AGENT_ARGS:-} --only "${ONLY:-}" \
     --json "$OUT/agent-p${AGENT_PARALLEL:-2}.json" 2>&1 | tail -14 | tee "$OUT/agent-p${AGENT_PARALLEL:-2}.md"
   logs_back
+  ;;
+probe)
+  python3 benchmarks/probe_two_contexts.py "$W/llama8b-q4_k_m.gguf" --gpu --streams "${STREAMS:-32}" \
+    --prompt "${PROMPT:-11264}" --chunk "${CHUNK:-512}" --budgets "${BUDGETS:-256,512}" \
+    --json "$OUT/probe${TAG:-}.json" 2>&1 | tee "$OUT/probe${TAG:-}.md"
   ;;
 stash)
   mkdir -p "$W/stash" && cp "$2"/model.part-* "$W/stash/" && ls "$W/stash"
