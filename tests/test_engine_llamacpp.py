@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import contextlib
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import numpy as np
@@ -121,6 +122,70 @@ async def test_a_running_streams_prefix_is_copied_to_a_new_request() -> None:
         assert usage.cached_tokens >= 60, usage  # the system prompt came from the other sequence
         reference = "".join([ev.text async for ev in alone.generate(short)])
         assert "".join(ev.text for ev in events) == reference
+    finally:
+        await e.close()
+        await alone.close()
+
+
+@pytest.mark.parametrize("kv_unified", [False, True])
+async def test_requests_sharing_a_prompt_prefill_it_once(kv_unified: bool) -> None:
+    """Requests that arrive together with one long system prompt (n choices, agents' sessions
+    opened at once) compute it once: the later ones wait for the first one's prefill and copy its
+    KV, in either KV layout, and each still generates exactly what it would alone."""
+    system = ChatMessage("system", "You are a careful assistant who answers in one short sentence. " * 20)
+    reqs = [GenerationRequest(f"r{i}", SamplingParams(temperature=0, max_tokens=8),
+                              messages=(system, ChatMessage("user", q)))
+            for i, q in enumerate(["What is two plus two?", "Name a colour.", "Say hello."])]
+    # Chunks of 64 tokens: the shared prompt (~260 tokens) takes several steps to prefill.
+    e = await _engine("smollm2-135m-instruct", parallel=3, n_batch=64, kv_unified=kv_unified)
+    alone = await _engine("smollm2-135m-instruct", parallel=1)
+    try:
+        together = await asyncio.gather(*[_events(e, r) for r in reqs])
+        assert e._sched is not None and e._sched.prefix_follows == 2
+        shared = len(e.render_prompt(reqs[0])) - 12  # the system prompt and the turn's opening
+        cached = sorted(evs[-1].usage.cached_tokens for evs in together)  # type: ignore[union-attr]
+        assert cached[0] == 0 and cached[1] >= shared and cached[2] >= shared, cached
+        for r, evs in zip(reqs, together, strict=True):
+            reference = "".join([ev.text async for ev in alone.generate(r)])
+            assert "".join(ev.text for ev in evs) == reference  # type: ignore[attr-defined]
+    finally:
+        await e.close()
+        await alone.close()
+
+
+async def _until(cond: Callable[[], bool], timeout: float = 30.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        assert asyncio.get_running_loop().time() < deadline, "timed out waiting for the scheduler"
+        await asyncio.sleep(0.005)
+
+
+async def test_a_request_waiting_for_a_cancelled_prefill_computes_it_itself() -> None:
+    """The request whose prefill another waits for is cancelled halfway: the waiting one takes what
+    was computed and prefills the rest, with the same greedy text as alone."""
+    system = ChatMessage("system", "You are a careful assistant who answers in one short sentence. " * 20)
+    first = GenerationRequest("a", SamplingParams(temperature=0, max_tokens=8), messages=(system, ChatMessage("user", "Hi.")))
+    second = GenerationRequest("b", SamplingParams(temperature=0, max_tokens=8),
+                               messages=(system, ChatMessage("user", "Name a colour.")))
+    e = await _engine("smollm2-135m-instruct", parallel=2, n_batch=16)
+    alone = await _engine("smollm2-135m-instruct", parallel=1)
+    try:
+        assert e._sched is not None
+        leader_gen = e.generate(first)
+        leader = asyncio.ensure_future(leader_gen.__anext__())
+        await _until(lambda: any(s.job is not None and s.n_fed > 0 for s in e._sched._slots))  # type: ignore[union-attr]
+        follower = asyncio.ensure_future(_events(e, second))
+        await _until(lambda: any(s.follow is not None for s in e._sched._slots))  # type: ignore[union-attr]
+        leader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await leader
+        await leader_gen.aclose()
+        events = await follower
+        assert e._sched.prefix_follows == 1
+        usage = events[-1].usage  # type: ignore[attr-defined]
+        assert usage is not None and 0 < usage.cached_tokens < len(e.render_prompt(second)) - 12, usage
+        reference = "".join([ev.text async for ev in alone.generate(second)])
+        assert "".join(ev.text for ev in events) == reference  # type: ignore[attr-defined]
     finally:
         await e.close()
         await alone.close()

@@ -63,6 +63,11 @@ NOT_SAVABLE = -2
 # when that prefix is at least this long and at least half the prompt.
 OWN_SLOT_TOKENS = 256
 
+# Tokens of prefix a new prompt must share with a running request's prompt, beyond what any KV
+# holds of it yet, to wait for that request's prefill and copy it rather than prefill it alongside
+# (`_start`): `n` choices of one prompt, agents' sessions opened at once with one system prompt.
+FOLLOW_MIN_TOKENS = 64
+
 # Seconds an idle sequence keeps its device sampler chain. llama.cpp builds every attached chain
 # into every step's graph (idle ones on a dummy row), so chains left on idle sequences slow down the
 # few that run: on the H100 one stream fell from ~700 to ~600 tok/s after a 16-stream burst. Kept
@@ -159,6 +164,9 @@ class _Slot:
     # way (the end of a prefix another sequence or entry shares but, its window having moved on,
     # cannot serve); 0 = none.
     checkpoint: int = 0
+    # (leader, its request, n): this request's first n prompt tokens are the leader's, whose prefill
+    # has not reached them yet; this one waits for it and copies them (`_follow`).
+    follow: tuple[_Slot, Job, int] | None = None
     # `_trim_idle`'s verdict on this idle sequence's KV while it holds this many tokens and the
     # host cache this many bytes (the lookup and state size it needs cost too much for every step).
     trim_memo: tuple[int, int, bool] = (-1, -1, False)
@@ -238,6 +246,7 @@ class BatchScheduler:
         self._batch = lc.llama_batch_init(n_batch, 0, 1)
         self._slots = [_Slot(seq_id=i) for i in range(n_parallel)]
         self.prefix_copies = 0  # prompts that took their prefix from another sequence's KV
+        self.prefix_follows = 0  # of those, prompts that waited for a running prefill to copy it
         self.device_attaches = 0  # sampler chains attached to a sequence (each costs a graph reserve)
         self.drafted = 0  # speculative draft tokens proposed, and accepted
         self.accepted = 0
@@ -427,6 +436,7 @@ class BatchScheduler:
         if keep == 0 or not lc.llama_memory_seq_rm(self._mem, slot.seq_id, keep, -1):
             lc.llama_memory_seq_rm(self._mem, slot.seq_id, -1, -1)
             keep = 0
+        slot.follow = self._leader_for(job, keep) if isinstance(job, GenJob) else None
         slot.checkpoint = 0
         if isinstance(job, GenJob) and self._n_swa and self.host_cache is not None:
             # A prefix this prompt shares with another sequence or entry that a sliding window
@@ -459,9 +469,52 @@ class BatchScheduler:
         self._place_sampler(slot, job)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("%s on sequence %d: %d prompt tokens, %d kept (own %d, another sequence %d, "
-                      "restored %d), %.0f ms queued, %d running, %d cells used",
+                      "restored %d), %.0f ms queued, %d running, %d cells used%s",
                       "generation" if isinstance(job, GenJob) else "scoring", slot.seq_id, len(job.prompt_ids),
-                      keep, own, held, slot.n_restored, slot.queue_seconds * 1000, len(self._active()), self._used())
+                      keep, own, held, slot.n_restored, slot.queue_seconds * 1000, len(self._active()), self._used(),
+                      f", waits for sequence {slot.follow[0].seq_id}'s first {slot.follow[2]}" if slot.follow else "")
+
+    def _leader_for(self, job: GenJob, keep: int) -> tuple[_Slot, Job, int] | None:
+        """A running request whose prompt starts as this one's for at least FOLLOW_MIN_TOKENS more
+        than `keep` (what this sequence holds now) and whose prefill has not fed that far yet: this
+        request waits for it and copies its KV (`_follow`) instead of computing the same prefix
+        alongside it, sharing the step's prompt budget. A request that itself waits leads no other
+        (each waits for the one computing)."""
+        limit = len(job.prompt_ids) - 1  # at least one prompt token is decoded here, for logits
+        best: tuple[_Slot, Job, int] | None = None
+        for s in self._active():
+            if not isinstance(s.job, GenJob) or s.follow is not None:
+                continue
+            shared = min(_common_prefix(s.job.prompt_ids, job.prompt_ids), limit)
+            if shared > s.n_fed and shared >= keep + FOLLOW_MIN_TOKENS and (best is None or shared > best[2]):
+                best = (s, s.job, shared)
+        return best
+
+    def _follow(self, slot: _Slot) -> bool:
+        """Whether the waiting slot may be fed now: once its leader's KV holds the shared prefix (fed
+        in an earlier step), that prefix is copied in; when the leader is gone (finished, failed,
+        cancelled, paused), whatever its sequence still holds of the prefix is copied, and the rest
+        prefilled here."""
+        assert slot.follow is not None and isinstance(slot.job, GenJob)
+        leader, led, n = slot.follow
+        if leader.job is led and leader.n_fed < n:
+            return False
+        slot.follow = None
+        job = slot.job
+        have = self._usable(leader, min(_common_prefix(leader.cached, job.prompt_ids), n))
+        if have < slot.n_fed + MIN_COPY_GAIN:
+            return True
+        lc.llama_memory_seq_rm(self._mem, slot.seq_id, -1, -1)
+        lc.llama_memory_seq_cp(self._mem, leader.seq_id, slot.seq_id, -1, -1)
+        lc.llama_memory_seq_rm(self._mem, slot.seq_id, have, -1)
+        slot.cached = leader.cached[:have]
+        slot.n_fed = have
+        slot.n_cached_prompt = min(have, len(job.prompt_ids) - job.resumed)
+        self.prefix_copies += 1
+        self.prefix_follows += 1
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("sequence %d copied %d prompt tokens from sequence %d's prefill", slot.seq_id, have, leader.seq_id)
+        return True
 
     # --- one KV cache shared by the sequences (kv_pool) ----------------------------------------
 
@@ -819,12 +872,22 @@ class BatchScheduler:
             if not self._decode(n, outputs, active, 0):
                 return
             n, outputs = 0, []
+        # Requests waiting for a running prefill of their prefix (`_leader_for`): copied in once the
+        # KV holds it (from earlier steps only: this step's tokens are not computed yet), and their
+        # leaders' chunks end where the copy begins (a sliding window would move past it).
+        stops: dict[int, int] = {}
+        for slot in active:
+            if slot.follow is not None and slot.job is not None and not self._follow(slot):
+                leader, _, shared = slot.follow
+                stops[leader.seq_id] = min(shared, stops.get(leader.seq_id, shared))
         for slot in active:
             job = slot.job
-            if job is None:  # finished in the decode pass above
+            if job is None or slot.follow is not None:  # finished in the decode pass above, or waiting
                 continue
             remaining = len(job.prompt_ids) - slot.n_fed
             take = min(remaining, self._n_batch - n, prefill_room)
+            if slot.seq_id in stops:
+                take = min(take, stops[slot.seq_id] - slot.n_fed)
             if slot.n_fed < slot.checkpoint:
                 take = min(take, slot.checkpoint - slot.n_fed)  # the step ends at the checkpoint
             if take <= 0:
