@@ -2,7 +2,7 @@
 arriving beside running streams. The gateway (with and without its host-memory prefix cache) vs
 llama-server from the same llama.cpp (its default prompt cache), one run, servers alternated.
 
-    .venv/bin/python benchmarks/bench_prefix_cache.py [--parts conversations,agent,interference]
+    .venv/bin/python benchmarks/bench_prefix_cache.py [--parts conversations,agent,interference,together]
 
 - conversations: N conversations of 4 turns at once (each turn sends the whole history; the
   workload of bench_cluster's affinity part) on one server of 8 sequences, N = 8 and 16, SmolLM2:
@@ -16,6 +16,10 @@ llama-server from the same llama.cpp (its default prompt cache), one run, server
 - interference: streams decoding while a long prompt arrives (Gemma-3-270M): the running streams'
   inter-token latency p50/p99 while it is prefilled, and its TTFT against the same prompt alone;
   the gateway at several prefill budgets.
+- together: requests sent at once with one long system prompt and each its own question (agents'
+  sessions or sub-agents started together), SmolLM2: their TTFT against one such prompt alone, and
+  the share of their prompt tokens from cache. Also the gateway with GATEWAY_PREFIX_FOLLOW=off
+  (each request prefills the shared prefix itself, as before session 19).
 
 Prints Markdown tables with machine and commit; --json keeps every number.
 """
@@ -209,6 +213,29 @@ async def conversations(url: str, n: int, turns: int) -> dict[str, float]:
             "ttft_p50_ms": statistics.median(ttfts), "ttft_p95_ms": pct(ttfts, 0.95), "turns": len(follow)}
 
 
+# --- sessions opened at once with one system prompt ---------------------------------------------
+
+async def together(url: str, model: str, sessions: int, prefix_words: int) -> dict[str, Any]:
+    """`sessions` requests at once sharing one long system prompt, each with its own question (agents'
+    sessions or sub-agents started together, n choices), after one request with a system prompt of the
+    same size alone (the cold reference; it shares no prefix with them)."""
+    rules = " ".join(f"Rule {i}: keep every change small, tested and explained." for i in range(prefix_words // 9))
+    system = "You are a coding agent working in a large repository. " + rules
+
+    def chat(head: str, question: str) -> list[dict[str, str]]:
+        return [{"role": "system", "content": head + system}, {"role": "user", "content": question}]
+
+    async with httpx.AsyncClient(timeout=1800, limits=NO_KEEPALIVE) as client:
+        cold = await ask(client, url, model, chat("Alone. ", "Say hello."), 8)
+        replies = await asyncio.gather(*(ask(client, url, model, chat("", f"Task {i}: name a colour."), 8)
+                                         for i in range(sessions)))
+    ttfts = sorted(r.ttft * 1000 for r in replies)
+    known = [r for r in replies if r.cached is not None]
+    return {"cold_ms": cold.ttft * 1000, "prompt_tokens": replies[0].prompt_tokens, "ttfts_ms": [round(t) for t in ttfts],
+            "ttft_p50_ms": statistics.median(ttfts), "ttft_max_ms": ttfts[-1],
+            "cached_share": sum(r.cached or 0 for r in known) / max(1, sum(r.prompt_tokens for r in known))}
+
+
 # --- agent sessions: a long stable prefix, a growing history ----------------------------------
 
 async def agent(url: str, model: str, sessions: int, turns: int, prefix_words: int) -> dict[str, Any]:
@@ -323,6 +350,10 @@ def main() -> int:
     ap.add_argument("--gateway-variant", action="append", default=[], metavar="NAME:VAR=VALUE[,VAR=VALUE]",
                     help="agent part: also a gateway with these environment settings, "
                          "e.g. 'pageable host cache:GATEWAY_PINNED_HOST_CACHE=0'")
+    ap.add_argument("--together-sessions", type=int, default=4, help="together part: requests sent at once")
+    ap.add_argument("--together-model", default=SMOL, help="together part: the model")
+    ap.add_argument("--together-words", type=int, default=1000,
+                    help="together part: words of the shared system prompt (1000: ~1.4k SmolLM2 tokens)")
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--long-words", type=int, default=12000, help="~16k tokens")
     ap.add_argument("--budgets", default="64,256", help="gateway prefill budgets to compare")
@@ -372,6 +403,20 @@ def main() -> int:
                     r = asyncio.run(conversations(srv.url, n, args.turns))
                     raw.setdefault("conversations", {}).setdefault(srv.name, {})[n] = r
                     print(f"conversations {srv.name:<24} n={n:<3} {r}", file=sys.stderr, flush=True)
+
+    if "together" in parts:
+        spec = reg.models[args.together_model]
+        path = str(reg.resolve(spec, "gguf"))
+        k = args.together_sessions
+        servers = [gateway(args.together_model, k, *engine),
+                   gateway(args.together_model, k, *engine, name="gateway, each prefills its own",
+                           env={"GATEWAY_PREFIX_FOLLOW": "off"}),
+                   llama_server(bin_dir, path, k, spec.context_length, spec.chat_template, *ngl)]
+        for srv in chosen(servers):
+            with srv:
+                r = asyncio.run(together(srv.url, args.together_model, k, args.together_words))
+                raw.setdefault("together", {})[srv.name] = r
+                print(f"together {srv.name:<24} {r}", file=sys.stderr, flush=True)
 
     if "agent" in parts:
         servers = [gateway(args.model, args.agent_parallel, *engine),
@@ -443,6 +488,14 @@ def main() -> int:
             shares = " / ".join(f"{x / ref * 100:.1f} %" for x in (r["later_p50_ms"], r["later_p95_ms"], later_max))
             print(f"| {name} | {r['cold_ms']:.0f} ({r['cold_prompt_tokens']}) | {r['first_turn_p50_ms']:.0f} | "
                   f"{r['later_p50_ms']:.0f} / {r['later_p95_ms']:.0f} / {later_max:.0f} | {shares} | {cache} |")
+    if "together" in raw:
+        print(f"\n{args.together_sessions} requests at once with one system prompt ({args.together_model}, "
+              f"~{args.together_words} words), each its own question; cold: one such prompt alone:\n")
+        print("| server | prompt tokens | cold prefill ms | TTFT p50 / max ms | max as × cold | prompt tokens from cache |")
+        print("|---|---|---|---|---|---|")
+        for name, r in raw["together"].items():
+            print(f"| {name} | {r['prompt_tokens']} | {r['cold_ms']:.0f} | {r['ttft_p50_ms']:.0f} / {r['ttft_max_ms']:.0f} | "
+                  f"{r['ttft_max_ms'] / r['cold_ms']:.2f} | {r['cached_share'] * 100:.0f} % |")
     if "interference" in raw:
         print(f"\nPrefill interference: {args.streams} streams decoding while a long prompt arrives "
               f"({args.long_model or args.model}):\n")

@@ -195,6 +195,7 @@ class BatchScheduler:
         kv_pool: int = 0,
         n_cells: int = 0,
         split_mixed: bool = False,
+        follow: bool = True,
     ) -> None:
         self._ctx = ctx
         self._n_cells = n_cells  # the KV cache's cells, every sequence's (reported in kv_stats)
@@ -247,6 +248,7 @@ class BatchScheduler:
         self._slots = [_Slot(seq_id=i) for i in range(n_parallel)]
         self.prefix_copies = 0  # prompts that took their prefix from another sequence's KV
         self.prefix_follows = 0  # of those, prompts that waited for a running prefill to copy it
+        self._follow_on = follow  # whether they may wait for it (`_leader_for`)
         self.device_attaches = 0  # sampler chains attached to a sequence (each costs a graph reserve)
         self.drafted = 0  # speculative draft tokens proposed, and accepted
         self.accepted = 0
@@ -436,7 +438,7 @@ class BatchScheduler:
         if keep == 0 or not lc.llama_memory_seq_rm(self._mem, slot.seq_id, keep, -1):
             lc.llama_memory_seq_rm(self._mem, slot.seq_id, -1, -1)
             keep = 0
-        slot.follow = self._leader_for(job, keep) if isinstance(job, GenJob) else None
+        slot.follow = self._leader_for(job, keep) if isinstance(job, GenJob) and self._follow_on else None
         slot.checkpoint = 0
         if isinstance(job, GenJob) and self._n_swa and self.host_cache is not None:
             # A prefix this prompt shares with another sequence or entry that a sliding window

@@ -299,6 +299,9 @@ class LlamaCppEngine:
             kv_pool=lc.llama_n_ctx(ctx) if o.kv_unified else 0,
             n_cells=lc.llama_n_ctx(ctx),
             split_mixed=o.kv_unified and split_mixed(o.backend),
+            # Requests sharing a prefix another is prefilling wait for it and copy it;
+            # GATEWAY_PREFIX_FOLLOW=off prefills each on its own (for measuring).
+            follow=os.environ.get("GATEWAY_PREFIX_FOLLOW", "on") != "off",
         )
         from engines.llamacpp.embed import Embedder
 
