@@ -47,6 +47,9 @@ def main() -> int:
     ap.add_argument("--budgets", default="512", help="prompt tokens per mixed step for the one-context baseline")
     ap.add_argument("--threads", type=int, default=0, help="threads per context (0: all cores)")
     ap.add_argument("--decode-steps", type=int, default=60)
+    ap.add_argument("--priority", action="store_true",
+                    help="CUDA: the serving context's streams at the highest priority, the second context's at the "
+                         "lowest (needs scripts/patches-h100/ggml-cuda-stream-priority.patch in the build)")
     ap.add_argument("--json", default="")
     a = ap.parse_args()
 
@@ -137,12 +140,20 @@ def main() -> int:
             decode(side, side_batch)
         return time.perf_counter() - t
 
-    res: dict = {"model": a.model, "gpu": a.gpu, "streams": a.streams, "prompt": a.prompt, "chunk": a.chunk}
-    # Warm both contexts' shapes (the CUDA build's first pass of a shape is slow).
+    res: dict = {"model": a.model, "gpu": a.gpu, "streams": a.streams, "prompt": a.prompt, "chunk": a.chunk,
+                 "priority": a.priority}
+    # Warm both contexts' shapes (the CUDA build's first pass of a shape is slow). A context makes
+    # its CUDA streams on its first pass: with --priority the patched build reads
+    # GGML_CUDA_STREAM_PRIORITY then (clamped to the device's range; lower runs first).
+    if a.priority:
+        os.environ["GGML_CUDA_STREAM_PRIORITY"] = "-100"
     reset_streams()
     for _ in range(5):
         step()
+    if a.priority:
+        os.environ["GGML_CUDA_STREAM_PRIORITY"] = "0"
     prefill_side()
+    os.environ.pop("GGML_CUDA_STREAM_PRIORITY", None)
     # 1. The streams alone.
     reset_streams()
     alone_steps = [step() for _ in range(a.decode_steps)]
@@ -204,7 +215,7 @@ def main() -> int:
     fill(side_batch, [(0, a.prompt, [probe_token], True)])
     decode(side, side_batch)
     theirs = [lc.llama_get_logits_ith(side, 0)[i] for i in range(n_vocab)]
-    diff = max(abs(x - y) for x, y in zip(mine, theirs))
+    diff = max(abs(x - y) for x, y in zip(mine, theirs, strict=True))
     same_top = mine.index(max(mine)) == theirs.index(max(theirs))
     res["handover"] = {"bytes": len(raw), "get_ms": t_get * 1e3, "set_ms": t_set * 1e3, "ok": bool(put),
                        "next_logits_max_abs_diff": diff, "same_argmax": same_top}
@@ -231,6 +242,8 @@ def main() -> int:
 
     c = res["concurrent"]
     print(f"decode alone: {a.streams} streams, step p50 {d * 1e3:.1f} ms; prompt of {a.prompt} alone: {t_alone * 1e3:.0f} ms")
+    if a.priority:
+        print("CUDA stream priorities: the decoding context's highest, the prefilling one's lowest")
     print("| how | prompt ms (x alone) | streams' step before p50 | during p50 / p99 / max ms | p99 / before p50 |")
     print("|---|---:|---:|---:|---:|")
     print(f"| two contexts, chunk {a.chunk} | {c['prompt_ms']:.0f} ({c['prompt_ratio']:.2f}) | {c['itl_before_p50_ms']:.1f} | "

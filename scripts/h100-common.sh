@@ -7,6 +7,11 @@
 h100_install() {
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$W/site" .whl/*.whl
   rm -rf "$W/src" && mkdir -p "$W/src" && tar xzf .dev28/llama-src-tools.tar.gz -C "$W/src" --strip-components=1
+  # Patches of the CUDA build only (scripts/patches-h100/, e.g. CUDA stream priorities for
+  # benchmarks/probe_two_contexts.py --priority); the wheels CI builds are not patched by them.
+  for p in scripts/patches-h100/*.patch; do
+    [ -e "$p" ] && patch -s -p1 -d "$W/src" < "$p" && echo "applied $(basename "$p")"
+  done
 }
 
 # h100_build TARGET...: start the CUDA build of those targets in the background ($W/build.log ends
