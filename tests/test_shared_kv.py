@@ -219,6 +219,31 @@ async def test_idle_kv_that_another_sequence_holds_leaves_without_a_save(monkeyp
         await e.close()
 
 
+async def test_a_new_conversation_takes_the_sequence_whose_kv_is_held_elsewhere() -> None:
+    """Every sequence holds KV: a new conversation takes the one whose KV another sequence also holds
+    (a conversation whose next turn went to an empty sequence and shares its cells), not the one
+    idle longest, another conversation's only copy, which then stays for that conversation's next
+    turn. (On the H100 agent replay the idle-longest rule cost a session a save and a restore.)"""
+    e = await _engine(parallel=2, sequences=4, prefix_cache_mib=0)
+    try:
+        b1, c1, a1 = (_conversation(t, 1) for t in TOPICS[1:4])
+        _, b_first = await _ask(e, b1, 24)  # B is idle longest
+        await _ask(e, c1, 24)
+        await _ask(e, a1, 24)
+        # A's next turn with another answer than the one generated: it takes the empty sequence
+        # and shares the prefix of A's first turn, whose sequence now holds a stale copy.
+        a2 = a1 + (ChatMessage("assistant", "Something else entirely, said differently."), ChatMessage("user", "And then?"))
+        _, u = await _ask(e, a2, 4)
+        assert u.cached_tokens > 0 and e._sched is not None and not any(s.job for s in e._sched._slots)
+        assert all(s.cached for s in e._sched._slots), "every sequence holds KV"
+        await _ask(e, _conversation(TOPICS[0], 1), 4)  # a new conversation: no sequence holds it
+        # B's KV was still on the device (no host cache: it would have been lost).
+        _, b_next = await _ask(e, _conversation(TOPICS[1], 2, ["Another answer. " * 3]), 4)
+        assert b_next.cached_tokens >= b_first.prompt_tokens - 8, b_next
+    finally:
+        await e.close()
+
+
 def test_sequences_need_a_shared_kv() -> None:
     base = {"id": "m", "formats": {"gguf": {"path": "/x.gguf"}}, "parallel": 2, "sequences": 8}
     with pytest.raises(ValueError, match="kv_unified"):

@@ -398,7 +398,11 @@ class BatchScheduler:
                 return empty[0]
             if mine and 2 * held[best] >= len(free[best].cached):
                 return free[best]
-            return min(free, key=lambda s: s.idle_since)
+            # The one whose KV is least missed: held elsewhere (a conversation whose next turn took
+            # another sequence and shares these cells), else idle longest. On the H100 a next turn
+            # took the idle-longest sequence, another session's only copy, over a stale one whose
+            # session now ran elsewhere: a 58 ms save and a 44 ms restore in that session's queue.
+            return min(free, key=lambda s: (len(s.cached) - self._covered(s), s.idle_since))
         if isinstance(job, GenJob) and len(free) > 1 and len(job.prompt_ids) >= 2 * OWN_SLOT_TOKENS:
             held = [_common_prefix(s.cached, job.prompt_ids) for s in free]
             best = max(range(len(free)), key=held.__getitem__)
@@ -669,24 +673,32 @@ class BatchScheduler:
             return NOT_SAVABLE
         if len(slot.cached) < MIN_ENTRY_TOKENS or len(slot.cached) - keep < MIN_COPY_GAIN:
             return 0
-        tokens = np.asarray(slot.cached, dtype=np.int32)
-        _, covered = host.lookup(self._identity, tokens, len(tokens), touch=False)
-        if covered == len(tokens):
+        covered = self._covered(slot)
+        if covered == len(slot.cached):
             return 0
-        # Another sequence's KV may hold most of it (a conversation whose next turn took an empty
-        # sequence and shared this one's cells): only the rest would be new in the cache.
-        covered = max(covered, max((self._usable(s, _common_prefix(s.cached, slot.cached))
-                                    for s in self._slots if s is not slot and s.cached), default=0))
         size = lc.llama_state_seq_get_size(self._ctx, slot.seq_id)
         if size <= 0 or size > host.limit_bytes:
             return NOT_SAVABLE
         # Worth it when prefilling what no entry holds yet would take longer than the copy, and
         # long enough to matter.
-        tail = len(tokens) - max(covered, keep)
+        tail = len(slot.cached) - max(covered, keep)
         if self.prefill_tps and (tail / self.prefill_tps < MIN_SAVE_GAIN_S or (
                 self.save_bps and tail / self.prefill_tps < size / self.save_bps)):
             return NOT_WORTH_IT
         return int(size)
+
+    def _covered(self, slot: _Slot) -> int:
+        """How much of the slot's KV (a prefix, in tokens) is held elsewhere: by a host-cache entry,
+        or by another sequence's KV (a conversation whose next turn took an empty sequence and
+        shared this one's cells)."""
+        covered = 0
+        if self.host_cache is not None:
+            _, covered = self.host_cache.lookup(self._identity, np.asarray(slot.cached, dtype=np.int32),
+                                                len(slot.cached), touch=False)
+        if covered < len(slot.cached):
+            covered = max(covered, max((self._usable(s, _common_prefix(s.cached, slot.cached))
+                                        for s in self._slots if s is not slot and s.cached), default=0))
+        return covered
 
     def _save_checkpoint(self, slot: _Slot) -> None:
         """The sequence's state at its checkpoint (its prompt's first `checkpoint` tokens, nothing
