@@ -181,6 +181,10 @@ class KvStats:
     # Idle sequences' KV moved out of the shared cache (to the host prefix cache when worth the
     # copy) because it outgrew the running requests' own, which attend over it too.
     idle_evictions: int = 0
+    # Prompts whose prefix came from another sequence's KV instead of a prefill; of those, prompts
+    # that waited for a running request's prefill of it (requests started together, one prefix).
+    prefix_copies: int = 0
+    prefix_follows: int = 0
 
     @classmethod
     def combine(cls, stats: list[KvStats]) -> KvStats:

@@ -175,6 +175,8 @@ class _EngineGauges(Collector):
             "idle": GaugeMetricFamily("gateway_kv_cells_idle", "KV cells idle sequences hold (finished requests' KV, kept for a next turn).", labels=LABELS),
             "preemptions": CounterMetricFamily("gateway_kv_preemptions", "Requests paused because the KV cache their model's sequences share was full (resumed when there was room).", labels=LABELS),
             "idle_evictions": CounterMetricFamily("gateway_kv_idle_evictions", "Idle sequences' KV moved out of a shared KV cache (to the host prefix cache when worth the copy) because it outgrew the running requests' own.", labels=LABELS),
+            "prefix_copies": CounterMetricFamily("gateway_kv_prefix_copies", "Prompts whose prefix was copied from another sequence's KV instead of prefilled.", labels=LABELS),
+            "prefix_follows": CounterMetricFamily("gateway_kv_prefix_follows", "Prompts that waited for another request's running prefill of their prefix and copied it (requests started together with one prefix).", labels=LABELS),
         }
         count = 0
         for model, engine, device, h in self._resident():

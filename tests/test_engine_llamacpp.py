@@ -141,7 +141,8 @@ async def test_requests_sharing_a_prompt_prefill_it_once(kv_unified: bool) -> No
     alone = await _engine("smollm2-135m-instruct", parallel=1)
     try:
         together = await asyncio.gather(*[_events(e, r) for r in reqs])
-        assert e._sched is not None and e._sched.prefix_follows == 2
+        kv = e.health().kv
+        assert kv is not None and kv.prefix_follows == 2 and kv.prefix_copies >= 2, kv
         shared = len(e.render_prompt(reqs[0])) - 12  # the system prompt and the turn's opening
         cached = sorted(evs[-1].usage.cached_tokens for evs in together)  # type: ignore[union-attr]
         assert cached[0] == 0 and cached[1] >= shared and cached[2] >= shared, cached

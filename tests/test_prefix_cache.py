@@ -256,6 +256,7 @@ def test_through_the_gateway_usage_and_metrics_show_restored_prefixes(tmp_path: 
         assert 0 < gauge("gateway_kv_cells_used") == gauge("gateway_kv_cells_idle")
         assert gauge("gateway_kv_preemptions_total") == 0  # one KV stream per sequence: nothing is paused
         assert gauge("gateway_kv_idle_evictions_total") == 0
+        assert gauge("gateway_kv_prefix_copies_total") == gauge("gateway_kv_prefix_follows_total") == 0  # one sequence
     finally:
         server.stop()
 

@@ -302,7 +302,8 @@ class BatchScheduler:
         slots = list(self._slots)
         used = sum(len(s.cached) for s in slots)
         return KvStats(cells=self._n_cells, used=used, idle=sum(len(s.cached) for s in slots if s.job is None),
-                       preemptions=self.preemptions, idle_evictions=self.idle_evictions)
+                       preemptions=self.preemptions, idle_evictions=self.idle_evictions,
+                       prefix_copies=self.prefix_copies, prefix_follows=self.prefix_follows)
 
     def close(self) -> None:
         with self._cv:
