@@ -356,6 +356,7 @@ def test_a_token_id_beyond_64_bits_is_a_400_not_a_500(gw: Gateway) -> None:
     assert r.status_code == 400 and _is_envelope(r.json()), r.text
 
 
+@pytest.mark.timeout(600)  # three loads on lavapipe, each with a functional check of ~70 s on 2 cores
 def test_repeated_crashes_fall_back_to_the_next_candidate(tmp_path: Path) -> None:
     from tests.test_builds import _vulkan_host_or_skip
 

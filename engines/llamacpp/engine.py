@@ -68,10 +68,12 @@ def split_mixed(backend: str) -> bool:
 
 
 def warm_up_wanted(backend: str) -> bool:
-    """Whether the engine runs `warm_up` at load: on GPU backends, whose first pass of each new
-    shape is slow; GATEWAY_WARMUP=on/off overrides it."""
+    """Whether the engine runs `warm_up` at load: on the CUDA build (CUDA, ROCm), whose first pass
+    of each new shape is slow (measured on the H100); GATEWAY_WARMUP=on/off overrides it. Not on
+    Vulkan: its first passes were not measured to stall on a GPU, and on a software device
+    (lavapipe, which ggml reports as a GPU) the passes took 200-250 s of every load, on 2 cores."""
     choice = os.environ.get("GATEWAY_WARMUP", "auto")
-    return backend != "cpu" if choice == "auto" else choice == "on"
+    return backend in ("cuda", "rocm") if choice == "auto" else choice == "on"
 
 
 def warm_up(ctx: Any, n_batch: int, n_seqs: int, budget: int, n_ctx_seq: int) -> tuple[int, float]:
