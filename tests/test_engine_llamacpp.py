@@ -168,7 +168,7 @@ async def test_a_request_waiting_for_a_cancelled_prefill_computes_it_itself() ->
     first = GenerationRequest("a", SamplingParams(temperature=0, max_tokens=8), messages=(system, ChatMessage("user", "Hi.")))
     second = GenerationRequest("b", SamplingParams(temperature=0, max_tokens=8),
                                messages=(system, ChatMessage("user", "Name a colour.")))
-    e = await _engine("smollm2-135m-instruct", parallel=2, n_batch=16)
+    e = await _engine("smollm2-135m-instruct", parallel=2, n_batch=8)
     alone = await _engine("smollm2-135m-instruct", parallel=1)
     try:
         assert e._sched is not None
