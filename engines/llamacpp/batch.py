@@ -433,13 +433,8 @@ class BatchScheduler:
             keep = restored or min(keep, len(slot.cached))
             if not restored and donor is not None:
                 if shared >= keep + MIN_COPY_GAIN:
-                    # Sequences live in separate KV streams; llama.cpp copies whole streams
-                    # (at the next decode), then we cut the copy back to the shared prefix.
-                    lc.llama_memory_seq_rm(self._mem, slot.seq_id, -1, -1)
-                    lc.llama_memory_seq_cp(self._mem, donor.seq_id, slot.seq_id, -1, -1)
-                    slot.cached = donor.cached[:shared]
+                    self._copy_prefix(donor, slot, shared)
                     keep = shared
-                    self.prefix_copies += 1
         if keep == 0 or not lc.llama_memory_seq_rm(self._mem, slot.seq_id, keep, -1):
             lc.llama_memory_seq_rm(self._mem, slot.seq_id, -1, -1)
             keep = 0
@@ -481,6 +476,15 @@ class BatchScheduler:
                       keep, own, held, slot.n_restored, slot.queue_seconds * 1000, len(self._active()), self._used(),
                       f", waits for sequence {slot.follow[0].seq_id}'s first {slot.follow[2]}" if slot.follow else "")
 
+    def _copy_prefix(self, donor: _Slot, slot: _Slot, n: int) -> None:
+        """The donor's KV into the slot's sequence, standing for its first `n` tokens. Sequences
+        live in separate KV streams; llama.cpp copies whole streams (at the next decode), and the
+        caller cuts the copy back to `n` (`llama_memory_seq_rm` from `n` on)."""
+        lc.llama_memory_seq_rm(self._mem, slot.seq_id, -1, -1)
+        lc.llama_memory_seq_cp(self._mem, donor.seq_id, slot.seq_id, -1, -1)
+        slot.cached = donor.cached[:n]
+        self.prefix_copies += 1
+
     def _leader_for(self, job: GenJob, keep: int) -> tuple[_Slot, Job, int] | None:
         """A running request whose prompt starts as this one's for at least FOLLOW_MIN_TOKENS more
         than `keep` (what this sequence holds now) and whose prefill has not fed that far yet: this
@@ -511,13 +515,10 @@ class BatchScheduler:
         have = self._usable(leader, min(_common_prefix(leader.cached, job.prompt_ids), n))
         if have < slot.n_fed + MIN_COPY_GAIN:
             return True
-        lc.llama_memory_seq_rm(self._mem, slot.seq_id, -1, -1)
-        lc.llama_memory_seq_cp(self._mem, leader.seq_id, slot.seq_id, -1, -1)
+        self._copy_prefix(leader, slot, have)
         lc.llama_memory_seq_rm(self._mem, slot.seq_id, have, -1)
-        slot.cached = leader.cached[:have]
         slot.n_fed = have
         slot.n_cached_prompt = min(have, len(job.prompt_ids) - job.resumed)
-        self.prefix_copies += 1
         self.prefix_follows += 1
         if log.isEnabledFor(logging.DEBUG):
             log.debug("sequence %d copied %d prompt tokens from sequence %d's prefill", slot.seq_id, have, leader.seq_id)
