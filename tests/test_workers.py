@@ -60,9 +60,11 @@ def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     # --max-queue-wait: the chaos test queues 6 streams behind 2 sequences through three restarts; the
     # admission estimate would otherwise refuse some at once (429), which is not what it tests.
     g = Gateway(tmp_path_factory.mktemp("workers"), "--parallel", "2", "--max-queue-wait", "600",
-                # A failover per kill of the chaos test (three), for a stream that runs through all of them.
+                # A failover per kill of the chaos test (three), for a stream that runs through all of
+                # them, and as many again for restarted workers the 1-s heartbeat limit gives up on
+                # while 8 streams resume on a loaded 2-core machine.
                 env={"GATEWAY_WORKER_HEARTBEAT_TIMEOUT": "1", "GATEWAY_WORKER_MAX_CRASHES": "100",
-                     "GATEWAY_FAILOVER_BUDGET": "3"})
+                     "GATEWAY_FAILOVER_BUDGET": "6"})
     yield g
     g.stop()
 
@@ -280,8 +282,14 @@ def test_chaos_eight_streams_and_three_kills(gw: Gateway) -> None:
     _started(streams[0], 3)
     for _ in range(3):
         time.sleep(rng.uniform(0.3, 2.0))
+        watchdog_before = gw.log().count("): killing it")
         pid = _worker(gw.url)["pid"]
-        os.kill(pid, signal.SIGKILL)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            # Gone by itself in between: only the watchdog may do that (the fixture's 1-s heartbeat
+            # limit on a loaded 2-core machine; logged); a worker that crashed on its own is a failure.
+            assert gw.log().count("): killing it") > watchdog_before, gw.log()[-6000:]
         _ready_again(gw.url, pid, timeout=120)
     for s in streams:
         s.wait(300)
