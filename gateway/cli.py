@@ -17,14 +17,12 @@ from gateway.settings import ENGINE_CHOICES, Settings, parse_duration, parse_mib
 log = logging.getLogger("gateway")
 
 
-def _serve(args: argparse.Namespace) -> int:
-    from gateway.app import create_app
-    from gateway.server import run
-
-    settings = Settings.from_env(
+def _serve_settings(args: argparse.Namespace) -> Settings:
+    """`serve`'s settings: GATEWAY_* variables under its options (ValueError for a malformed one)."""
+    return Settings.from_env(
         host=args.host, port=args.port, config=args.config, model=args.model, engine=args.engine,
         runtime=args.runtime, device=args.device,
-        max_resident=args.max_models, parallel=args.parallel, threads=args.threads,
+        max_resident=args.max_models, parallel=args.parallel, sequences=args.sequences, threads=args.threads,
         memory_budget=parse_size(args.memory_budget) if args.memory_budget else None,
         gpu_memory_budget=parse_size(args.gpu_memory_budget) if args.gpu_memory_budget else None,
         memory_reserve=parse_size(args.memory_reserve) if args.memory_reserve else None,
@@ -41,6 +39,17 @@ def _serve(args: argparse.Namespace) -> int:
         parity_enforce=True if args.parity_enforce else None,
         rank_by_speed=True if args.rank_by_speed else None,
     )
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from gateway.app import create_app
+    from gateway.server import run
+
+    try:
+        settings = _serve_settings(args)
+    except ValueError as exc:  # a malformed option or GATEWAY_* variable: said as such, no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         settings.api_keys()
@@ -316,9 +325,13 @@ def _worker(args: argparse.Namespace) -> int:
     if args.tls_cert:
         context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         context.load_cert_chain(args.tls_cert, args.tls_key)
-    settings = Settings.from_env(config=args.config, model=args.model, engine=args.engine, runtime=args.runtime,
-                                 device=args.device, parallel=args.parallel, threads=args.threads, workers=False,
-                                 isolate_check=False)
+    try:
+        settings = Settings.from_env(config=args.config, model=args.model, engine=args.engine, runtime=args.runtime,
+                                     device=args.device, parallel=args.parallel, sequences=args.sequences,
+                                     threads=args.threads, workers=False, isolate_check=False)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     found = _registry_and_spec(settings.config, settings.model)
     if found is None:
@@ -376,6 +389,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--unload-default", action="store_true",
                    help="let the default model unload after --keep-alive too (it stays loaded otherwise)")
     s.add_argument("--parallel", type=int, default=None, help="sequences decoded together per model")
+    s.add_argument("--sequences", type=int, default=None, metavar="N",
+                   help="llama.cpp: run up to N requests at once per model in one KV cache shared by them (llama-server's layout) of context x --parallel tokens; more conversations keep their KV on the device (default: models.yaml's layout, one KV per sequence)")
     s.add_argument("--threads", type=int, default=None, help="CPU threads per model (default: all cores)")
     s.add_argument("--api-key", default=None,
                    help="require this bearer token on /v1 (comma-separate several); /health stays open")
@@ -442,6 +457,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--runtime", default=None, help="pin a runtime: llamacpp, ortgenai, coreml, executorch")
     w.add_argument("--device", default=None, help="GPU by index or part of its name")
     w.add_argument("--parallel", type=int, default=None, help="sequences decoded together")
+    w.add_argument("--sequences", type=int, default=None, metavar="N",
+                   help="llama.cpp: requests at once in one shared KV cache of context x --parallel tokens")
     w.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     w.add_argument("--config", default=None, help="models.yaml path")
     w.add_argument("--tls-cert", default=None, help="serve TLS with this certificate (PEM)")

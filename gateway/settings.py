@@ -38,6 +38,9 @@ class Settings:
     keep_alive: float = 300.0
     keep_default: bool = True
     parallel: int | None = None  # sequences per model; models.yaml / runtime default when unset
+    # llama.cpp: requests run at once per model in one KV cache shared by them (kv_unified) of
+    # context x parallel tokens; None: models.yaml's layout.
+    sequences: int | None = None
     threads: int = 0  # CPU threads per model; 0 = all cores
     max_queue: int = 64  # requests that may wait per model
     preload: bool = True  # load the default model at start-up (/health is 503 until done)
@@ -121,6 +124,7 @@ class Settings:
             keep_alive=parse_duration(e.get("GATEWAY_KEEP_ALIVE", str(cls.keep_alive))),
             keep_default=e.get("GATEWAY_KEEP_DEFAULT", "1") not in ("0", "false", "no"),
             parallel=int(e["GATEWAY_PARALLEL"]) if e.get("GATEWAY_PARALLEL") else None,
+            sequences=int(e["GATEWAY_SEQUENCES"]) if e.get("GATEWAY_SEQUENCES") else None,
             threads=int(e.get("GATEWAY_THREADS", cls.threads)),
             max_queue=int(e.get("GATEWAY_MAX_QUEUE", cls.max_queue)),
             preload=e.get("GATEWAY_PRELOAD", "1") not in ("0", "false", "no"),
@@ -170,6 +174,8 @@ class Settings:
             raise ValueError(f"GATEWAY_FAILOVER_REPLAY must be exact or fast, not {s.failover_replay!r}")
         if s.device_sampling not in (None, "auto", "on", "off"):
             raise ValueError(f"GATEWAY_DEVICE_SAMPLING must be auto, on or off, not {s.device_sampling!r}")
+        if s.sequences is not None and not 1 <= s.sequences <= 256:
+            raise ValueError(f"--sequences (GATEWAY_SEQUENCES) must be 1-256, not {s.sequences}")
         if s.pinned_host_cache not in ("auto", "on", "off"):
             raise ValueError(f"GATEWAY_PINNED_HOST_CACHE must be auto, on or off, not {s.pinned_host_cache!r}")
         return s
@@ -192,7 +198,10 @@ def parse_size(value: str) -> int:
     v = value.strip().lower().removesuffix("ib").removesuffix("b")
     scale = {"k": 1024, "m": 1024**2, "g": 1024**3}.get(v[-1:], 1)
     number = v[:-1] if scale != 1 else v
-    size = int(float(number) * scale)
+    try:
+        size = int(float(number) * scale)
+    except ValueError:
+        raise ValueError(f"{value!r} is not a size (e.g. 4M, 512k, 2GiB)") from None
     if size <= 0:
         raise ValueError(f"size must be positive: {value!r}")
     return size

@@ -363,3 +363,38 @@ def test_mixed_steps_run_as_two_passes_on_the_cpu_only_unless_told(monkeypatch: 
     assert split_mixed("cuda")
     monkeypatch.setenv("GATEWAY_SPLIT_MIXED", "off")
     assert not split_mixed("cpu")
+
+
+# --- `gateway serve --sequences N`: the shared layout from the command line ------------------------
+
+
+def test_serve_sequences_runs_that_many_requests_at_once_in_a_shared_kv(tmp_path: Any) -> None:
+    import time
+
+    import httpx
+
+    from tests.test_production import MODEL, Gateway, Stream
+
+    g = Gateway(tmp_path, "--parallel", "2", "--sequences", "4", "--max-queue-wait", "600")
+    try:
+        model = httpx.get(f"{g.url}/health", timeout=10).json()["models"][MODEL]
+        assert model["kv_layout"].startswith("shared by 4 sequences"), model
+        streams = [Stream(g.url, max_tokens=400) for _ in range(4)]
+        peak, deadline = 0, time.monotonic() + 120
+        while peak < 4 and time.monotonic() < deadline and not any(s.done.is_set() for s in streams):
+            peak = max(peak, httpx.get(f"{g.url}/health", timeout=10).json()["models"][MODEL]["running"])
+            time.sleep(0.05)
+        assert peak == 4, f"at most {peak} of 4 requests ran at once with --parallel 2 --sequences 4"
+        for s in streams:
+            assert s.done.wait(300) and s.status == 200 and s.frames[-1] == "[DONE]", s.frames[-3:]
+    finally:
+        g.stop()
+
+
+@pytest.mark.parametrize("args", [["--sequences", "0"], ["--sequences", "300"], ["--memory-budget", "lots"]])
+def test_a_malformed_serve_option_is_a_one_line_error(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    from gateway.cli import main
+
+    assert main(["serve", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Traceback" not in err and len(err.strip().splitlines()) == 1, err

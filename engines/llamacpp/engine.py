@@ -316,6 +316,8 @@ class LlamaCppEngine:
                    "speculative": f"ngram {o.draft_ngram}, up to {o.draft_max}, at most {o.draft_streams} streams" if o.draft_ngram and o.draft_max else "off",
                    "tool_format": tool_format, "repack": "on" if o.repack else "off", "resume": "1",
                    "swa_cache": f"window {self._n_swa}" if self._n_swa else "full",
+                   "kv_layout": (f"shared by {_sequences(o)} sequences ({self._n_ctx_seq} x {o.parallel} tokens)"
+                                 if o.kv_unified else f"one per sequence ({o.parallel} x {self._n_ctx_seq} tokens)"),
                    **self._reasoning_traits(),
                    **({"cpu_variant": variant} if variant else {})},
         )

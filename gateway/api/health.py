@@ -53,8 +53,8 @@ def _models(request: Request) -> dict[str, dict[str, Any]]:
         if not h.ready and h.detail:
             row["detail"] = h.detail
         extra = entry.engine.info.extra
-        # llama.cpp: where tokens are sampled, draft settings, the CPU variant and weight repacking
-        for key in ("sampling", "speculative", "cpu_variant", "repack"):
+        # llama.cpp: where tokens are sampled, draft settings, the CPU variant, weight repacking, the KV layout
+        for key in ("sampling", "speculative", "cpu_variant", "repack", "kv_layout"):
             if key in extra:
                 row[key] = extra[key]
         held = {d: manager.held(entry, d) for d in manager.budgets}

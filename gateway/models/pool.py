@@ -747,8 +747,9 @@ def engine_config(spec: ModelSpec, cand: Candidate, path: str, settings: Setting
         pinned_host_cache=settings.pinned_host_cache,
         prefill_budget=_first(settings.prefill_budget, spec.prefill_budget, 0),
         swa_full=spec.swa_full,
-        kv_unified=spec.kv_unified,
-        sequences=spec.sequences or 0,
+        # --sequences (GATEWAY_SEQUENCES) puts every llama.cpp model in the shared layout.
+        kv_unified=spec.kv_unified or settings.sequences is not None,
+        sequences=settings.sequences or spec.sequences or 0,
     )
 
 
