@@ -225,3 +225,23 @@ def coreml_fp16(default_registry: Registry) -> Path:
     from gateway.models.convert import convert
 
     return convert(default_registry, default_registry.models[MODEL], "coreml", "fp16")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A failed test's report ends with the log tails of the `gateway serve` processes it used (those
+    still running, or started during it): on CI that is the only record of what the server saw."""
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    if report.when != "call" or not report.failed:
+        return
+    import sys
+
+    production = sys.modules.get("tests.test_production")
+    for g in getattr(getattr(production, "Gateway", None), "started", []):
+        if g.proc.poll() is None or g.started_at >= call.start:
+            try:
+                tail = g.log_path.read_text(errors="replace")[-4000:]
+            except OSError as exc:
+                tail = f"(unreadable: {exc})"
+            report.sections.append((f"gateway on port {g.port}: the end of its log", tail))

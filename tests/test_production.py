@@ -30,7 +30,13 @@ LONG = [{"role": "user", "content": "Tell a long story about a lighthouse keeper
 class Gateway:
     """`gateway serve` in its own process (signals need a real process), on a free loopback port."""
 
+    # Every one started in this test session: a failed test's report gets the log tails of those
+    # still running or started during it (tests/conftest.py), so a CI failure says what the server saw.
+    started: list[Gateway] = []
+
     def __init__(self, tmp: Path, *args: str, env: dict[str, str] | None = None) -> None:
+        self.started_at = time.time()
+        Gateway.started.append(self)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = tmp / f"gateway-{self.port}.log"
