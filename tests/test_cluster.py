@@ -337,3 +337,26 @@ def test_replica_metrics_carry_replica_and_node(cluster: Cluster) -> None:
 def test_idleness_removes_the_extra_replica(cluster: Cluster) -> None:
     cluster.wait("back to one replica", lambda: cluster.running_replicas() == 1, 120)
     assert chat(cluster.url, "Still here?").status_code == 200
+
+
+def test_a_replica_takes_as_many_requests_as_its_shared_kv_runs() -> None:
+    """A replica's max_ongoing_requests (and the ingress's slots) are its sequences: with one KV cache
+    shared by more sequences than `parallel` (llama.cpp), requests beyond `parallel` run in it rather
+    than wait in Serve's router."""
+    import warnings
+
+    with warnings.catch_warnings():  # Ray Serve's own pydantic deprecations, at its import
+        warnings.simplefilter("ignore")
+        from gateway.cluster.app import parallel_of
+    from gateway.models.registry import RegistryFile
+    from gateway.settings import Settings
+
+    def spec(**kw: object) -> object:
+        return RegistryFile.model_validate(
+            {"models": [{"id": "m", "formats": {"gguf": {"path": "/x.gguf"}}, "parallel": 2, **kw}]}).models[0]
+
+    plain = Settings.from_env({})
+    assert parallel_of(spec(), plain) == 2  # type: ignore[arg-type]
+    assert parallel_of(spec(kv_unified=True, sequences=8), plain) == 8  # type: ignore[arg-type]
+    assert parallel_of(spec(), Settings.from_env({}, sequences=6)) == 6  # type: ignore[arg-type]
+    assert parallel_of(spec(), Settings.from_env({}, parallel=4)) == 4  # type: ignore[arg-type]

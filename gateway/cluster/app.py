@@ -48,7 +48,11 @@ def replicas_of(spec: ModelSpec, registry: Registry) -> Replicas:
 
 
 def parallel_of(spec: ModelSpec, settings: Settings) -> int:
-    return settings.parallel or spec.parallel or 4
+    """Requests a replica runs at once: its sequences, more than `parallel` where a llama.cpp model
+    shares one KV cache among them (models.yaml `kv_unified` + `sequences`, or --sequences)."""
+    parallel = settings.parallel or spec.parallel or 4
+    shared = settings.sequences or (spec.sequences if spec.kv_unified else None)
+    return max(shared, parallel) if shared and "gguf" in spec.formats else parallel
 
 
 def actor_options(spec: ModelSpec, registry: Registry, settings: Settings) -> dict[str, Any]:
