@@ -29,6 +29,7 @@ from gateway.cluster.engine import ServeEngine
 from gateway.cluster.replica import ModelReplica
 from gateway.cluster.router import AffinityRouter
 from gateway.metrics import Metrics
+from gateway.models.pool import configured_parallel, kv_sharing
 from gateway.models.registry import ModelSpec, Registry, RegistryFile, Replicas, _default_cache, load_registry
 from gateway.settings import Settings
 
@@ -50,9 +51,9 @@ def replicas_of(spec: ModelSpec, registry: Registry) -> Replicas:
 def parallel_of(spec: ModelSpec, settings: Settings) -> int:
     """Requests a replica runs at once: its sequences, more than `parallel` where a llama.cpp model
     shares one KV cache among them (models.yaml `kv_unified` + `sequences`, or --sequences)."""
-    parallel = settings.parallel or spec.parallel or 4
-    shared = settings.sequences or (spec.sequences if spec.kv_unified else None)
-    return max(shared, parallel) if shared and "gguf" in spec.formats else parallel
+    parallel = configured_parallel(spec, settings)
+    kv_unified, sequences = kv_sharing(spec, settings)
+    return max(sequences, parallel) if kv_unified and "gguf" in spec.formats else parallel
 
 
 def actor_options(spec: ModelSpec, registry: Registry, settings: Settings) -> dict[str, Any]:

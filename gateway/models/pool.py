@@ -724,12 +724,26 @@ def local_engine(cand: Candidate, config: EngineConfig, settings: Settings, host
     )
 
 
+def configured_parallel(spec: ModelSpec, settings: Settings) -> int:
+    """The sequences `spec` is served with: --parallel over models.yaml over the default."""
+    return settings.parallel or spec.parallel or 4
+
+
+def kv_sharing(spec: ModelSpec, settings: Settings) -> tuple[bool, int]:
+    """(kv_unified, sequences) of a llama.cpp model: --sequences (GATEWAY_SEQUENCES) puts every
+    model in the shared layout with that many sequences; else models.yaml's layout."""
+    if settings.sequences is not None:
+        return True, settings.sequences
+    return spec.kv_unified, spec.sequences or 0
+
+
 def engine_config(spec: ModelSpec, cand: Candidate, path: str, settings: Settings) -> EngineConfig:
     """How `spec` is instantiated on `cand`."""
+    kv_unified, sequences = kv_sharing(spec, settings)
     return EngineConfig(
         model_path=path,
         context_length=spec.context_length,
-        parallel=settings.parallel or spec.parallel or 4,
+        parallel=configured_parallel(spec, settings),
         n_threads=settings.threads,
         max_queue=settings.max_queue,
         backend=cand.backend,
@@ -747,9 +761,8 @@ def engine_config(spec: ModelSpec, cand: Candidate, path: str, settings: Setting
         pinned_host_cache=settings.pinned_host_cache,
         prefill_budget=_first(settings.prefill_budget, spec.prefill_budget, 0),
         swa_full=spec.swa_full,
-        # --sequences (GATEWAY_SEQUENCES) puts every llama.cpp model in the shared layout.
-        kv_unified=spec.kv_unified or settings.sequences is not None,
-        sequences=settings.sequences or spec.sequences or 0,
+        kv_unified=kv_unified,
+        sequences=sequences,
     )
 
 
