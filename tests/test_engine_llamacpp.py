@@ -273,6 +273,34 @@ async def test_device_sampling_matches_host_sampling() -> None:
         await dev.close()
 
 
+async def test_a_chain_is_attached_after_the_first_tokens_and_the_text_is_the_hosts() -> None:
+    """Attaching a chain re-reserves llama.cpp's graphs (~46 ms for an 8B model on the H100), a
+    stall that would sit in the request's time to its first token: a greedy or unseeded request on
+    a sequence without a chain samples its first tokens on the host and gets its chain attached
+    once no request waits for a first token. Greedy, with penalties or not, the tokens are the
+    host's; a seeded one gets its chain at once (the device's random stream would not go on from
+    the host's), and its text is the host's too."""
+    host = await _engine("smollm2-135m-instruct", parallel=2, device_sampling="off")
+    dev = await _engine("smollm2-135m-instruct", parallel=2, device_sampling="on")
+    try:
+        assert dev._sched is not None
+        greedy = [_req("Write a poem about the sea.", max_tokens=24, ignore_eos=True),
+                  _req("List colors:", max_tokens=24, repeat_penalty=1.3, frequency_penalty=0.5)]
+        seeded = MIXED[1]
+        want = await asyncio.gather(*(_run(host, r) for r in greedy))
+        got = await asyncio.gather(*(_run(dev, r) for r in greedy))  # two at once, both without a chain
+        assert got == want
+        assert dev._sched.deferred_attaches == 2 and dev._sched.device_attaches == 2
+        assert all(s.device_chain is not None for s in dev._sched._slots)  # attached mid-request
+        await asyncio.sleep(IDLE_DETACH_S + 0.5)  # detached when idle
+        assert all(s.device_chain is None for s in dev._sched._slots)
+        assert await _run(dev, seeded) == await _run(host, seeded)
+        assert dev._sched.deferred_attaches == 2 and dev._sched.device_attaches == 3
+    finally:
+        await host.close()
+        await dev.close()
+
+
 async def test_a_device_sampler_is_reused_by_requests_with_the_same_settings() -> None:
     """Attaching a chain makes llama.cpp re-reserve its graphs, so a sequence keeps its chain (reset per
     request) while requests keep the same settings; a request that needs the host detaches it."""

@@ -101,13 +101,16 @@ async def test_requests_that_outgrow_the_shared_kv_pause_and_resume_without_losi
         await e.close()
 
 
-@pytest.mark.parametrize("grace", [0.0, 60.0])
-async def test_idle_kv_gives_way_when_it_outgrows_the_running_requests(grace: float, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("grace", "payback"), [(0.0, 0.0), (60.0, 0.0), (0.0, 1e6)])
+async def test_idle_kv_gives_way_when_it_outgrows_the_running_requests(
+        grace: float, payback: float, monkeypatch: pytest.MonkeyPatch) -> None:
     """llama.cpp attends over every used cell of a shared cache, so idle sequences' KV costs every
     running token: beyond what the running requests hold, it moves to the host cache (least
     recently used first) and the next turns restore it from there, whole. Not before it has been
-    idle for IDLE_TRIM_S: a conversation back sooner finds its KV in place."""
+    idle for IDLE_TRIM_S, nor before the running passes have paid TRIM_PAYBACK times its copies
+    for it: a conversation back sooner finds its KV in place."""
     monkeypatch.setattr(batch, "IDLE_TRIM_S", grace)
+    monkeypatch.setattr(batch, "TRIM_PAYBACK", payback)
     e = await _engine(parallel=2, sequences=4)
     try:
         async def turn(i: int, turns: int) -> Usage:
@@ -133,7 +136,11 @@ async def test_idle_kv_gives_way_when_it_outgrows_the_running_requests(grace: fl
             during = during or e.health().kv  # after its first token: its prompt is in
         assert during is not None
         evicted = e.health().kv.idle_evictions  # type: ignore[union-attr]
-        if grace:  # idle for less than the grace: nothing moved, the next turns find their KV in place
+        if payback:  # the request's passes were charged for the idle cells, far below what moving them costs
+            idle = [s for s in e._sched._slots if s.cached and s.job is None]  # type: ignore[union-attr]
+            assert idle and all(0 < s.idle_cost < payback * s.trim_memo[3] for s in idle if s.trim_memo[3]), \
+                [(s.idle_cost, s.trim_memo) for s in idle]
+        if grace or payback:  # nothing moved yet: the next turns find their KV in place
             assert evicted == before.idle_evictions == 0 and during.idle == before.idle, (before, during)
             nexts = await asyncio.gather(*(turn(i, 2) for i in range(3)))
             for first, u in zip(firsts, nexts, strict=True):
@@ -157,6 +164,7 @@ async def test_idle_kv_stays_when_saving_it_would_push_another_conversation_out_
     runs; later A's idle KV, which would push X out, stays on the device (X's next turn still
     restores from the host cache, A's finds its KV in place)."""
     monkeypatch.setattr(batch, "IDLE_TRIM_S", 0.0)
+    monkeypatch.setattr(batch, "TRIM_PAYBACK", 0.0)
     e = await _engine(parallel=2, sequences=4, prefix_cache_mib=16)
     try:
         async def ask(msgs: tuple[ChatMessage, ...], n: int) -> Usage:
@@ -190,6 +198,7 @@ async def test_idle_kv_that_another_sequence_holds_leaves_without_a_save(monkeyp
     tail that prefills again in a moment (on the H100 such a save of 1.4 GiB stopped every stream
     for 44 ms and pushed other conversations' entries out)."""
     monkeypatch.setattr(batch, "IDLE_TRIM_S", 0.0)
+    monkeypatch.setattr(batch, "TRIM_PAYBACK", 0.0)
     # A tail of 23 tokens prefills again in less than a second on any machine (this 2-core one's
     # first measured rate: 250 tokens/s); the whole conversation (~440 tokens) does not.
     monkeypatch.setattr(batch, "MIN_SAVE_GAIN_S", 1.0)

@@ -74,12 +74,28 @@ FOLLOW_MIN_TOKENS = 64
 # briefly, a busy server reuses them (attaching one costs a graph re-reserve).
 IDLE_DETACH_S = 0.5
 
+# Seconds a chain due to be attached (`_attach_due`) waits while other requests are still before
+# their first token. Attaching one re-reserves llama.cpp's compute graphs at the next pass (~46 ms
+# for a Llama-3-8B-shaped model on the H100), a stall every request in that pass waits for: the
+# request samples on the host until a pass with no first token to wait for, or this long.
+ATTACH_DEFER_S = 0.25
+
 # Seconds a sequence stays idle before `_trim_idle` may move its KV out of a shared cache. A
 # conversation whose next turn comes sooner (an agent's tool call, a quick follow-up) finds its KV
 # in place: on the H100 (Llama-3-8B-shaped, 4 agent sessions) the trim moved out two sessions
 # 0.3 s before their next turns, each save stopping the last running stream for ~50 ms and each
-# restore ~40 ms of the next turn's queue, to spare a few decode steps 0.3 ms each.
+# restore ~40 ms of the next turn's queue, to spare a few decode steps 0.3 ms each. After it, the
+# trim also waits until the idle KV has cost the running passes as much as its copies would
+# (`_trim_paid`).
 IDLE_TRIM_S = 1.0
+
+# What idle KV must have cost the running passes, as a multiple of its copies' time, before
+# `_trim_idle` moves it out (1: a ski rental's break-even; 0: as soon as IDLE_TRIM_S has passed).
+TRIM_PAYBACK = 1.0
+
+# Bytes per second a save or restore is priced at before one has been measured (the H100's pinned
+# copies ran at 17 and 42 GB/s, the 2-core CPU's at several GB/s).
+COPY_BPS_PRIOR = 8e9
 
 
 @dataclass(eq=False)
@@ -152,6 +168,7 @@ class _Slot:
     device_chain: Any = None
     device_key: tuple[Any, ...] | None = None
     on_device: bool = False
+    attach_due: bool = False  # the running job samples on the host until `_attach_due` attaches its chain
     idle_since: float = 0.0  # perf_counter() when the sequence's last request left it
     # Speculative decoding: prompt + generated tokens, their n-grams (-> index of the next token),
     # and this request's draft tokens proposed / accepted.
@@ -169,7 +186,11 @@ class _Slot:
     follow: tuple[_Slot, Job, int] | None = None
     # `_trim_idle`'s verdict on this idle sequence's KV while it holds this many tokens and the
     # host cache this many bytes (the lookup and state size it needs cost too much for every step).
-    trim_memo: tuple[int, int, bool] = (-1, -1, False)
+    # and the seconds its copies would take (saved, then restored; None: not measured yet).
+    trim_memo: tuple[int, int, bool, float | None] = (-1, -1, False, None)
+    # Seconds of the running passes' time this idle sequence's cells have cost them so far (an
+    # estimate, `_charge_idle`); reset when the sequence goes idle.
+    idle_cost: float = 0.0
 
 
 class BatchScheduler:
@@ -244,12 +265,19 @@ class BatchScheduler:
         self._piece = piece
         self._is_eog = is_eog
         self._mem = lc.llama_get_memory(ctx)
+        # FLOPs of a token's attention per KV cell it walks (QK and PV over every layer's heads;
+        # n_embd stands for heads x head size), and of the rest of a token's pass (2 per weight):
+        # what prices the cells idle sequences leave in a shared cache (`_charge_idle`).
+        model = lc.llama_get_model(ctx)
+        self._cell_flops = 4.0 * lc.llama_model_n_layer(model) * lc.llama_model_n_embd(model)
+        self._token_flops = 2.0 * max(lc.llama_model_n_params(model), 1)
         self._batch = lc.llama_batch_init(n_batch, 0, 1)
         self._slots = [_Slot(seq_id=i) for i in range(n_parallel)]
         self.prefix_copies = 0  # prompts that took their prefix from another sequence's KV
         self.prefix_follows = 0  # of those, prompts that waited for a running prefill to copy it
         self._follow_on = follow  # whether they may wait for it (`_leader_for`)
         self.device_attaches = 0  # sampler chains attached to a sequence (each costs a graph reserve)
+        self.deferred_attaches = 0  # of those, attached after the request's first tokens (`_attach_due`)
         self.drafted = 0  # speculative draft tokens proposed, and accepted
         self.accepted = 0
         self.step_started = 0.0  # perf_counter() when the running step began; 0 between steps
@@ -583,7 +611,7 @@ class BatchScheduler:
         for slot in idle:
             if held <= running or slot.idle_since > recent:
                 break  # oldest first: the rest were idle for less than IDLE_TRIM_S too
-            if not self._trimmable(slot):
+            if not self._trimmable(slot) or not self._trim_paid(slot):
                 continue
             held -= len(slot.cached)
             self._evict(slot)
@@ -606,8 +634,38 @@ class BatchScheduler:
                 ok = True  # nothing to save, or not worth a copy
             else:
                 ok = host.has_room(self._identity, np.asarray(slot.cached, dtype=np.int32), size, self._floor(slot))
-            slot.trim_memo = (len(slot.cached), host.bytes, ok)
+            cost = None
+            if ok and self.prefill_tps:
+                nbytes = size if size > 0 else lc.llama_state_seq_get_size(self._ctx, slot.seq_id)
+                # Saved (when not held already), then restored for its next turn; at most what
+                # prefilling it again takes (what a state not worth a copy costs).
+                save, restore = self.save_bps or COPY_BPS_PRIOR, self.restore_bps or COPY_BPS_PRIOR
+                copy = (nbytes / save if size > 0 else 0.0) + nbytes / restore
+                cost = min(copy, len(slot.cached) / self.prefill_tps)
+            slot.trim_memo = (len(slot.cached), host.bytes, ok, cost)
         return slot.trim_memo[2]
+
+    def _trim_paid(self, slot: _Slot) -> bool:
+        """Whether the idle sequence's cells have cost the running passes as much as moving them
+        out and back would (`_trimmable` priced that): until then they stay, as a ski rental. On
+        the H100 (Llama-3-8B-shaped) a session's 11k cells cost a decode pass ~0.1 ms but a
+        512-token prompt chunk ~15 ms, against ~90 ms for its save and restore: kept while others
+        only decode (agents between turns), moved out after a few chunks of a long prompt. Not
+        priced yet (no prompt prefilled to measure the rate): IDLE_TRIM_S alone decides."""
+        cost = slot.trim_memo[3]
+        return cost is None or slot.idle_cost >= TRIM_PAYBACK * cost
+
+    def _charge_idle(self, tokens: int) -> None:
+        """Charge each idle sequence holding KV for a pass of `tokens` tokens that walked its cells:
+        their attention FLOPs over the pass's (the whole model's per token, at the measured prompt
+        rate). A rough price, within ~20 % of the H100's (a 512-token chunk beside 11k idle cells
+        of a Llama-3-8B-shaped model: 15 ms measured, 18 estimated)."""
+        if not self._kv_pool or not self.prefill_tps or tokens <= 0:
+            return
+        per_cell = tokens * self._cell_flops / (self._token_flops * self.prefill_tps)
+        for slot in self._slots:
+            if slot.job is None and slot.cached:
+                slot.idle_cost += per_cell * len(slot.cached)
 
     def _fit_step(self, drafting: bool) -> None:
         """Make room for the next step's tokens: idle sequences' KV first, then pause the newest
@@ -768,7 +826,7 @@ class BatchScheduler:
     def _place_sampler(self, slot: _Slot, job: Job) -> None:
         """Sample `job` on the device when it can be, else make sure the sequence has no chain."""
         key = job.device_key if isinstance(job, GenJob) and self._device_sampling else None
-        slot.on_device = False
+        slot.on_device = slot.attach_due = False
         if key is not None and key == slot.device_key:
             lc.llama_sampler_reset(slot.device_chain)  # same chain, fresh state (penalties, seed)
             slot.on_device = True
@@ -776,13 +834,45 @@ class BatchScheduler:
         if key is None:
             self._detach(slot)
             return
+        sp = job.sampling  # type: ignore[union-attr]
+        if slot.device_chain is None and (sp.temperature <= 0.0 or sp.seed is None):
+            # Attached at the start of a later step (`_attach_due`), not in this request's time to
+            # its first token: its graph re-reserve would be. Until then the host samples. Not
+            # for a seeded draw: the device's random stream would not go on from the host's, and
+            # the same seed must give the same text.
+            slot.attach_due = True
+            return
+        self._attach(slot)
+
+    def _attach_due(self, active: list[_Slot]) -> None:
+        """Attach the chains of running requests that sample on the host until then (`_place_sampler`),
+        all at once (one graph re-reserve), once no running request waits for its first token or
+        the oldest has waited ATTACH_DEFER_S. Sampled on the host so far, a request's chain is a
+        clone of its host chain, penalties' history and random state included: the tokens are
+        those of a request sampled on one side only (greedy, or unseeded and so any draw)."""
+        due = [s for s in active if s.attach_due]
+        if not due:
+            return
+        first_waits = any(isinstance(s.job, GenJob) and s.pending is None for s in active)
+        oldest = min(s.job.submitted for s in due if s.job is not None)
+        if first_waits and time.perf_counter() - oldest < ATTACH_DEFER_S:
+            return
+        for slot in due:
+            slot.attach_due = False
+            if self._device_sampling:
+                self._attach(slot)
+                self.deferred_attaches += 1
+
+    def _attach(self, slot: _Slot) -> None:
+        """Attach a chain for the slot's job (replacing the one there) and sample on the device."""
+        job = slot.job
         assert isinstance(job, GenJob)
         # A new chain for this sequence: a clone, since a chain can be attached only once and
         # the job's own copy stays usable on the host.
         chain = lc.llama_sampler_clone(job.sampler)
         if lc.llama_set_sampler(self._ctx, slot.seq_id, chain):
             self._drop_device_chain(slot)
-            slot.device_chain, slot.device_key, slot.on_device = chain, key, True
+            slot.device_chain, slot.device_key, slot.on_device = chain, job.device_key, True
             self.device_attaches += 1
             return
         # The backend cannot run it (llama.cpp logs why): the host samples, from now on.
@@ -812,7 +902,9 @@ class BatchScheduler:
             _free_job(slot.job)
         slot.job = None
         slot.pending = None
+        slot.attach_due = False
         slot.idle_since = time.perf_counter()
+        slot.idle_cost = 0.0
 
     def _detach_idle(self) -> float | None:
         """Detach the chains of sequences idle for IDLE_DETACH_S; seconds until the next is due."""
@@ -858,6 +950,7 @@ class BatchScheduler:
         if self._kv_pool:
             self._fit_step(drafting)
             active = self._active()
+        self._attach_due(active)
         # Decoding sequences first: one token each (plus its draft), so running streams never
         # wait for prefill.
         for slot in active:
@@ -946,6 +1039,9 @@ class BatchScheduler:
             log.debug("pass: %d decoding, %d prompt tokens, %.1f ms (llama_decode %.1f), %d running, %d cells used",
                       n - prompt_tokens, prompt_tokens, (time.perf_counter() - step_started) * 1000,
                       (decoded - step_started) * 1000, len(active), self._used())
+        # Idle cells cost this pass's tokens, but on the CPU the running streams' tokens of a split
+        # step (`_step`), whose kernel skips masked cells.
+        self._charge_idle(prompt_tokens if self._split_mixed else n)
         if prompt_tokens >= 64:  # a pass mostly of prompt: its rate (the sampling above waited for it)
             self.prefill_tps = _ema(self.prefill_tps, n / max(time.perf_counter() - step_started, 1e-6))
         return True
