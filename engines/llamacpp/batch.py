@@ -217,6 +217,7 @@ class BatchScheduler:
         n_cells: int = 0,
         split_mixed: bool = False,
         follow: bool = True,
+        attach_defer: bool = True,
     ) -> None:
         self._ctx = ctx
         self._n_cells = n_cells  # the KV cache's cells, every sequence's (reported in kv_stats)
@@ -278,6 +279,7 @@ class BatchScheduler:
         self._follow_on = follow  # whether they may wait for it (`_leader_for`)
         self.device_attaches = 0  # sampler chains attached to a sequence (each costs a graph reserve)
         self.deferred_attaches = 0  # of those, attached after the request's first tokens (`_attach_due`)
+        self._attach_defer = attach_defer  # whether they may be (off: attached before the first pass)
         self.drafted = 0  # speculative draft tokens proposed, and accepted
         self.accepted = 0
         self.step_started = 0.0  # perf_counter() when the running step began; 0 between steps
@@ -835,7 +837,7 @@ class BatchScheduler:
             self._detach(slot)
             return
         sp = job.sampling  # type: ignore[union-attr]
-        if slot.device_chain is None and (sp.temperature <= 0.0 or sp.seed is None):
+        if self._attach_defer and slot.device_chain is None and (sp.temperature <= 0.0 or sp.seed is None):
             # Attached at the start of a later step (`_attach_due`), not in this request's time to
             # its first token: its graph re-reserve would be. Until then the host samples. Not
             # for a seeded draw: the device's random stream would not go on from the host's, and

@@ -304,6 +304,9 @@ class LlamaCppEngine:
             # Requests sharing a prefix another is prefilling wait for it and copy it;
             # GATEWAY_PREFIX_FOLLOW=off prefills each on its own (for measuring).
             follow=os.environ.get("GATEWAY_PREFIX_FOLLOW", "on") != "off",
+            # Off: a device sampler chain is attached before the request's first pass, its graph
+            # re-reserve in the time to the first token (for A/B runs: benchmarks' --gateway-variant).
+            attach_defer=os.environ.get("GATEWAY_ATTACH_DEFER", "on") != "off",
         )
         from engines.llamacpp.embed import Embedder
 
