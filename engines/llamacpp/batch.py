@@ -218,6 +218,7 @@ class BatchScheduler:
         split_mixed: bool = False,
         follow: bool = True,
         attach_defer: bool = True,
+        trim_payback: float = TRIM_PAYBACK,
     ) -> None:
         self._ctx = ctx
         self._n_cells = n_cells  # the KV cache's cells, every sequence's (reported in kv_stats)
@@ -280,6 +281,7 @@ class BatchScheduler:
         self.device_attaches = 0  # sampler chains attached to a sequence (each costs a graph reserve)
         self.deferred_attaches = 0  # of those, attached after the request's first tokens (`_attach_due`)
         self._attach_defer = attach_defer  # whether they may be (off: attached before the first pass)
+        self._trim_payback = trim_payback  # TRIM_PAYBACK, or another for a side-by-side run
         self.drafted = 0  # speculative draft tokens proposed, and accepted
         self.accepted = 0
         self.step_started = 0.0  # perf_counter() when the running step began; 0 between steps
@@ -655,7 +657,7 @@ class BatchScheduler:
         only decode (agents between turns), moved out after a few chunks of a long prompt. Not
         priced yet (no prompt prefilled to measure the rate): IDLE_TRIM_S alone decides."""
         cost = slot.trim_memo[3]
-        return cost is None or slot.idle_cost >= TRIM_PAYBACK * cost
+        return cost is None or slot.idle_cost >= self._trim_payback * cost
 
     def _charge_idle(self, tokens: int) -> None:
         """Charge each idle sequence holding KV for a pass of `tokens` tokens that walked its cells:

@@ -195,7 +195,7 @@ class LlamaCppEngine:
             raise ModelLoadError(
                 f"llama-cpp-python is not installed ({exc}); run scripts/install-llama-cpp.sh"
             ) from exc
-        from engines.llamacpp.batch import BatchScheduler
+        from engines.llamacpp.batch import TRIM_PAYBACK, BatchScheduler
 
         o = self.options
         if not os.path.isfile(o.model_path):
@@ -307,6 +307,9 @@ class LlamaCppEngine:
             # Off: a device sampler chain is attached before the request's first pass, its graph
             # re-reserve in the time to the first token (for A/B runs: benchmarks' --gateway-variant).
             attach_defer=os.environ.get("GATEWAY_ATTACH_DEFER", "on") != "off",
+            # What idle KV must have cost before it leaves a shared cache, in its copies' time
+            # (batch.TRIM_PAYBACK; GATEWAY_TRIM_PAYBACK for side-by-side runs, e.g. 0 or 1e9).
+            trim_payback=float(os.environ.get("GATEWAY_TRIM_PAYBACK", TRIM_PAYBACK)),
         )
         from engines.llamacpp.embed import Embedder
 
