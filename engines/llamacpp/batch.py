@@ -36,6 +36,7 @@ from engines.base import (
     TokenLogprob,
     Usage,
 )
+from engines.llamacpp.pass_cost import MaskedCellCost
 from engines.llamacpp.prefix_cache import MIN_ENTRY_TOKENS, HostPrefixCache
 from engines.text import Detokenizer, StopMatcher, token_logprob
 
@@ -228,6 +229,8 @@ class BatchScheduler:
         # sequences' KV gives way first (to the host cache), and when the running ones outgrow it
         # the newest is paused (`_preempt`) and resumes when there is room, as vLLM preempts.
         self._kv_pool = kv_pool
+        # What other sequences' cells cost a pass over the shared cache, fitted from the passes.
+        self._masked_cost = MaskedCellCost() if kv_pool else None
         # A step with both running streams and prompt chunks as two passes (the shared layout on
         # the CPU: `_step` says why).
         self._split_mixed = split_mixed
@@ -618,6 +621,12 @@ class BatchScheduler:
             if not self._trimmable(slot) or not self._trim_paid(slot):
                 continue
             held -= len(slot.cached)
+            if log.isEnabledFor(logging.DEBUG):
+                per = self._masked_cost.per_masked_cell if self._masked_cost is not None else None
+                log.debug("idle sequence %d (%d cells) out of the shared cache: it cost the passes %.1f ms, its "
+                          "copies %s (a masked cell %s per token)", slot.seq_id, len(slot.cached), slot.idle_cost * 1e3,
+                          "unpriced" if slot.trim_memo[3] is None else f"{slot.trim_memo[3] * 1e3:.1f} ms",
+                          "unmeasured" if per is None else f"{per * 1e9:.3f} ns")
             self._evict(slot)
             self.idle_evictions += 1
 
@@ -651,22 +660,32 @@ class BatchScheduler:
 
     def _trim_paid(self, slot: _Slot) -> bool:
         """Whether the idle sequence's cells have cost the running passes as much as moving them
-        out and back would (`_trimmable` priced that): until then they stay, as a ski rental. On
-        the H100 (Llama-3-8B-shaped) a session's 11k cells cost a decode pass ~0.1 ms but a
-        512-token prompt chunk ~15 ms, against ~90 ms for its save and restore: kept while others
-        only decode (agents between turns), moved out after a few chunks of a long prompt. Not
+        out and back would (`_trimmable` priced that): until then they stay, as a ski rental. What
+        the cells cost is measured (`_charge_idle`): on the 2-core CPU a prompt chunk walks every
+        masked cell and idle conversations leave soon; on the H200 an 8B model's agent sessions
+        (~90 ms to save and restore) stayed when not moved (later turns' TTFT p95 13.8 % of a cold
+        prefill, against 19.9 % when priced at the cells' FLOPs, the first turns no slower). Not
         priced yet (no prompt prefilled to measure the rate): IDLE_TRIM_S alone decides."""
         cost = slot.trim_memo[3]
         return cost is None or slot.idle_cost >= self._trim_payback * cost
 
-    def _charge_idle(self, tokens: int) -> None:
-        """Charge each idle sequence holding KV for a pass of `tokens` tokens that walked its cells:
-        their attention FLOPs over the pass's (the whole model's per token, at the measured prompt
-        rate). A rough price, within ~20 % of the H100's (a 512-token chunk beside 11k idle cells
-        of a Llama-3-8B-shaped model: 15 ms measured, 18 estimated)."""
-        if not self._kv_pool or not self.prefill_tps or tokens <= 0:
+    def _charge_idle(self, seconds: float, tokens: int, counts: dict[_Slot, int]) -> None:
+        """Charge each idle sequence holding KV for a pass of `tokens` tokens (`counts` of them per
+        sequence) that took `seconds` and walked its cells, at what a masked cell costs a token as
+        fitted over the passes so far (`MaskedCellCost`); until that has seen enough of them, at
+        the cells' attention FLOPs over the pass's (the whole model's per token, at the measured
+        prompt rate), which is about what the CPU pays but more than the H100 does."""
+        if self._masked_cost is None or tokens <= 0:
             return
-        per_cell = tokens * self._cell_flops / (self._token_flops * self.prefill_tps)
+        used = self._used()
+        self._masked_cost.observe(seconds, tokens, float(sum(t * len(s.cached) for s, t in counts.items())),
+                                  float(sum(t * (used - len(s.cached)) for s, t in counts.items())))
+        per_token = self._masked_cost.per_masked_cell
+        if per_token is None:
+            if not self.prefill_tps:
+                return
+            per_token = self._cell_flops / (self._token_flops * self.prefill_tps)
+        per_cell = tokens * per_token
         for slot in self._slots:
             if slot.job is None and slot.cached:
                 slot.idle_cost += per_cell * len(slot.cached)
@@ -936,6 +955,7 @@ class BatchScheduler:
     def _step(self) -> None:
         batch = self._batch
         n = 0
+        counts: dict[_Slot, int] = {}  # the pass's tokens per sequence
         # (slot, index of its first output, draft tokens whose outputs follow it)
         outputs: list[tuple[_Slot, int, list[int]]] = []
 
@@ -947,6 +967,7 @@ class BatchScheduler:
             batch.seq_id[n][0] = slot.seq_id
             batch.logits[n] = want_logits
             slot.cached.append(token)
+            counts[slot] = counts.get(slot, 0) + 1
             n += 1
 
         active = self._active()
@@ -982,9 +1003,10 @@ class BatchScheduler:
             # CPU, Gemma-3-270M, 4 sessions at ~14.7k tokens: a step of 3 streams' tokens and a
             # 64-token chunk took ~800 ms in one pass, 50 + 450-680 ms in two.
             self.split_steps += 1
-            if not self._decode(n, outputs, active, 0):
+            if not self._decode(n, outputs, active, 0, counts):
                 return
             n, outputs = 0, []
+            counts.clear()
         # Requests waiting for a running prefill of their prefix (`_leader_for`): copied in once the
         # KV holds it (from earlier steps only: this step's tokens are not computed yet), and their
         # leaders' chunks end where the copy begins (a sliding window would move past it).
@@ -1014,11 +1036,12 @@ class BatchScheduler:
                 add(slot, job.prompt_ids[i], score or last)
             slot.n_fed += take
         if n:
-            self._decode(n, outputs, active, n if split else n - decoding)
+            self._decode(n, outputs, active, n if split else n - decoding, counts)
 
-    def _decode(self, n: int, outputs: list[tuple[_Slot, int, list[int]]], active: list[_Slot], prompt_tokens: int) -> bool:
-        """Run the batch's first `n` tokens through the model and take their outputs; False when
-        llama.cpp failed it (the requests in it have failed then)."""
+    def _decode(self, n: int, outputs: list[tuple[_Slot, int, list[int]]], active: list[_Slot], prompt_tokens: int,
+                counts: dict[_Slot, int]) -> bool:
+        """Run the batch's first `n` tokens (`counts` of them per sequence) through the model and
+        take their outputs; False when llama.cpp failed it (the requests in it have failed then)."""
         self._batch.n_tokens = n
         step_started = time.perf_counter()
         rc = lc.llama_decode(self._ctx, self._batch)
@@ -1028,9 +1051,11 @@ class BatchScheduler:
             for slot in {s for s, _, _ in outputs} | set(active):
                 self._fail(slot, EngineFailure(f"llama.cpp could not decode: {reason}"))
             return False
+        copied = False
         for slot in active:
             if slot.checkpoint and slot.n_fed == slot.checkpoint == len(slot.cached):
                 self._save_checkpoint(slot)
+                copied = True
         for slot, idx, draft in outputs:
             if isinstance(slot.job, ScoreJob):
                 self._collect_logits(slot, idx)
@@ -1044,8 +1069,10 @@ class BatchScheduler:
                       n - prompt_tokens, prompt_tokens, (time.perf_counter() - step_started) * 1000,
                       (decoded - step_started) * 1000, len(active), self._used())
         # Idle cells cost this pass's tokens, but on the CPU the running streams' tokens of a split
-        # step (`_step`), whose kernel skips masked cells.
-        self._charge_idle(prompt_tokens if self._split_mixed else n)
+        # step (`_step`), whose kernel skips masked cells (a pass that also copied a state to host
+        # memory is no measure of its cost).
+        if not copied and (prompt_tokens or not self._split_mixed):
+            self._charge_idle(time.perf_counter() - step_started, n, counts)
         if prompt_tokens >= 64:  # a pass mostly of prompt: its rate (the sampling above waited for it)
             self.prefill_tps = _ema(self.prefill_tps, n / max(time.perf_counter() - step_started, 1e-6))
         return True
