@@ -1,10 +1,11 @@
 """What the cells of other sequences cost a pass over a shared KV cache, measured from the passes.
 
 llama.cpp attends over every used cell of a shared (kv_unified) cache, masking the cells of other
-sequences; whether walking a masked cell costs much depends on the backend's attention kernel (on
-the 2-core CPU a prompt chunk beside idle conversations took ~800 ms instead of ~50; on the H100 an
-8B model's passes hardly changed with 11k idle cells beside them). Instead of assuming either, the
-scheduler fits each pass's seconds to what it did, by recursive least squares with forgetting:
+sequences; what walking a masked cell costs depends on the backend's attention kernel and the
+model (on the 2-core CPU a prompt chunk beside idle conversations took ~800 ms instead of ~50; on
+the H200 this fit put a Llama-3-8B-shaped model's at 2.3-5.1 ns per token and cell, near its
+FLOPs' ~3.2). Instead of assuming it, the scheduler fits each pass's seconds to what the pass did,
+by recursive least squares with forgetting:
 
     seconds ~ a + b * tokens + c * (token x own cell) + d * (token x masked cell)
 
