@@ -86,8 +86,8 @@ ATTACH_DEFER_S = 0.25
 # in place: on the H100 (Llama-3-8B-shaped, 4 agent sessions) the trim moved out two sessions
 # 0.3 s before their next turns, each save stopping the last running stream for ~50 ms and each
 # restore ~40 ms of the next turn's queue, to spare a few decode steps 0.3 ms each. After it, the
-# trim also waits until the idle KV has cost the running passes as much as its copies would
-# (`_trim_paid`).
+# trim also waits until the idle KV has cost the running passes TRIM_PAYBACK times what its copies
+# would (`_trim_paid`).
 IDLE_TRIM_S = 1.0
 
 # What idle KV must have cost the running passes, as a multiple of its copies' time, before
@@ -96,9 +96,9 @@ IDLE_TRIM_S = 1.0
 # token and stop every stream at once, while the masked cells cost each pass a little: on the H200
 # (Llama-3-8B-shaped, 4 agent sessions) at 1 the sessions that finished their first turn first
 # were moved out during the others' prefills (charged ~300 ms each, copies ~120 ms) and restored
-# for their next turn, whose TTFT p95 went from 13.4 % to 17.9 % of a cold prefill (first turns
-# 3 % faster). At 8 such sessions stay, and a short conversation's KV (a few MiB, copies ~1 ms)
-# still leaves after ~a second of others' decode steps.
+# for their next turn, whose TTFT p95 went from 13.2 % to 18.2 % of a cold prefill (the first
+# turns within 3 % either way). At 8 such sessions stay, and a short conversation's KV (a few MiB,
+# copies ~1 ms) still leaves after ~a second of others' decode steps.
 TRIM_PAYBACK = 8.0
 
 # Bytes per second a save or restore is priced at before one has been measured (the H100's pinned
@@ -670,9 +670,10 @@ class BatchScheduler:
         out and back would (`_trimmable` priced that): until then they stay, as a ski rental. What
         the cells cost is measured (`_charge_idle`): on the 2-core CPU a prompt chunk walks every
         masked cell and idle conversations leave soon; on the H200 an 8B model's agent sessions
-        (~90 ms to save and restore) stayed when not moved (later turns' TTFT p95 13.8 % of a cold
-        prefill, against 19.9 % when priced at the cells' FLOPs, the first turns no slower). Not
-        priced yet (no prompt prefilled to measure the rate): IDLE_TRIM_S alone decides."""
+        (~90-130 ms to save and restore) are charged ~300 ms while another session's first prompt
+        is prefilled, and stay at TRIM_PAYBACK 8 (later turns' TTFT p95 13.2 % of a cold prefill,
+        18.2 % at 1, the first turns no slower). Not priced yet (no prompt prefilled to measure the
+        rate): IDLE_TRIM_S alone decides."""
         cost = slot.trim_memo[3]
         return cost is None or slot.idle_cost >= self._trim_payback * cost
 
@@ -681,7 +682,8 @@ class BatchScheduler:
         sequence) that took `seconds` and walked its cells, at what a masked cell costs a token as
         fitted over the passes so far (`MaskedCellCost`); until that has seen enough of them, at
         the cells' attention FLOPs over the pass's (the whole model's per token, at the measured
-        prompt rate), which is about what the CPU pays but more than the H100 does."""
+        prompt rate; on the H200 the fit came out near that, 2.3-5.1 ns per token and cell for a
+        Llama-3-8B-shaped model against ~3.2)."""
         if self._masked_cost is None or tokens <= 0:
             return
         used = self._used()
