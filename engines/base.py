@@ -179,7 +179,8 @@ class KvStats:
     # Requests paused because the shared cache was full; they resumed when there was room.
     preemptions: int = 0
     # Idle sequences' KV moved out of the shared cache (to the host prefix cache when worth the
-    # copy) because it outgrew the running requests' own, which attend over it too.
+    # copy) because it outgrew the running requests' own, which attend over it too, and had cost
+    # their passes TRIM_PAYBACK times what moving it out and back costs.
     idle_evictions: int = 0
     # Prompts whose prefix came from another sequence's KV instead of a prefill; of those, prompts
     # that waited for a running request's prefill of it (requests started together, one prefix).

@@ -174,7 +174,7 @@ class _EngineGauges(Collector):
             "used": GaugeMetricFamily("gateway_kv_cells_used", "KV cells the sequences hold, running and idle.", labels=LABELS),
             "idle": GaugeMetricFamily("gateway_kv_cells_idle", "KV cells idle sequences hold (finished requests' KV, kept for a next turn).", labels=LABELS),
             "preemptions": CounterMetricFamily("gateway_kv_preemptions", "Requests paused because the KV cache their model's sequences share was full (resumed when there was room).", labels=LABELS),
-            "idle_evictions": CounterMetricFamily("gateway_kv_idle_evictions", "Idle sequences' KV moved out of a shared KV cache (to the host prefix cache when worth the copy) because it outgrew the running requests' own.", labels=LABELS),
+            "idle_evictions": CounterMetricFamily("gateway_kv_idle_evictions", "Idle sequences' KV moved out of a shared KV cache (to the host prefix cache when worth the copy) because it outgrew the running requests' own and had cost their passes 8x what moving it costs.", labels=LABELS),
             "prefix_copies": CounterMetricFamily("gateway_kv_prefix_copies", "Prompts whose prefix was copied from another sequence's KV instead of prefilled.", labels=LABELS),
             "prefix_follows": CounterMetricFamily("gateway_kv_prefix_follows", "Prompts that waited for another request's running prefill of their prefix and copied it (requests started together with one prefix).", labels=LABELS),
         }
