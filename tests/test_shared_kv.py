@@ -138,7 +138,8 @@ async def test_idle_kv_gives_way_when_it_outgrows_the_running_requests(
         evicted = e.health().kv.idle_evictions  # type: ignore[union-attr]
         if payback:  # the request's passes were charged for the idle cells, far below what moving them costs
             idle = [s for s in e._sched._slots if s.cached and s.job is None]  # type: ignore[union-attr]
-            assert idle and all(0 < s.idle_cost < payback * s.trim_memo[3] for s in idle if s.trim_memo[3]), \
+            assert any(s.trim_memo[3] for s in idle), [s.trim_memo for s in idle]  # priced, not vacuous
+            assert all(0 < s.idle_cost < payback * s.trim_memo[3] for s in idle if s.trim_memo[3]), \
                 [(s.idle_cost, s.trim_memo) for s in idle]
         if grace or payback:  # nothing moved yet: the next turns find their KV in place
             assert evicted == before.idle_evictions == 0 and during.idle == before.idle, (before, during)

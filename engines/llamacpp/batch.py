@@ -17,7 +17,7 @@ import ctypes
 import logging
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -677,9 +677,9 @@ class BatchScheduler:
         cost = slot.trim_memo[3]
         return cost is None or slot.idle_cost >= self._trim_payback * cost
 
-    def _charge_idle(self, seconds: float, tokens: int, counts: dict[_Slot, int]) -> None:
-        """Charge each idle sequence holding KV for a pass of `tokens` tokens (`counts` of them per
-        sequence) that took `seconds` and walked its cells, at what a masked cell costs a token as
+    def _charge_idle(self, seconds: float, tokens: int) -> None:
+        """Charge each idle sequence holding KV for the pass of the batch's first `tokens` tokens
+        that took `seconds` and walked its cells, at what a masked cell costs a token as
         fitted over the passes so far (`MaskedCellCost`); until that has seen enough of them, at
         the cells' attention FLOPs over the pass's (the whole model's per token, at the measured
         prompt rate; on the H200 the fit came out near that, 2.3-5.1 ns per token and cell for a
@@ -687,8 +687,10 @@ class BatchScheduler:
         if self._masked_cost is None or tokens <= 0:
             return
         used = self._used()
-        self._masked_cost.observe(seconds, tokens, float(sum(t * len(s.cached) for s, t in counts.items())),
-                                  float(sum(t * (used - len(s.cached)) for s, t in counts.items())))
+        seq = self._batch.seq_id
+        counts = Counter(seq[i][0] for i in range(tokens))  # the pass's tokens per sequence (= slot index)
+        held = [(t, len(self._slots[sid].cached)) for sid, t in counts.items()]
+        self._masked_cost.observe(seconds, tokens, float(sum(t * n for t, n in held)), float(sum(t * (used - n) for t, n in held)))
         per_token = self._masked_cost.per_masked_cell
         if per_token is None:
             if not self.prefill_tps:
@@ -866,7 +868,8 @@ class BatchScheduler:
         if key is None:
             self._detach(slot)
             return
-        sp = job.sampling  # type: ignore[union-attr]
+        assert isinstance(job, GenJob)
+        sp = job.sampling
         if self._attach_defer and slot.device_chain is None and (sp.temperature <= 0.0 or sp.seed is None):
             # Attached at the start of a later step (`_attach_due`), not in this request's time to
             # its first token: its graph re-reserve would be. Until then the host samples. Not
@@ -964,7 +967,6 @@ class BatchScheduler:
     def _step(self) -> None:
         batch = self._batch
         n = 0
-        counts: dict[_Slot, int] = {}  # the pass's tokens per sequence
         # (slot, index of its first output, draft tokens whose outputs follow it)
         outputs: list[tuple[_Slot, int, list[int]]] = []
 
@@ -976,7 +978,6 @@ class BatchScheduler:
             batch.seq_id[n][0] = slot.seq_id
             batch.logits[n] = want_logits
             slot.cached.append(token)
-            counts[slot] = counts.get(slot, 0) + 1
             n += 1
 
         active = self._active()
@@ -1012,10 +1013,9 @@ class BatchScheduler:
             # CPU, Gemma-3-270M, 4 sessions at ~14.7k tokens: a step of 3 streams' tokens and a
             # 64-token chunk took ~800 ms in one pass, 50 + 450-680 ms in two.
             self.split_steps += 1
-            if not self._decode(n, outputs, active, 0, counts):
+            if not self._decode(n, outputs, active, 0):
                 return
             n, outputs = 0, []
-            counts.clear()
         # Requests waiting for a running prefill of their prefix (`_leader_for`): copied in once the
         # KV holds it (from earlier steps only: this step's tokens are not computed yet), and their
         # leaders' chunks end where the copy begins (a sliding window would move past it).
@@ -1045,12 +1045,11 @@ class BatchScheduler:
                 add(slot, job.prompt_ids[i], score or last)
             slot.n_fed += take
         if n:
-            self._decode(n, outputs, active, n if split else n - decoding, counts)
+            self._decode(n, outputs, active, n if split else n - decoding)
 
-    def _decode(self, n: int, outputs: list[tuple[_Slot, int, list[int]]], active: list[_Slot], prompt_tokens: int,
-                counts: dict[_Slot, int]) -> bool:
-        """Run the batch's first `n` tokens (`counts` of them per sequence) through the model and
-        take their outputs; False when llama.cpp failed it (the requests in it have failed then)."""
+    def _decode(self, n: int, outputs: list[tuple[_Slot, int, list[int]]], active: list[_Slot], prompt_tokens: int) -> bool:
+        """Run the batch's first `n` tokens through the model and take their outputs; False when
+        llama.cpp failed it (the requests in it have failed then)."""
         self._batch.n_tokens = n
         step_started = time.perf_counter()
         rc = lc.llama_decode(self._ctx, self._batch)
@@ -1081,7 +1080,7 @@ class BatchScheduler:
         # step (`_step`), whose kernel skips masked cells (a pass that also copied a state to host
         # memory is no measure of its cost).
         if not copied and (prompt_tokens or not self._split_mixed):
-            self._charge_idle(time.perf_counter() - step_started, n, counts)
+            self._charge_idle(time.perf_counter() - step_started, n)
         if prompt_tokens >= 64:  # a pass mostly of prompt: its rate (the sampling above waited for it)
             self.prefill_tps = _ema(self.prefill_tps, n / max(time.perf_counter() - step_started, 1e-6))
         return True
