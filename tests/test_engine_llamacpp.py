@@ -469,3 +469,22 @@ async def test_the_warm_up_leaves_no_kv_behind_and_changes_no_output(kv_unified:
         assert warmed == await _run(cold, req)
     finally:
         await cold.close()
+
+
+@pytest.mark.parametrize(("raw", "want"), [("", 8.0), ("3", 3.0), ("0", 0.0), ("1e9", 1e9), (" 2.5 ", 2.5)])
+def test_trim_payback_reads_its_setting(monkeypatch: pytest.MonkeyPatch, raw: str, want: float) -> None:
+    from engines.llamacpp.batch import TRIM_PAYBACK
+    from engines.llamacpp.engine import trim_payback
+
+    monkeypatch.setenv("GATEWAY_TRIM_PAYBACK", raw)
+    assert trim_payback() == (TRIM_PAYBACK if raw == "" else want)
+
+
+@pytest.mark.parametrize("raw", ["eight", "-1", "nan"])
+async def test_a_malformed_trim_payback_stops_the_load_and_names_the_setting(
+        monkeypatch: pytest.MonkeyPatch, raw: str) -> None:
+    from engines.base import ModelLoadError
+
+    monkeypatch.setenv("GATEWAY_TRIM_PAYBACK", raw)
+    with pytest.raises(ModelLoadError, match=f"GATEWAY_TRIM_PAYBACK must be a number >= 0.*{raw!r}"):
+        await _engine("smollm2-135m-instruct", parallel=1)

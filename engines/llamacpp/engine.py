@@ -11,6 +11,7 @@ import ctypes
 import functools
 import json
 import logging
+import math
 import os
 import re
 import time
@@ -65,6 +66,24 @@ def split_mixed(backend: str) -> bool:
     skips the masked tiles of a pass; GATEWAY_SPLIT_MIXED=on/off overrides it (for measuring)."""
     choice = os.environ.get("GATEWAY_SPLIT_MIXED", "auto")
     return backend == "cpu" if choice == "auto" else choice == "on"
+
+
+def trim_payback() -> float:
+    """What idle KV must have cost the running passes before it leaves a shared cache, in its
+    copies' time: batch.TRIM_PAYBACK, or GATEWAY_TRIM_PAYBACK (a number >= 0; e.g. 0 or 1e9 for
+    side-by-side runs). A malformed value stops the load with a message that names it."""
+    from engines.llamacpp.batch import TRIM_PAYBACK
+
+    raw = os.environ.get("GATEWAY_TRIM_PAYBACK", "").strip()
+    if not raw:
+        return TRIM_PAYBACK
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not value >= 0:  # also NaN
+        raise ValueError(f"GATEWAY_TRIM_PAYBACK must be a number >= 0 (e.g. 8, 0, 1e9), not {raw!r}")
+    return value
 
 
 def warm_up_wanted(backend: str) -> bool:
@@ -195,11 +214,15 @@ class LlamaCppEngine:
             raise ModelLoadError(
                 f"llama-cpp-python is not installed ({exc}); run scripts/install-llama-cpp.sh"
             ) from exc
-        from engines.llamacpp.batch import TRIM_PAYBACK, BatchScheduler
+        from engines.llamacpp.batch import BatchScheduler
 
         o = self.options
         if not os.path.isfile(o.model_path):
             raise ModelLoadError(f"model file not found: {o.model_path}")
+        try:
+            payback = trim_payback()
+        except ValueError as exc:
+            raise ModelLoadError(str(exc)) from exc
         _route_native_logs(lc)
         from engines.llamacpp.ggml_backends import ensure_loaded
 
@@ -307,9 +330,8 @@ class LlamaCppEngine:
             # Off: a device sampler chain is attached before the request's first pass, its graph
             # re-reserve in the time to the first token (for A/B runs: benchmarks' --gateway-variant).
             attach_defer=os.environ.get("GATEWAY_ATTACH_DEFER", "on") != "off",
-            # What idle KV must have cost before it leaves a shared cache, in its copies' time
-            # (batch.TRIM_PAYBACK; GATEWAY_TRIM_PAYBACK for side-by-side runs, e.g. 0 or 1e9).
-            trim_payback=float(os.environ.get("GATEWAY_TRIM_PAYBACK", TRIM_PAYBACK)),
+            # What idle KV must have cost before it leaves a shared cache, in its copies' time.
+            trim_payback=payback,
         )
         from engines.llamacpp.embed import Embedder
 
