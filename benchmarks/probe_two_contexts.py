@@ -49,7 +49,11 @@ def main() -> int:
     ap.add_argument("--decode-steps", type=int, default=60)
     ap.add_argument("--priority", action="store_true",
                     help="CUDA: the serving context's streams at the highest priority, the second context's at the "
-                         "lowest (needs scripts/patches-h100/ggml-cuda-stream-priority.patch in the build)")
+                         "lowest (needs scripts/patches-h100/ggml-cuda-streams.patch in the build)")
+    ap.add_argument("--green-sms", default="",
+                    help="CUDA: comma-separated SM counts; for each, one more second context whose streams are in a "
+                         "green context of that many SMs (the rest stay the decoding streams'), measured alone and "
+                         "beside the streams (needs scripts/patches-h100/ggml-cuda-streams.patch in the build)")
     ap.add_argument("--json", default="")
     a = ap.parse_args()
 
@@ -131,14 +135,54 @@ def main() -> int:
             decode(serve, batch)
             pos[s] = a.stream_prompt
 
-    def prefill_side() -> float:
-        lc.llama_memory_clear(lc.llama_get_memory(side), True)
+    def prefill_side(ctx=None) -> float:
+        ctx = ctx or side
+        lc.llama_memory_clear(lc.llama_get_memory(ctx), True)
         t = time.perf_counter()
         for i in range(0, a.prompt, a.chunk):
             part = tokens[i:i + a.chunk]
             fill(side_batch, [(0, i, part, i + len(part) == a.prompt)])
-            decode(side, side_batch)
+            decode(ctx, side_batch)
         return time.perf_counter() - t
+
+    def prefill_serving() -> float:
+        """The prompt alone in the serving context, in passes of its batch (512), no streams."""
+        t = time.perf_counter()
+        for i in range(0, a.prompt, 512):
+            part = tokens[i:i + 512]
+            fill(batch, [(long_seq, i, part, i + len(part) == a.prompt)])
+            decode(serve, batch)
+        took = time.perf_counter() - t
+        lc.llama_memory_seq_rm(lc.llama_get_memory(serve), long_seq, -1, -1)
+        return took
+
+    def beside(ctx, t_ref: float) -> dict:
+        """The streams' steps while ctx prefills the prompt on another thread."""
+        reset_streams()
+        done = threading.Event()
+        took: list[float] = []
+
+        def run_side() -> None:
+            took.append(prefill_side(ctx))
+            done.set()
+
+        before = [step() for _ in range(10)]
+        th = threading.Thread(target=run_side)
+        th.start()
+        during = []
+        while not done.is_set():
+            during.append(step())
+        th.join()
+        after = [step() for _ in range(10)]
+        return {
+            "prompt_ms": took[0] * 1e3, "prompt_ratio": took[0] / t_ref,
+            "steps_during": len(during),
+            "itl_before_p50_ms": statistics.median(before) * 1e3,
+            "itl_during_p50_ms": statistics.median(during) * 1e3 if during else 0.0,
+            "itl_during_p99_ms": pct(during, 99) * 1e3 if during else 0.0,
+            "itl_during_max_ms": max(during) * 1e3 if during else 0.0,
+            "itl_after_p50_ms": statistics.median(after) * 1e3,
+        }
 
     res: dict = {"model": a.model, "gpu": a.gpu, "streams": a.streams, "prompt": a.prompt, "chunk": a.chunk,
                  "priority": a.priority}
@@ -162,32 +206,25 @@ def main() -> int:
     # 2. The prompt alone, in the second context.
     t_alone = min(prefill_side(), prefill_side())
     res["prompt_alone_ms"] = t_alone * 1e3
-    # 3. Both at once: the second context on its own thread.
+    # The prompt alone in the serving context (all of the GPU, passes of 512): "its time alone".
     reset_streams()
-    done = threading.Event()
-    took: list[float] = []
-
-    def run_side() -> None:
-        took.append(prefill_side())
-        done.set()
-
-    before = [step() for _ in range(10)]
-    th = threading.Thread(target=run_side)
-    th.start()
-    during = []
-    while not done.is_set():
-        during.append(step())
-    th.join()
-    after = [step() for _ in range(10)]
-    res["concurrent"] = {
-        "prompt_ms": took[0] * 1e3, "prompt_ratio": took[0] / t_alone,
-        "steps_during": len(during),
-        "itl_before_p50_ms": statistics.median(before) * 1e3,
-        "itl_during_p50_ms": statistics.median(during) * 1e3 if during else 0.0,
-        "itl_during_p99_ms": pct(during, 99) * 1e3 if during else 0.0,
-        "itl_during_max_ms": max(during) * 1e3 if during else 0.0,
-        "itl_after_p50_ms": statistics.median(after) * 1e3,
-    }
+    prefill_serving()
+    t_serving = min(prefill_serving(), prefill_serving())
+    res["prompt_alone_serving_ms"] = t_serving * 1e3
+    # 3. Both at once: the second context on its own thread.
+    res["concurrent"] = beside(side, t_alone)
+    # 3b. The same with the second context's kernels held to a green context of N SMs.
+    res["green"] = []
+    for n_sm in (int(x) for x in a.green_sms.split(",") if x.strip()):
+        os.environ["GGML_CUDA_GREEN_SMS"] = str(n_sm)
+        g = context(a.prompt + 64, 1, a.chunk)
+        prefill_side(g)  # makes its streams (in the green context) and warms its shapes
+        os.environ.pop("GGML_CUDA_GREEN_SMS", None)
+        g_alone = min(prefill_side(g), prefill_side(g))
+        row = beside(g, t_serving)
+        row.update({"sms": n_sm, "prompt_alone_ms": g_alone * 1e3})
+        res["green"].append(row)
+        lc.llama_free(g)
     # 4. The hand-over: the prompt's KV from the side context into a sequence of the serving one.
     # A sequence's state names the context's KV streams (one per sequence in the default layout)
     # and holds cells for one: the side context's single stream becomes the serving context's
@@ -241,7 +278,8 @@ def main() -> int:
         })
 
     c = res["concurrent"]
-    print(f"decode alone: {a.streams} streams, step p50 {d * 1e3:.1f} ms; prompt of {a.prompt} alone: {t_alone * 1e3:.0f} ms")
+    print(f"decode alone: {a.streams} streams, step p50 {d * 1e3:.1f} ms; prompt of {a.prompt} alone: {t_alone * 1e3:.0f} ms "
+          f"(second context, passes of {a.chunk}), {t_serving * 1e3:.0f} ms (serving context, passes of 512)")
     if a.priority:
         print("CUDA stream priorities: the decoding context's highest, the prefilling one's lowest")
     print("| how | prompt ms (x alone) | streams' step before p50 | during p50 / p99 / max ms | p99 / before p50 |")
@@ -253,6 +291,14 @@ def main() -> int:
         print(f"| one context, budget {r['budget']} | {r['prompt_ms']:.0f} ({r['prompt_ratio']:.2f}) | {r['itl_before_p50_ms']:.1f} | "
               f"{r['itl_during_p50_ms']:.1f} / {r['itl_during_p99_ms']:.1f} / {r['itl_during_max_ms']:.1f} | "
               f"{r['itl_during_p99_ms'] / r['itl_before_p50_ms']:.2f} |")
+    if res["green"]:
+        print("| second context in a green context of N SMs, chunk | prompt alone ms | beside the streams ms "
+              "(x serving alone) | before p50 | during p50 / p99 / max ms | p99 / before p50 |")
+        print("|---|---:|---:|---:|---:|---:|")
+    for r in res["green"]:
+        print(f"| {r['sms']} SMs, chunk {a.chunk} | {r['prompt_alone_ms']:.0f} | {r['prompt_ms']:.0f} ({r['prompt_ratio']:.2f}) | "
+              f"{r['itl_before_p50_ms']:.1f} | {r['itl_during_p50_ms']:.1f} / {r['itl_during_p99_ms']:.1f} / "
+              f"{r['itl_during_max_ms']:.1f} | {r['itl_during_p99_ms'] / r['itl_before_p50_ms']:.2f} |")
     h = res["handover"]
     print(f"hand-over of the prompt's KV: {h['bytes'] / 2**20:.0f} MiB, get {h['get_ms']:.0f} ms + set {h['set_ms']:.0f} ms "
           f"(ok={h['ok']}; the next token's logits in both contexts: max |diff| {h['next_logits_max_abs_diff']:.4f}, "

@@ -19,7 +19,8 @@
 #   scripts/h100-prefix.sh probe     benchmarks/probe_two_contexts.py: the long prompt prefilled in a second
 #                                    context beside 32 decoding streams vs chunked into their steps -> $OUT
 #                                    (CHUNK=, BUDGETS=, TAG=; PRIORITY=1: the decoding context's CUDA streams at
-#                                    the highest priority, scripts/patches-h100/ggml-cuda-stream-priority.patch)
+#                                    the highest priority; GREEN=96,112: more second contexts, each held to a
+#                                    green context of that many SMs; both by scripts/patches-h100/ggml-cuda-streams.patch)
 #   scripts/h100-prefix.sh stash D   keep D's parts of the SmolLM2 GGUF (.dev27/a, b, c: split -b 33M)
 #   scripts/h100-prefix.sh conversations   join them; bench_prefix_cache.py's conversations part -> $OUT
 #   scripts/h100-prefix.sh memory    bench_memory.py on CUDA (issue 29): the estimate vs the worker's
@@ -79,6 +80,7 @@ agent)
 probe)
   python3 benchmarks/probe_two_contexts.py "$W/llama8b-q4_k_m.gguf" --gpu --streams "${STREAMS:-32}" \
     --prompt "${PROMPT:-11264}" --chunk "${CHUNK:-512}" --budgets "${BUDGETS:-256,512}" ${PRIORITY:+--priority} \
+    ${GREEN:+--green-sms "$GREEN"} \
     --json "$OUT/probe${TAG:-}.json" 2>&1 | tee "$OUT/probe${TAG:-}.md"
   ;;
 stash)
