@@ -348,7 +348,7 @@ def main() -> int:
     ap.add_argument("--config", default=None, help="models.yaml with those models (default: the repo's)")
     ap.add_argument("--agent-skip-nocache", action="store_true", help="leave out the gateway without its host cache")
     ap.add_argument("--gateway-variant", action="append", default=[], metavar="NAME:VAR=VALUE[,VAR=VALUE]",
-                    help="agent part: also a gateway with these environment settings, "
+                    help="agent and interference parts: also a gateway with these environment settings, "
                          "e.g. 'pageable host cache:GATEWAY_PINNED_HOST_CACHE=0'")
     ap.add_argument("--together-sessions", type=int, default=4, help="together part: requests sent at once")
     ap.add_argument("--together-model", default=SMOL, help="together part: the model")
@@ -449,6 +449,12 @@ def main() -> int:
             servers += [gateway(long_id, args.streams + 1, *engine, "--prefill-budget", b, "--prefix-cache", "0",
                                 "--config", unified, name=f"gateway, unified KV, budget {b}")
                         for b in args.unified_budgets.split(",")]
+        first_budget = next((b for b in args.budgets.split(",") if b), "512")
+        for variant in args.gateway_variant:  # e.g. a second context for long prompts (GATEWAY_LONG_PROMPT_TOKENS)
+            label, _, settings = variant.partition(":")
+            servers.append(gateway(long_id, args.streams + 1, *engine, "--prefill-budget", first_budget,
+                                   "--prefix-cache", "0", name=f"gateway, {label}",
+                                   env=dict(kv.split("=", 1) for kv in settings.split(",") if kv)))
         servers.append(llama_server(bin_dir, str(reg.resolve(long_spec, "gguf")), args.streams + 1,
                                     long_spec.context_length, long_spec.chat_template, "--cache-ram", "0", *ngl))
         for srv in chosen(servers):

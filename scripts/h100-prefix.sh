@@ -13,7 +13,9 @@
 #                                    (agent: AGENT_PARALLEL=2 sequences; VARIANT='NAME:VAR=VALUE' adds a
 #                                    gateway with that environment, e.g. 'pageable:GATEWAY_PINNED_HOST_CACHE=0';
 #                                    AGENT_ARGS: more bench_prefix_cache.py options, e.g. --agent-skip-nocache)
-#                                    (interference: BUDGETS=256,512 UNIFIED_BUDGETS=256,512 to choose)
+#                                    (interference: BUDGETS=256,512 UNIFIED_BUDGETS=256,512 to choose; VARIANT and
+#                                    VARIANT2 add gateways with that environment at the first budget, e.g.
+#                                    'long prompts, 120 SMs:GATEWAY_LONG_PROMPT_TOKENS=4096,GATEWAY_LONG_PROMPT_SMS=120')
 #                                    (both: ONLY='name;name' runs only those servers; BENCH_LOG_LEVEL=debug
 #                                    brings back each server's log, the engine's pass-by-pass lines, gzipped)
 #   scripts/h100-prefix.sh probe     benchmarks/probe_two_contexts.py: the long prompt prefilled in a second
@@ -96,6 +98,7 @@ interference)
   python3 benchmarks/bench_prefix_cache.py --backend cuda --server-bin "$W/build/bin" --config "$W/models.yaml" \
     --parts interference --model llama3-8b-random --long-model llama3-8b-random-13k --streams 32 \
     --long-words 9000 --budgets "${BUDGETS:-512,2048}" --unified-budgets "${UNIFIED_BUDGETS:-}" --only "${ONLY:-}" \
+    ${VARIANT:+--gateway-variant "$VARIANT"} ${VARIANT2:+--gateway-variant "$VARIANT2"} \
     --json "$OUT/interference${TAG:-}.json" 2>&1 | tail -16 | tee "$OUT/interference${TAG:-}.md"
   logs_back
   ;;

@@ -488,3 +488,77 @@ async def test_a_malformed_trim_payback_stops_the_load_and_names_the_setting(
     monkeypatch.setenv("GATEWAY_TRIM_PAYBACK", raw)
     with pytest.raises(ModelLoadError, match=f"GATEWAY_TRIM_PAYBACK must be a number >= 0.*{raw!r}"):
         await _engine("smollm2-135m-instruct", parallel=1)
+
+
+async def _long_prompt_engine(monkeypatch: pytest.MonkeyPatch, tokens: str, parallel: int) -> LlamaCppEngine:
+    monkeypatch.setenv("GATEWAY_LONG_PROMPT_TOKENS", tokens)
+    reg = load_registry(ROOT / "models.yaml")
+    spec = reg.models["smollm2-135m-instruct"]
+    e = LlamaCppEngine(EngineConfig(model_path=str(reg.resolve(spec, "gguf")), context_length=2048,
+                                    chat_template=spec.chat_template, parallel=parallel))
+    await e.load()
+    return e
+
+
+async def test_a_long_prompt_beside_a_running_stream_is_prefilled_in_a_second_context(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """GATEWAY_LONG_PROMPT_TOKENS: a long prompt arriving while another request decodes is
+    prefilled (and decoded) in a second llama_context on its own thread: the running stream keeps
+    producing tokens during that prefill, the long prompt's greedy tokens are a cold run's, its
+    next turn goes back to the context holding its KV (usage counts it cached), and a long prompt
+    arriving alone stays in the first context."""
+    story = " ".join(f"Item {i}: the {['red', 'green', 'blue'][i % 3]} box holds {i * 7 % 13} stones." for i in range(90))
+    long_prompt = f"Read the list and answer.\n{story}\nQuestion: which box holds the most stones?"
+    plain = await _long_prompt_engine(monkeypatch, "0", 1)
+    try:
+        assert plain._side is None
+        cold, cold_text = await _run(plain, _req(long_prompt, max_tokens=12))
+    finally:
+        await plain.close()
+    e = await _long_prompt_engine(monkeypatch, "256", 2)
+    try:
+        assert e._side is not None and e.info.extra["long_prompt_context"] == "from 256 uncached tokens"
+        assert len(await e.tokenize(long_prompt)) > 600
+        stream_times: list[float] = []
+        first_long: list[float] = []
+        started = asyncio.Event()
+
+        async def running() -> None:
+            async for ev in e.generate(_req("Once upon a time", max_tokens=80, ignore_eos=True)):
+                if ev.token_ids:
+                    stream_times.append(asyncio.get_running_loop().time())
+                    started.set()
+
+        async def long_one() -> tuple[list[int], float]:
+            await started.wait()
+            sent = asyncio.get_running_loop().time()
+            toks: list[int] = []
+            async for ev in e.generate(_req(long_prompt, max_tokens=12)):
+                if ev.token_ids and not first_long:
+                    first_long.append(asyncio.get_running_loop().time())
+                toks += ev.token_ids
+            return toks, sent
+
+        _, (toks, sent) = await asyncio.gather(running(), long_one())
+        assert e.long_prompts_beside == 1
+        assert toks == cold
+        during = [t for t in stream_times if sent < t < first_long[0]]
+        assert len(during) >= 3, (len(during), first_long[0] - sent)  # the stream kept going
+        # Its next turn, with the first context idle, goes where its KV is.
+        follow_up = long_prompt + cold_text + " And the least?"
+        evs = [ev async for ev in e.generate(_req(follow_up, max_tokens=4))]
+        assert e.long_prompts_beside == 2
+        assert evs[-1].usage is not None and evs[-1].usage.cached_tokens > 600, evs[-1].usage
+        # Alone, a long prompt that neither context holds stays in the first one.
+        await _run(e, _req("A different list.\n" + story[::-1], max_tokens=2))
+        assert e.long_prompts_beside == 2
+        assert e.health().running == 0
+    finally:
+        await e.close()
+
+
+async def test_a_malformed_long_prompt_setting_stops_the_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    from engines.base import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="GATEWAY_LONG_PROMPT_TOKENS must be a whole number >= 0, not 'many'"):
+        await _long_prompt_engine(monkeypatch, "many", 1)

@@ -339,6 +339,15 @@ class BatchScheduler:
         with self._cv:
             return sum(s.job is not None for s in self._slots), len(self._waiting)
 
+    def held_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens` a sequence's KV or the host cache already holds: a hint for routing
+        a request between schedulers (read from another thread, so it may be a step old)."""
+        best = max((_common_prefix(list(s.cached), tokens) for s in self._slots), default=0)
+        if self.host_cache is not None:
+            _, n = self.host_cache.lookup(self._identity, np.asarray(tokens, dtype=np.int32), len(tokens), touch=False)
+            best = max(best, n)
+        return best
+
     def kv_stats(self) -> KvStats:
         """The KV cache's cells, what the sequences hold of them, and the shared cache's counters."""
         slots = list(self._slots)

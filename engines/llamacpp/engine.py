@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import re
+import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -84,6 +85,27 @@ def trim_payback() -> float:
     if not value >= 0:  # also NaN
         raise ValueError(f"GATEWAY_TRIM_PAYBACK must be a number >= 0 (e.g. 8, 0, 1e9), not {raw!r}")
     return value
+
+
+def _env_count(name: str) -> int:
+    """A whole number >= 0 from the environment (0 when unset); a malformed one stops the load."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return 0
+    if not raw.isdigit():
+        raise ValueError(f"{name} must be a whole number >= 0, not {raw!r}")
+    return int(raw)
+
+
+def long_prompt_settings() -> tuple[int, int]:
+    """(GATEWAY_LONG_PROMPT_TOKENS, GATEWAY_LONG_PROMPT_SMS): a prompt with at least that many
+    tokens no sequence or host-cache entry holds, arriving while other requests decode, is
+    prefilled (and then decoded) in a second llama_context beside them instead of in chunks
+    inside their steps (0: off, the default); on a CUDA build patched with
+    scripts/patches-h100/ggml-cuda-streams.patch, that context's kernels keep to that many SMs
+    (0: all) and the decoding streams have the rest. Opt-in and for measuring: BENCHMARKS.md,
+    "Green contexts"."""
+    return _env_count("GATEWAY_LONG_PROMPT_TOKENS"), _env_count("GATEWAY_LONG_PROMPT_SMS")
 
 
 def warm_up_wanted(backend: str) -> bool:
@@ -193,6 +215,13 @@ class LlamaCppEngine:
         self._ctx: Any = None
         self._vocab: Any = None
         self._sched: Any = None
+        # The second context for long prompts (GATEWAY_LONG_PROMPT_TOKENS), its scheduler, the
+        # prompt size that goes there, and how many went.
+        self._side_ctx: Any = None
+        self._side: Any = None
+        self._long_min = 0
+        self._route_lock = threading.Lock()
+        self.long_prompts_beside = 0
         self._n_vocab = 0
         self._n_ctx_seq = options.context_length
         self._n_swa = 0
@@ -221,6 +250,7 @@ class LlamaCppEngine:
             raise ModelLoadError(f"model file not found: {o.model_path}")
         try:
             payback = trim_payback()
+            long_min, long_sms = long_prompt_settings()
         except ValueError as exc:
             raise ModelLoadError(str(exc)) from exc
         _route_native_logs(lc)
@@ -337,6 +367,8 @@ class LlamaCppEngine:
 
         self._embedder = Embedder(model, self._n_ctx_seq, self._n_vocab, threads, o.pooling, o.normalize_embeddings)
         self._sched.embedder = self._embedder
+        if long_min:
+            self._open_side(lc, model, cparams, o, long_min, long_sms, on_device, budget, variant, payback)
         self.info = replace(
             self.info, context_length=self._n_ctx_seq,
             extra={"precision": self._precision(lc), "embedding_width": str(self._embedder.width),
@@ -347,6 +379,8 @@ class LlamaCppEngine:
                    "kv_layout": (f"shared by {_sequences(o)} sequences ({self._n_ctx_seq} x {o.parallel} tokens)"
                                  if o.kv_unified else f"one per sequence ({o.parallel} x {self._n_ctx_seq} tokens)"),
                    **self._reasoning_traits(),
+                   **({"long_prompt_context": f"from {long_min} uncached tokens"
+                       + (f", {long_sms} SMs" if long_sms else "")} if long_min else {}),
                    **({"cpu_variant": variant} if variant else {})},
         )
         log.info(
@@ -380,6 +414,68 @@ class LlamaCppEngine:
             template=raw.decode("utf-8"), eos_token=eos_text, bos_token=self._bos_text
         )
 
+    def _open_side(self, lc: Any, model: Any, cparams: Any, o: EngineConfig, long_min: int, long_sms: int,
+                   on_device: bool, budget: int, variant: str | None, payback: float) -> None:
+        """The second context and scheduler for long prompts (`long_prompt_settings`): one
+        sequence of the model's context length, its own KV (what it costs in memory), the same
+        model weights. Its CUDA streams are made while GGML_CUDA_GREEN_SMS is set, so a patched
+        build puts them in a green context of that many SMs (an unpatched one ignores it)."""
+        from engines.llamacpp.batch import BatchScheduler
+
+        side = lc.llama_context_default_params()
+        side.n_ctx = self._n_ctx_seq
+        side.n_batch = side.n_ubatch = o.n_batch
+        side.n_seq_max = 1
+        side.kv_unified = False
+        side.n_threads, side.n_threads_batch = cparams.n_threads, cparams.n_threads_batch
+        side.no_perf = True
+        side.swa_full = o.swa_full
+        if on_device:
+            side.n_outputs_max_per_seq = 1
+        if long_sms:
+            os.environ["GGML_CUDA_GREEN_SMS"] = str(long_sms)
+        try:
+            ctx = lc.llama_init_from_model(model, side)
+            if not ctx:
+                raise ModelLoadError(f"llama.cpp could not create the long prompts' context of {side.n_ctx} tokens "
+                                     f"on {o.device}")
+            if warm_up_wanted(o.backend):  # its first passes make its streams (while the setting holds)
+                warm_up(ctx, o.n_batch, 1, budget, self._n_ctx_seq)
+        finally:
+            os.environ.pop("GGML_CUDA_GREEN_SMS", None)
+        self._side_ctx = ctx
+        self._long_min = long_min
+        self._side = BatchScheduler(
+            ctx=ctx, n_vocab=self._n_vocab, n_parallel=1, n_batch=o.n_batch, max_queue=o.max_queue,
+            piece=self.piece, is_eog=lambda t: lc.llama_vocab_is_eog(self._vocab, t), device_sampling=on_device,
+            draft_ngram=o.draft_ngram, draft_max=o.draft_max, draft_streams=o.draft_streams,
+            identity=self._identity(lc, variant) + "|long-prompt-context", prefill_budget=budget,
+            n_swa=self._n_swa, n_cells=self._n_ctx_seq, trim_payback=payback,
+        )
+        log.info("llama.cpp: prompts of %d uncached tokens or more beside running requests go to a second "
+                 "context%s", long_min, f" of {long_sms} SMs" if long_sms else "")
+
+    def _submit_gen(self, job: Any) -> Any:
+        """Submit a generation to the scheduler that should run it, and return that scheduler.
+        With a long prompts' context: a prompt whose uncached part is long goes there while other
+        requests decode here and it is free (its chunks would otherwise share their steps), and a
+        prompt whose prefix it holds better than this context does goes back to it."""
+        side = self._side
+        if side is None or len(job.prompt_ids) < self._long_min:
+            self._sched.submit(job)
+            return self._sched
+        with self._route_lock:  # two long prompts at once: the second sees the first's submit
+            here = self._sched.held_prefix(job.prompt_ids)
+            there = side.held_prefix(job.prompt_ids)
+            side_free = side.counts() == (0, 0)
+            busy_here = self._sched.counts()[0] > 0
+            long_here = len(job.prompt_ids) - here >= self._long_min
+            target = side if side_free and (there > here or (busy_here and long_here)) else self._sched
+            target.submit(job)
+            if target is side:
+                self.long_prompts_beside += 1
+        return target
+
     async def close(self) -> None:
         await asyncio.to_thread(self._close_blocking)
 
@@ -389,6 +485,12 @@ class LlamaCppEngine:
         if self._sched is not None:
             self._sched.close()
             self._sched = None
+        if self._side is not None:
+            self._side.close()
+            self._side = None
+        if self._side_ctx is not None:
+            lc.llama_free(self._side_ctx)
+            self._side_ctx = None
         if self._ctx is not None:
             lc.llama_free(self._ctx)
             self._ctx = None
@@ -400,6 +502,9 @@ class LlamaCppEngine:
         if self._sched is None:
             return EngineHealth(ready=False, detail="not loaded")
         running, waiting = self._sched.counts()
+        if self._side is not None:
+            side_running, side_waiting = self._side.counts()
+            running, waiting = running + side_running, waiting + side_waiting
         started = self._sched.step_started
         busy = time.perf_counter() - started if started else 0.0
         host = self._sched.host_cache
@@ -517,7 +622,7 @@ class LlamaCppEngine:
                 lc.llama_sampler_accept(sampler, t)
             job.prompt_ids, job.resumed = prompt + resumed, len(resumed)
         try:
-            self._sched.submit(job)
+            sched = self._submit_gen(job)
         except BaseException:
             import llama_cpp as lc
 
@@ -527,7 +632,7 @@ class LlamaCppEngine:
             async for item in channel.events():
                 yield item
         finally:
-            self._sched.cancel(job)
+            sched.cancel(job)
 
     @staticmethod
     def _grammar(structured: str | None, schema: str | None, param: str = "response_format") -> bytes | None:
