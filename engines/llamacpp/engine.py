@@ -57,6 +57,10 @@ log = logging.getLogger(__name__)
 PREFILL_BUDGET = {"cpu": 128, "vulkan": 256, "cuda": 512, "metal": 256, "rocm": 512}
 
 
+# Prompts longer than this (characters of text) are rendered and tokenized off the event loop.
+LONG_RENDER_CHARS = 16_384
+
+
 def prefill_budget(backend: str) -> int:
     return PREFILL_BUDGET.get(backend, 256)
 
@@ -592,7 +596,12 @@ class LlamaCppEngine:
 
         if self._sched is None:
             raise ModelLoadError("model is not loaded")
-        prompt = self.render_prompt(request)
+        # A long prompt is rendered and tokenized on another thread: on this loop it would hold
+        # back every running stream's next token at once (tens of ms for a 10k-token prompt: one
+        # gap in each of 32 streams set their ITL p99 on the H200).
+        size = len(request.prompt or "") + sum(len(m.content or "") for m in request.messages or ())
+        prompt = await asyncio.to_thread(self.render_prompt, request) if size > LONG_RENDER_CHARS else \
+            self.render_prompt(request)
         sp = request.sampling
         max_new = new_token_budget(prompt, self._n_ctx_seq, sp.max_tokens)
         resumed = list(resumed_tokens(request, max_new))
