@@ -293,20 +293,35 @@ async def prefix_cache_metrics(client: httpx.AsyncClient, url: str) -> dict[str,
 
 # --- a long prompt arriving beside running streams -------------------------------------------
 
+async def loop_lag(lags: list[tuple[float, float]], tick: float = 0.002) -> None:
+    """Until cancelled: (when, ms late) of each wake-up of this event loop, asked every `tick`.
+    A gap the client measures while its own loop was late is the client's, not the server's."""
+    while True:
+        t = time.perf_counter()
+        await asyncio.sleep(tick)
+        now = time.perf_counter()
+        lags.append((now, (now - t - tick) * 1000))
+
+
 async def interference(url: str, model: str, streams: int, long_words: int) -> dict[str, float]:
     async with httpx.AsyncClient(timeout=1800, limits=NO_KEEPALIVE) as client:
         alone = await ask(client, url, model, [{"role": "user", "content": text_of(long_words, 7)}], 1)
         stamps_of: list[list[float]] = [[] for _ in range(streams)]
         running = [asyncio.create_task(ask(client, url, model, [{"role": "user", "content": f"Story {i}: once upon a time"}],
                                            4096, ignore_eos=True, stamps=stamps_of[i])) for i in range(streams)]
+        lags: list[tuple[float, float]] = []
+        watch = asyncio.create_task(loop_lag(lags))
+        long_text = text_of(long_words, 8)
         await asyncio.sleep(3.0)  # all streams decoding
         t0 = time.perf_counter()
-        beside = await ask(client, url, model, [{"role": "user", "content": text_of(long_words, 8)}], 1)
+        beside = await ask(client, url, model, [{"role": "user", "content": long_text}], 1)
         t1 = t0 + beside.ttft
         await asyncio.sleep(2.0)
+        watch.cancel()
         for task in running:
             task.cancel()
-        await asyncio.gather(*running, return_exceptions=True)
+        await asyncio.gather(watch, *running, return_exceptions=True)
+    late_during = [ms for when, ms in lags if t0 <= when <= t1]
     # Inter-token gaps of the running streams while the long prompt was prefilled, and before it.
     during: list[float] = []
     before: list[float] = []
@@ -318,7 +333,10 @@ async def interference(url: str, model: str, streams: int, long_words: int) -> d
             "itl_before_p50_ms": statistics.median(before) if before else float("nan"),
             "itl_during_p50_ms": statistics.median(during) if during else float("nan"),
             "itl_during_p99_ms": pct(during, 0.99), "itl_during_max_ms": max(during) if during else float("nan"),
-            "gaps_during": len(during)}
+            "gaps_during": len(during),
+            # How late the client's own event loop woke while the prompt was prefilled (its worst):
+            # a stall of the client would show in every stream's gaps at once.
+            "client_loop_late_max_ms": max(late_during, default=float("nan"))}
 
 
 def main() -> int:
@@ -506,12 +524,12 @@ def main() -> int:
         print(f"\nPrefill interference: {args.streams} streams decoding while a long prompt arrives "
               f"({args.long_model or args.model}):\n")
         print("| server | long prompt tokens | TTFT alone ms | TTFT beside streams ms (ratio) | "
-              "streams' ITL before p50 ms | during p50 / p99 / max ms |")
-        print("|---|---|---|---|---|---|")
+              "streams' ITL before p50 ms | during p50 / p99 / max ms | client's loop late, max ms |")
+        print("|---|---|---|---|---|---|---|")
         for name, r in raw["interference"].items():
             print(f"| {name} | {r['prompt_tokens']} | {r['alone_ttft_ms']:.0f} | {r['beside_ttft_ms']:.0f} "
                   f"({r['ttft_ratio']:.2f}) | {r['itl_before_p50_ms']:.1f} | {r['itl_during_p50_ms']:.1f} / "
-                  f"{r['itl_during_p99_ms']:.1f} / {r['itl_during_max_ms']:.1f} |")
+                  f"{r['itl_during_p99_ms']:.1f} / {r['itl_during_max_ms']:.1f} | {r['client_loop_late_max_ms']:.1f} |")
     if args.json:
         Path(args.json).write_text(json.dumps(raw, indent=2, default=str))
     return 0
