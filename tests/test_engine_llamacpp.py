@@ -562,3 +562,42 @@ async def test_a_malformed_long_prompt_setting_stops_the_load(monkeypatch: pytes
 
     with pytest.raises(ModelLoadError, match="GATEWAY_LONG_PROMPT_TOKENS must be a whole number >= 0, not 'many'"):
         await _long_prompt_engine(monkeypatch, "many", 1)
+
+
+class _FakeSched:
+    """What `_submit_gen` asks of a scheduler: what it holds of a prompt, its counts, submit."""
+
+    def __init__(self, held: int = 0, running: int = 0, waiting: int = 0) -> None:
+        self.held, self.running, self.waiting, self.got = held, running, waiting, []  # type: ignore[var-annotated]
+
+    def held_prefix(self, tokens: list[int]) -> int:
+        return min(self.held, len(tokens))
+
+    def counts(self) -> tuple[int, int]:
+        return self.running, self.waiting
+
+    def submit(self, job: object) -> None:
+        self.got.append(job)
+        self.waiting += 1
+
+
+@pytest.mark.parametrize(("prompt", "main", "side", "to_side"), [
+    (5000, dict(running=3), {}, True),                    # long, uncached, others decoding: beside them
+    (5000, {}, {}, False),                                # long but alone: the first context is free
+    (1000, dict(running=3), {}, False),                   # short: chunked into the steps as before
+    (5000, dict(running=3, held=4500), {}, False),        # mostly cached here: only 500 new tokens
+    (5000, {}, dict(held=4800), True),                    # the second context holds its conversation
+    (5000, dict(running=3), dict(running=1), False),      # the second context is busy
+    (5000, dict(running=3), dict(waiting=1), False),      # ... or has one waiting
+])
+def test_long_prompts_are_routed_by_size_cache_and_load(prompt: int, main: dict, side: dict, to_side: bool) -> None:
+    import threading
+    from types import SimpleNamespace
+
+    e = LlamaCppEngine.__new__(LlamaCppEngine)
+    e._sched, e._side = _FakeSched(**main), _FakeSched(**side)
+    e._long_min, e._route_lock, e.long_prompts_beside = 4096, threading.Lock(), 0
+    job = SimpleNamespace(prompt_ids=list(range(prompt)))
+    got = e._submit_gen(job)
+    assert (got is e._side) == to_side and got.got == [job]
+    assert e.long_prompts_beside == int(to_side)
