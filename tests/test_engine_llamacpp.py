@@ -601,3 +601,29 @@ def test_long_prompts_are_routed_by_size_cache_and_load(prompt: int, main: dict,
     got = e._submit_gen(job)
     assert (got is e._side) == to_side and got.got == [job]
     assert e.long_prompts_beside == int(to_side)
+
+
+async def test_a_long_prompt_rendered_off_the_event_loop_is_the_same_prompt(
+        smol: LlamaCppEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prompts over LONG_RENDER_CHARS are rendered and tokenized on another thread: the same
+    tokens, the same greedy answer, for messages and for a raw prompt."""
+    import engines.llamacpp.engine as engine_module
+
+    chat = GenerationRequest("t", SamplingParams(temperature=0, max_tokens=6),
+                             messages=(ChatMessage("system", "Answer briefly. " * 8), ChatMessage("user", "Name a colour.")))
+    raw = _req("The capital of France is", max_tokens=6)
+    monkeypatch.setattr(engine_module, "LONG_RENDER_CHARS", 10**9)
+    on_loop = [await _run(smol, chat), await _run(smol, raw)]
+    calls: list[str] = []
+    real = smol.render_prompt
+
+    def counted(request: GenerationRequest) -> list[int]:
+        import threading
+        calls.append(threading.current_thread().name)
+        return real(request)
+
+    monkeypatch.setattr(engine_module, "LONG_RENDER_CHARS", 10)
+    monkeypatch.setattr(smol, "render_prompt", counted)
+    off_loop = [await _run(smol, chat), await _run(smol, raw)]
+    assert off_loop == on_loop
+    assert len(calls) == 2 and all(name != "MainThread" for name in calls), calls
