@@ -186,6 +186,9 @@ class KvStats:
     # that waited for a running request's prefill of it (requests started together, one prefix).
     prefix_copies: int = 0
     prefix_follows: int = 0
+    # Prompts sent to the engine's second context for long prompts (GATEWAY_LONG_PROMPT_TOKENS),
+    # prefilled and decoded beside the running requests instead of in chunks inside their steps.
+    long_prompts_beside: int = 0
 
     @classmethod
     def combine(cls, stats: list[KvStats]) -> KvStats:

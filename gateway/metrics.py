@@ -177,6 +177,7 @@ class _EngineGauges(Collector):
             "idle_evictions": CounterMetricFamily("gateway_kv_idle_evictions", "Idle sequences' KV moved out of a shared KV cache (to the host prefix cache when worth the copy) because it outgrew the running requests' own and had cost their passes 8x what moving it costs.", labels=LABELS),
             "prefix_copies": CounterMetricFamily("gateway_kv_prefix_copies", "Prompts whose prefix was copied from another sequence's KV instead of prefilled.", labels=LABELS),
             "prefix_follows": CounterMetricFamily("gateway_kv_prefix_follows", "Prompts that waited for another request's running prefill of their prefix and copied it (requests started together with one prefix).", labels=LABELS),
+            "long_prompts_beside": CounterMetricFamily("gateway_kv_long_prompts_beside", "Long prompts prefilled and decoded in the engine's second context beside the running requests (GATEWAY_LONG_PROMPT_TOKENS).", labels=LABELS),
         }
         count = 0
         for model, engine, device, h in self._resident():

@@ -552,7 +552,8 @@ async def test_a_long_prompt_beside_a_running_stream_is_prefilled_in_a_second_co
         # Alone, a long prompt that neither context holds stays in the first one.
         await _run(e, _req("A different list.\n" + story[::-1], max_tokens=2))
         assert e.long_prompts_beside == 2
-        assert e.health().running == 0
+        health = e.health()
+        assert health.running == 0 and health.kv is not None and health.kv.long_prompts_beside == 2
     finally:
         await e.close()
 

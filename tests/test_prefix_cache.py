@@ -257,6 +257,7 @@ def test_through_the_gateway_usage_and_metrics_show_restored_prefixes(tmp_path: 
         assert gauge("gateway_kv_preemptions_total") == 0  # one KV stream per sequence: nothing is paused
         assert gauge("gateway_kv_idle_evictions_total") == 0
         assert gauge("gateway_kv_prefix_copies_total") == gauge("gateway_kv_prefix_follows_total") == 0  # one sequence
+        assert gauge("gateway_kv_long_prompts_beside_total") == 0  # no second context for long prompts
     finally:
         server.stop()
 

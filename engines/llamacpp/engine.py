@@ -513,7 +513,8 @@ class LlamaCppEngine:
         busy = time.perf_counter() - started if started else 0.0
         host = self._sched.host_cache
         return EngineHealth(ready=True, running=running, waiting=waiting, busy_seconds=busy,
-                            prefix_cache=host.stats() if host is not None else None, kv=self._sched.kv_stats())
+                            prefix_cache=host.stats() if host is not None else None,
+                            kv=replace(self._sched.kv_stats(), long_prompts_beside=self.long_prompts_beside))
 
     @staticmethod
     def _host_cache(o: EngineConfig) -> HostPrefixCache | None:
