@@ -119,6 +119,12 @@ def gateway(model: str, parallel: int, *extra: str, name: str = "gateway", env: 
                   env={"GATEWAY_LOG_LEVEL": os.environ.get("BENCH_LOG_LEVEL", "warning"), **(env or {})})
 
 
+def variant_env(variant: str) -> tuple[str, dict[str, str]]:
+    """--gateway-variant's 'NAME:VAR=VALUE[,VAR=VALUE]': the server's name and its environment."""
+    label, _, settings = variant.partition(":")
+    return f"gateway, {label}", dict(kv.split("=", 1) for kv in settings.split(",") if kv)
+
+
 def derived_config(model: str, label: str, **fields: Any) -> str:
     """A copy of the models.yaml in use with `fields` set on `model`; its path."""
     import yaml
@@ -448,9 +454,8 @@ def main() -> int:
             servers.insert(1, gateway(args.model, args.agent_parallel, *engine, "--config", cfg,
                                       name=f"gateway, shared KV, {shared} sequences"))
         for variant in args.gateway_variant:
-            label, _, settings = variant.partition(":")
-            servers.insert(1, gateway(args.model, args.agent_parallel, *engine, name=f"gateway, {label}",
-                                      env=dict(kv.split("=", 1) for kv in settings.split(",") if kv)))
+            name, env = variant_env(variant)
+            servers.insert(1, gateway(args.model, args.agent_parallel, *engine, name=name, env=env))
         for srv in chosen(servers):
             with srv:
                 r = asyncio.run(agent(srv.url, args.model, args.agent_sessions, args.agent_turns, args.agent_prefix_words))
@@ -469,10 +474,9 @@ def main() -> int:
                         for b in args.unified_budgets.split(",")]
         first_budget = next((b for b in args.budgets.split(",") if b), "512")
         for variant in args.gateway_variant:  # e.g. a second context for long prompts (GATEWAY_LONG_PROMPT_TOKENS)
-            label, _, settings = variant.partition(":")
+            name, env = variant_env(variant)
             servers.append(gateway(long_id, args.streams + 1, *engine, "--prefill-budget", first_budget,
-                                   "--prefix-cache", "0", name=f"gateway, {label}",
-                                   env=dict(kv.split("=", 1) for kv in settings.split(",") if kv)))
+                                   "--prefix-cache", "0", name=name, env=env))
         servers.append(llama_server(bin_dir, str(reg.resolve(long_spec, "gguf")), args.streams + 1,
                                     long_spec.context_length, long_spec.chat_template, "--cache-ram", "0", *ngl))
         for srv in chosen(servers):

@@ -339,10 +339,9 @@ class LlamaCppEngine:
         if warm_up_wanted(o.backend):
             passes, took = warm_up(ctx, o.n_batch, _sequences(o), budget, self._n_ctx_seq)
             log.info("llama.cpp warm-up: %d passes in %.0f ms", passes, took * 1000)
-        self._sched = BatchScheduler(
-            ctx=ctx,
+        # What every scheduler of this engine shares (the long prompts' one too: `_open_side`).
+        shared: dict[str, Any] = dict(
             n_vocab=self._n_vocab,
-            n_parallel=_sequences(o),
             n_batch=o.n_batch,
             max_queue=o.max_queue,
             piece=self.piece,
@@ -351,13 +350,8 @@ class LlamaCppEngine:
             draft_ngram=o.draft_ngram,
             draft_max=o.draft_max,
             draft_streams=o.draft_streams,
-            host_cache=self._host_cache(o),
-            identity=self._identity(lc, variant),
             prefill_budget=budget,
             n_swa=self._n_swa,
-            kv_pool=lc.llama_n_ctx(ctx) if o.kv_unified else 0,
-            n_cells=lc.llama_n_ctx(ctx),
-            split_mixed=o.kv_unified and split_mixed(o.backend),
             # Requests sharing a prefix another is prefilling wait for it and copy it;
             # GATEWAY_PREFIX_FOLLOW=off prefills each on its own (for measuring).
             follow=os.environ.get("GATEWAY_PREFIX_FOLLOW", "on") != "off",
@@ -367,12 +361,23 @@ class LlamaCppEngine:
             # What idle KV must have cost before it leaves a shared cache, in its copies' time.
             trim_payback=payback,
         )
+        identity = self._identity(lc, variant)
+        self._sched = BatchScheduler(
+            ctx=ctx,
+            n_parallel=_sequences(o),
+            host_cache=self._host_cache(o),
+            identity=identity,
+            kv_pool=lc.llama_n_ctx(ctx) if o.kv_unified else 0,
+            n_cells=lc.llama_n_ctx(ctx),
+            split_mixed=o.kv_unified and split_mixed(o.backend),
+            **shared,
+        )
         from engines.llamacpp.embed import Embedder
 
         self._embedder = Embedder(model, self._n_ctx_seq, self._n_vocab, threads, o.pooling, o.normalize_embeddings)
         self._sched.embedder = self._embedder
         if long_min:
-            self._open_side(lc, model, cparams, o, long_min, long_sms, on_device, budget, variant, payback)
+            self._open_side(lc, model, cparams, o, long_min, long_sms, identity, shared)
         self.info = replace(
             self.info, context_length=self._n_ctx_seq,
             extra={"precision": self._precision(lc), "embedding_width": str(self._embedder.width),
@@ -419,23 +424,18 @@ class LlamaCppEngine:
         )
 
     def _open_side(self, lc: Any, model: Any, cparams: Any, o: EngineConfig, long_min: int, long_sms: int,
-                   on_device: bool, budget: int, variant: str | None, payback: float) -> None:
-        """The second context and scheduler for long prompts (`long_prompt_settings`): one
-        sequence of the model's context length, its own KV (what it costs in memory), the same
-        model weights. Its CUDA streams are made while GGML_CUDA_GREEN_SMS is set, so a patched
-        build puts them in a green context of that many SMs (an unpatched one ignores it)."""
+                   identity: str, shared: dict[str, Any]) -> None:
+        """The second context and scheduler for long prompts (`long_prompt_settings`): the first
+        context's parameters (`cparams`) but one sequence of the model's context length, its own KV
+        (what it costs in memory), the same model weights; a scheduler with what the first one's
+        shares. Its CUDA streams are made while GGML_CUDA_GREEN_SMS is set, so a patched build puts
+        them in a green context of that many SMs (an unpatched one ignores it)."""
         from engines.llamacpp.batch import BatchScheduler
 
-        side = lc.llama_context_default_params()
+        side = type(cparams).from_buffer_copy(cparams)
         side.n_ctx = self._n_ctx_seq
-        side.n_batch = side.n_ubatch = o.n_batch
         side.n_seq_max = 1
         side.kv_unified = False
-        side.n_threads, side.n_threads_batch = cparams.n_threads, cparams.n_threads_batch
-        side.no_perf = True
-        side.swa_full = o.swa_full
-        if on_device:
-            side.n_outputs_max_per_seq = 1
         if long_sms:
             os.environ["GGML_CUDA_GREEN_SMS"] = str(long_sms)
         try:
@@ -444,18 +444,13 @@ class LlamaCppEngine:
                 raise ModelLoadError(f"llama.cpp could not create the long prompts' context of {side.n_ctx} tokens "
                                      f"on {o.device}")
             if warm_up_wanted(o.backend):  # its first passes make its streams (while the setting holds)
-                warm_up(ctx, o.n_batch, 1, budget, self._n_ctx_seq)
+                warm_up(ctx, o.n_batch, 1, shared["prefill_budget"], self._n_ctx_seq)
         finally:
             os.environ.pop("GGML_CUDA_GREEN_SMS", None)
         self._side_ctx = ctx
         self._long_min = long_min
-        self._side = BatchScheduler(
-            ctx=ctx, n_vocab=self._n_vocab, n_parallel=1, n_batch=o.n_batch, max_queue=o.max_queue,
-            piece=self.piece, is_eog=lambda t: lc.llama_vocab_is_eog(self._vocab, t), device_sampling=on_device,
-            draft_ngram=o.draft_ngram, draft_max=o.draft_max, draft_streams=o.draft_streams,
-            identity=self._identity(lc, variant) + "|long-prompt-context", prefill_budget=budget,
-            n_swa=self._n_swa, n_cells=self._n_ctx_seq, trim_payback=payback,
-        )
+        self._side = BatchScheduler(ctx=ctx, n_parallel=1, identity=identity + "|long-prompt-context",
+                                    n_cells=self._n_ctx_seq, **shared)
         log.info("llama.cpp: prompts of %d uncached tokens or more beside running requests go to a second "
                  "context%s", long_min, f" of {long_sms} SMs" if long_sms else "")
 
