@@ -135,24 +135,23 @@ def main() -> int:
             decode(serve, batch)
             pos[s] = a.stream_prompt
 
+    def prefill(ctx, b, seq: int, chunk: int) -> float:
+        """The prompt alone into sequence `seq` of `ctx`, in passes of `chunk`: its seconds."""
+        t = time.perf_counter()
+        for i in range(0, a.prompt, chunk):
+            part = tokens[i:i + chunk]
+            fill(b, [(seq, i, part, i + len(part) == a.prompt)])
+            decode(ctx, b)
+        return time.perf_counter() - t
+
     def prefill_side(ctx=None) -> float:
         ctx = ctx or side
         lc.llama_memory_clear(lc.llama_get_memory(ctx), True)
-        t = time.perf_counter()
-        for i in range(0, a.prompt, a.chunk):
-            part = tokens[i:i + a.chunk]
-            fill(side_batch, [(0, i, part, i + len(part) == a.prompt)])
-            decode(ctx, side_batch)
-        return time.perf_counter() - t
+        return prefill(ctx, side_batch, 0, a.chunk)
 
     def prefill_serving() -> float:
         """The prompt alone in the serving context, in passes of its batch (512), no streams."""
-        t = time.perf_counter()
-        for i in range(0, a.prompt, 512):
-            part = tokens[i:i + 512]
-            fill(batch, [(long_seq, i, part, i + len(part) == a.prompt)])
-            decode(serve, batch)
-        took = time.perf_counter() - t
+        took = prefill(serve, batch, long_seq, 512)
         lc.llama_memory_seq_rm(lc.llama_get_memory(serve), long_seq, -1, -1)
         return took
 
