@@ -309,40 +309,94 @@ async def loop_lag(lags: list[tuple[float, float]], tick: float = 0.002) -> None
         lags.append((now, (now - t - tick) * 1000))
 
 
-async def interference(url: str, model: str, streams: int, long_words: int) -> dict[str, float]:
-    async with httpx.AsyncClient(timeout=1800, limits=NO_KEEPALIVE) as client:
-        alone = await ask(client, url, model, [{"role": "user", "content": text_of(long_words, 7)}], 1)
-        stamps_of: list[list[float]] = [[] for _ in range(streams)]
-        running = [asyncio.create_task(ask(client, url, model, [{"role": "user", "content": f"Story {i}: once upon a time"}],
-                                           4096, ignore_eos=True, stamps=stamps_of[i])) for i in range(streams)]
-        lags: list[tuple[float, float]] = []
-        watch = asyncio.create_task(loop_lag(lags))
-        long_text = text_of(long_words, 8)
-        await asyncio.sleep(3.0)  # all streams decoding
-        t0 = time.perf_counter()
-        beside = await ask(client, url, model, [{"role": "user", "content": long_text}], 1)
-        t1 = t0 + beside.ttft
-        await asyncio.sleep(2.0)
-        watch.cancel()
-        for task in running:
-            task.cancel()
-        await asyncio.gather(watch, *running, return_exceptions=True)
-    late_during = [ms for when, ms in lags if t0 <= when <= t1]
-    # Inter-token gaps of the running streams while the long prompt was prefilled, and before it.
-    during: list[float] = []
-    before: list[float] = []
-    for st in stamps_of:
-        for a, b in zip(st, st[1:], strict=False):
-            (during if t0 <= b <= t1 else before if b < t0 else []).append((b - a) * 1000)
-    return {"alone_ttft_ms": alone.ttft * 1000, "beside_ttft_ms": beside.ttft * 1000,
-            "ttft_ratio": beside.ttft / alone.ttft, "prompt_tokens": beside.prompt_tokens,
-            "itl_before_p50_ms": statistics.median(before) if before else float("nan"),
-            "itl_during_p50_ms": statistics.median(during) if during else float("nan"),
-            "itl_during_p99_ms": pct(during, 0.99), "itl_during_max_ms": max(during) if during else float("nan"),
-            "gaps_during": len(during),
-            # How late the client's own event loop woke while the prompt was prefilled (its worst):
-            # a stall of the client would show in every stream's gaps at once.
-            "client_loop_late_max_ms": max(late_during, default=float("nan"))}
+def _ask_alone_process(url: str, model: str, text: str) -> tuple[float, float, int]:
+    """In a process of its own: one streamed request of `text`; (when sent, TTFT s, prompt tokens).
+    perf_counter is CLOCK_MONOTONIC, one clock for every process of the machine."""
+    async def go() -> tuple[float, float, int]:
+        async with httpx.AsyncClient(timeout=1800, limits=NO_KEEPALIVE) as client:
+            t0 = time.perf_counter()
+            r = await ask(client, url, model, [{"role": "user", "content": text}], 1)
+            return t0, r.ttft, r.prompt_tokens
+    return asyncio.run(go())
+
+
+async def interference(url: str, model: str, streams: int, long_words: int, rounds: int = 1,
+                       senders: tuple[str, ...] = ("process",)) -> list[dict[str, Any]]:
+    """`streams` streams decoding; then `rounds` long prompts (each its own text), one at a time,
+    sent in turn by each of `senders`: 'loop', the streams' own client (one event loop reads the
+    streams and sends the prompt), or 'process', a client in a process of its own (as another app
+    would send it). One result per round."""
+    import concurrent.futures
+    import gc
+    import multiprocessing
+
+    pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+    loop = asyncio.get_running_loop()
+    await loop.run_in_executor(pool, time.perf_counter)  # the process started before anything is timed
+    gc_pauses: list[tuple[float, float]] = []  # (when it ended, ms) of this process's collections
+    gc_started = [0.0]
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            gc_started[0] = time.perf_counter()
+        else:
+            gc_pauses.append((time.perf_counter(), (time.perf_counter() - gc_started[0]) * 1000))
+
+    gc.callbacks.append(on_gc)
+    out: list[dict[str, Any]] = []
+    try:
+        async with httpx.AsyncClient(timeout=1800, limits=NO_KEEPALIVE) as client:
+            alone = await ask(client, url, model, [{"role": "user", "content": text_of(long_words, 7)}], 1)
+            stamps_of: list[list[float]] = [[] for _ in range(streams)]
+            running = [asyncio.create_task(ask(client, url, model,
+                                               [{"role": "user", "content": f"Story {i}: once upon a time"}],
+                                               4096, ignore_eos=True, stamps=stamps_of[i])) for i in range(streams)]
+            lags: list[tuple[float, float]] = []
+            watch = asyncio.create_task(loop_lag(lags))
+            await asyncio.sleep(3.0)  # all streams decoding
+            windows: list[tuple[str, float, float, int]] = []
+            for k in range(rounds):
+                sender = senders[k % len(senders)]
+                long_text = text_of(long_words, 8 + k)  # a prompt no sequence holds yet
+                if sender == "loop":
+                    t0 = time.perf_counter()
+                    beside = await ask(client, url, model, [{"role": "user", "content": long_text}], 1)
+                    ttft, tokens = beside.ttft, beside.prompt_tokens
+                else:
+                    t0, ttft, tokens = await loop.run_in_executor(pool, _ask_alone_process, url, model, long_text)
+                windows.append((sender, t0, ttft, tokens))
+                await asyncio.sleep(2.0)
+            watch.cancel()
+            for task in running:
+                task.cancel()
+            await asyncio.gather(watch, *running, return_exceptions=True)
+    finally:
+        gc.callbacks.remove(on_gc)
+        pool.shutdown()
+    first_t0 = windows[0][1]
+    for sender, t0, ttft, tokens in windows:
+        t1 = t0 + ttft
+        # Inter-token gaps of the running streams while the long prompt was prefilled, and before
+        # the first long prompt.
+        during: list[float] = []
+        before: list[float] = []
+        for st in stamps_of:
+            for a, b in zip(st, st[1:], strict=False):
+                if t0 <= b <= t1:
+                    during.append((b - a) * 1000)
+                elif b < first_t0:
+                    before.append((b - a) * 1000)
+        out.append({"sender": sender, "alone_ttft_ms": alone.ttft * 1000, "beside_ttft_ms": ttft * 1000,
+                    "ttft_ratio": ttft / alone.ttft, "prompt_tokens": tokens,
+                    "itl_before_p50_ms": statistics.median(before) if before else float("nan"),
+                    "itl_during_p50_ms": statistics.median(during) if during else float("nan"),
+                    "itl_during_p99_ms": pct(during, 0.99), "itl_during_max_ms": max(during) if during else float("nan"),
+                    "gaps_during": len(during),
+                    # How late the streams' client's event loop woke while the prompt was prefilled, and its
+                    # longest garbage collection then: a stall of the client shows in every stream's gaps at once.
+                    "client_loop_late_max_ms": max((ms for when, ms in lags if t0 <= when <= t1), default=float("nan")),
+                    "client_gc_max_ms": max((ms for when, ms in gc_pauses if t0 <= when <= t1), default=0.0)})
+    return out
 
 
 def main() -> int:
@@ -380,6 +434,11 @@ def main() -> int:
                     help="together part: words of the shared system prompt (1000: ~1.4k SmolLM2 tokens)")
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--long-words", type=int, default=12000, help="~16k tokens")
+    ap.add_argument("--rounds", type=int, default=1, help="interference part: long prompts, one after another, "
+                    "per server (each its own text, 2 s apart, the streams decoding throughout)")
+    ap.add_argument("--long-sender", default="process", help="interference part: who sends the long prompts, in "
+                    "turn: 'process' (a client of its own, as another app) and/or 'loop' (the streams' own client), "
+                    "e.g. 'process,loop'")
     ap.add_argument("--budgets", default="64,256", help="gateway prefill budgets to compare")
     ap.add_argument("--unified-budgets", default="", help="interference part: also the gateway with one KV cache "
                     "shared by its sequences (models.yaml kv_unified, llama-server's layout) at these budgets")
@@ -479,11 +538,13 @@ def main() -> int:
                                    "--prefix-cache", "0", name=name, env=env))
         servers.append(llama_server(bin_dir, str(reg.resolve(long_spec, "gguf")), args.streams + 1,
                                     long_spec.context_length, long_spec.chat_template, "--cache-ram", "0", *ngl))
+        senders = tuple(x for x in args.long_sender.split(",") if x)
         for srv in chosen(servers):
             with srv:
-                r = asyncio.run(interference(srv.url, long_id, args.streams, args.long_words))
-                raw.setdefault("interference", {})[srv.name] = r
-                print(f"interference {srv.name:<24} {r}", file=sys.stderr, flush=True)
+                rs = asyncio.run(interference(srv.url, long_id, args.streams, args.long_words, args.rounds, senders))
+                raw.setdefault("interference", {})[srv.name] = rs
+                for r in rs:
+                    print(f"interference {srv.name:<24} {r}", file=sys.stderr, flush=True)
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
@@ -527,13 +588,18 @@ def main() -> int:
     if "interference" in raw:
         print(f"\nPrefill interference: {args.streams} streams decoding while a long prompt arrives "
               f"({args.long_model or args.model}):\n")
-        print("| server | long prompt tokens | TTFT alone ms | TTFT beside streams ms (ratio) | "
-              "streams' ITL before p50 ms | during p50 / p99 / max ms | client's loop late, max ms |")
-        print("|---|---|---|---|---|---|---|")
-        for name, r in raw["interference"].items():
-            print(f"| {name} | {r['prompt_tokens']} | {r['alone_ttft_ms']:.0f} | {r['beside_ttft_ms']:.0f} "
-                  f"({r['ttft_ratio']:.2f}) | {r['itl_before_p50_ms']:.1f} | {r['itl_during_p50_ms']:.1f} / "
-                  f"{r['itl_during_p99_ms']:.1f} / {r['itl_during_max_ms']:.1f} | {r['client_loop_late_max_ms']:.1f} |")
+        print("Sent by: 'loop', the streams' own client; 'process', a client in a process of its own. "
+              "Client: how late the streams' client's event loop woke, and its longest garbage collection, "
+              "during the prefill.\n")
+        print("| server | round, sent by | long prompt tokens | TTFT alone ms | TTFT beside streams ms (ratio) | "
+              "streams' ITL before p50 ms | during p50 / p99 / max ms | client: loop late / GC, max ms |")
+        print("|---|---|---|---|---|---|---|---|")
+        for name, rs in raw["interference"].items():
+            for k, r in enumerate(rs, 1):
+                print(f"| {name} | {k}, {r['sender']} | {r['prompt_tokens']} | {r['alone_ttft_ms']:.0f} | "
+                      f"{r['beside_ttft_ms']:.0f} ({r['ttft_ratio']:.2f}) | {r['itl_before_p50_ms']:.1f} | "
+                      f"{r['itl_during_p50_ms']:.1f} / {r['itl_during_p99_ms']:.1f} / {r['itl_during_max_ms']:.1f} | "
+                      f"{r['client_loop_late_max_ms']:.1f} / {r['client_gc_max_ms']:.1f} |")
     if args.json:
         Path(args.json).write_text(json.dumps(raw, indent=2, default=str))
     return 0

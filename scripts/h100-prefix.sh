@@ -16,6 +16,8 @@
 #                                    (interference: BUDGETS=256,512 UNIFIED_BUDGETS=256,512 to choose; VARIANT and
 #                                    VARIANT2 add gateways with that environment at the first budget, e.g.
 #                                    'long prompts, 120 SMs:GATEWAY_LONG_PROMPT_TOKENS=4096,GATEWAY_LONG_PROMPT_SMS=120')
+#                                    (interference: ROUNDS=4 long prompts per server, SENDER=process,loop: sent in
+#                                    turn by a client process of their own / the streams' client; default 1, process)
 #                                    (both: ONLY='name;name' runs only those servers; BENCH_LOG_LEVEL=debug
 #                                    brings back each server's log, the engine's pass-by-pass lines, gzipped)
 #   scripts/h100-prefix.sh probe     benchmarks/probe_two_contexts.py: the long prompt prefilled in a second
@@ -98,8 +100,9 @@ interference)
   python3 benchmarks/bench_prefix_cache.py --backend cuda --server-bin "$W/build/bin" --config "$W/models.yaml" \
     --parts interference --model llama3-8b-random --long-model llama3-8b-random-13k --streams 32 \
     --long-words 9000 --budgets "${BUDGETS:-512,2048}" --unified-budgets "${UNIFIED_BUDGETS:-}" --only "${ONLY:-}" \
+    --rounds "${ROUNDS:-1}" --long-sender "${SENDER:-process}" \
     ${VARIANT:+--gateway-variant "$VARIANT"} ${VARIANT2:+--gateway-variant "$VARIANT2"} \
-    --json "$OUT/interference${TAG:-}.json" 2>&1 | tail -16 | tee "$OUT/interference${TAG:-}.md"
+    --json "$OUT/interference${TAG:-}.json" 2>&1 | tail -$((14 + ${ROUNDS:-1} * 6)) | tee "$OUT/interference${TAG:-}.md"
   logs_back
   ;;
 memory)
