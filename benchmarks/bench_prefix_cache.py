@@ -73,6 +73,7 @@ class Server:
     port: int = 0
     proc: subprocess.Popen[bytes] | None = None
     log: Path | None = None  # the server's output
+    extra_body: dict[str, Any] = field(default_factory=dict)  # what its requests add (interference part)
 
     @property
     def url(self) -> str:
@@ -145,7 +146,8 @@ def llama_server(bin_dir: str, model_path: str, parallel: int, ctx: int, templat
         path = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-template-{abs(hash(template))}.jinja"
         path.write_text(template)
         cmd += ["--jinja", "--chat-template-file", str(path)]
-    return Server(name, cmd)
+    # Its own per-chunk count of generated tokens (the gateway's: stream_options.continuous_usage_stats).
+    return Server(name, cmd, extra_body={"timings_per_token": True})
 
 
 @dataclass
@@ -158,11 +160,16 @@ class Reply:
 
 
 async def ask(client: httpx.AsyncClient, url: str, model: str, messages: list[dict[str, str]], max_tokens: int,
-              ignore_eos: bool = False, stamps: list[float] | None = None) -> Reply:
-    """One streamed chat request; `stamps` (when given) collects token arrival times even if the
-    request is cancelled."""
+              ignore_eos: bool = False, stamps: list[float] | None = None, counts: list[int] | None = None,
+              extra: dict[str, Any] | None = None) -> Reply:
+    """One streamed chat request; `stamps` (when given) collects the arrival times of the chunks with
+    text even if the request is cancelled, and `counts` the tokens generated up to each (a chunk can
+    carry several tokens' text: one that ends inside a UTF-8 character sends none). The count comes
+    from the gateway's per-chunk usage (vLLM's continuous_usage_stats) or llama-server's per-chunk
+    timings (timings_per_token)."""
     body: dict[str, Any] = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-                            "stream": True, "stream_options": {"include_usage": True}}
+                            "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+                            **(extra or {})}
     if ignore_eos:
         body["ignore_eos"] = True
     t0 = time.perf_counter()
@@ -184,6 +191,9 @@ async def ask(client: httpx.AsyncClient, url: str, model: str, messages: list[di
                 if piece:
                     stamps.append(time.perf_counter())
                     text.append(piece)
+                    if counts is not None:
+                        counts.append(int((chunk.get("usage") or {}).get("completion_tokens")
+                                          or (chunk.get("timings") or {}).get("predicted_n") or 0))
     details = usage.get("prompt_tokens_details") or {}
     cached = details.get("cached_tokens")
     if cached is None and "cache_n" in timings:  # llama-server's own field
@@ -321,7 +331,7 @@ def _ask_alone_process(url: str, model: str, text: str) -> tuple[float, float, i
 
 
 async def interference(url: str, model: str, streams: int, long_words: int, rounds: int = 1,
-                       senders: tuple[str, ...] = ("process",)) -> list[dict[str, Any]]:
+                       senders: tuple[str, ...] = ("process",), extra: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """`streams` streams decoding; then `rounds` long prompts (each its own text), one at a time,
     sent in turn by each of `senders`: 'loop', the streams' own client (one event loop reads the
     streams and sends the prompt), or 'process', a client in a process of its own (as another app
@@ -348,9 +358,12 @@ async def interference(url: str, model: str, streams: int, long_words: int, roun
         async with httpx.AsyncClient(timeout=1800, limits=NO_KEEPALIVE) as client:
             alone = await ask(client, url, model, [{"role": "user", "content": text_of(long_words, 7)}], 1)
             stamps_of: list[list[float]] = [[] for _ in range(streams)]
+            counts_of: list[list[int]] = [[] for _ in range(streams)]
             running = [asyncio.create_task(ask(client, url, model,
                                                [{"role": "user", "content": f"Story {i}: once upon a time"}],
-                                               4096, ignore_eos=True, stamps=stamps_of[i])) for i in range(streams)]
+                                               4096, ignore_eos=True, stamps=stamps_of[i], counts=counts_of[i],
+                                               extra=extra))
+                       for i in range(streams)]
             lags: list[tuple[float, float]] = []
             watch = asyncio.create_task(loop_lag(lags))
             await asyncio.sleep(3.0)  # all streams decoding
@@ -378,20 +391,31 @@ async def interference(url: str, model: str, streams: int, long_words: int, roun
         t1 = t0 + ttft
         # Inter-token gaps of the running streams while the long prompt was prefilled, and before
         # the first long prompt.
+        # Per token: a chunk that brings k tokens' text after a gap counts k gaps of gap/k (the
+        # tokens' own times are not seen); per chunk as the client sees text, in the JSON too.
         during: list[float] = []
         before: list[float] = []
-        for st in stamps_of:
-            for a, b in zip(st, st[1:], strict=False):
+        chunks_during: list[float] = []
+        unknown = 0
+        for st, cs in zip(stamps_of, counts_of, strict=True):
+            for (a, ca), (b, cb) in zip(zip(st, cs, strict=True), zip(st[1:], cs[1:], strict=True), strict=False):
+                k = cb - ca if ca and cb > ca else 1
+                unknown += not (ca and cb > ca)
+                gaps = [(b - a) * 1000 / k] * k
                 if t0 <= b <= t1:
-                    during.append((b - a) * 1000)
+                    during += gaps
+                    chunks_during.append((b - a) * 1000)
                 elif b < first_t0:
-                    before.append((b - a) * 1000)
+                    before += gaps
         out.append({"sender": sender, "alone_ttft_ms": alone.ttft * 1000, "beside_ttft_ms": ttft * 1000,
                     "ttft_ratio": ttft / alone.ttft, "prompt_tokens": tokens,
                     "itl_before_p50_ms": statistics.median(before) if before else float("nan"),
                     "itl_during_p50_ms": statistics.median(during) if during else float("nan"),
                     "itl_during_p99_ms": pct(during, 0.99), "itl_during_max_ms": max(during) if during else float("nan"),
                     "gaps_during": len(during),
+                    "chunk_itl_during_p99_ms": pct(chunks_during, 0.99),
+                    "chunk_itl_during_max_ms": max(chunks_during, default=float("nan")),
+                    "gaps_without_token_count": unknown,
                     # How late the streams' client's event loop woke while the prompt was prefilled, and its
                     # longest garbage collection then: a stall of the client shows in every stream's gaps at once.
                     "client_loop_late_max_ms": max((ms for when, ms in lags if t0 <= when <= t1), default=float("nan")),
@@ -541,7 +565,8 @@ def main() -> int:
         senders = tuple(x for x in args.long_sender.split(",") if x)
         for srv in chosen(servers):
             with srv:
-                rs = asyncio.run(interference(srv.url, long_id, args.streams, args.long_words, args.rounds, senders))
+                rs = asyncio.run(interference(srv.url, long_id, args.streams, args.long_words, args.rounds, senders,
+                                              srv.extra_body))
                 raw.setdefault("interference", {})[srv.name] = rs
                 for r in rs:
                     print(f"interference {srv.name:<24} {r}", file=sys.stderr, flush=True)
@@ -591,14 +616,19 @@ def main() -> int:
         print("Sent by: 'loop', the streams' own client; 'process', a client in a process of its own. "
               "Client: how late the streams' client's event loop woke, and its longest garbage collection, "
               "during the prefill.\n")
+        print("ITL per token (a chunk with k tokens' text after a gap counts k gaps of gap/k); per chunk: as the "
+              "client sees text arrive (a token that ends inside a UTF-8 character brings none: random weights "
+              "write many).\n")
         print("| server | round, sent by | long prompt tokens | TTFT alone ms | TTFT beside streams ms (ratio) | "
-              "streams' ITL before p50 ms | during p50 / p99 / max ms | client: loop late / GC, max ms |")
-        print("|---|---|---|---|---|---|---|---|")
+              "streams' ITL before p50 ms | during p50 / p99 / max ms | per chunk: during p99 / max ms | "
+              "client: loop late / GC, max ms |")
+        print("|---|---|---|---|---|---|---|---|---|")
         for name, rs in raw["interference"].items():
             for k, r in enumerate(rs, 1):
                 print(f"| {name} | {k}, {r['sender']} | {r['prompt_tokens']} | {r['alone_ttft_ms']:.0f} | "
                       f"{r['beside_ttft_ms']:.0f} ({r['ttft_ratio']:.2f}) | {r['itl_before_p50_ms']:.1f} | "
                       f"{r['itl_during_p50_ms']:.1f} / {r['itl_during_p99_ms']:.1f} / {r['itl_during_max_ms']:.1f} | "
+                      f"{r['chunk_itl_during_p99_ms']:.1f} / {r['chunk_itl_during_max_ms']:.1f} | "
                       f"{r['client_loop_late_max_ms']:.1f} / {r['client_gc_max_ms']:.1f} |")
     if args.json:
         Path(args.json).write_text(json.dumps(raw, indent=2, default=str))

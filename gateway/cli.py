@@ -7,6 +7,7 @@ import logging
 import sys
 from pathlib import Path
 
+from engines import gcpause
 from gateway.host.functional_check import CheckCache
 from gateway.host.hardware import probe_host
 from gateway.host.selection import Preference, SelectionError, plan
@@ -90,6 +91,7 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     log.info("serving %s at http://%s:%d/v1; %s", default.id, settings.host, settings.port, where)
+    gcpause.settle()  # imports, schemas and routes stay; later collections do not walk them
     if not run(app, settings.host, settings.port, settings.log_level.lower(), settings.drain_timeout):
         print(f"error: {app.state.startup_error or 'the server did not start (see the log above)'}", file=sys.stderr)
         return 2

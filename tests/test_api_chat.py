@@ -76,6 +76,30 @@ def test_include_usage(client: openai.OpenAI) -> None:
     assert 1 <= len(content_chunks) <= 7
 
 
+def test_continuous_usage_stats_count_every_token(client: openai.OpenAI) -> None:
+    """vLLM's stream_options.continuous_usage_stats: each chunk says how many tokens were generated
+    up to it (a chunk can carry several tokens' text), so a client can time tokens, not chunks."""
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(chat(client, max_tokens=9, stream=True, stream_options=opts))
+    final = chunks[-1].usage
+    assert chunks[-1].choices == [] and final is not None and final.completion_tokens == 9
+    body = [c for c in chunks[:-1] if c.choices]
+    assert all(c.usage is not None for c in body)
+    counts = [c.usage.completion_tokens for c in body if c.usage and c.choices[0].delta.content]
+    assert counts == sorted(set(counts)) and 1 <= counts[0] and counts[-1] <= 9
+    assert all(c.usage and c.usage.prompt_tokens == final.prompt_tokens for c in body)
+    assert body[-1].usage is not None and body[-1].usage.completion_tokens == 9  # the finish chunk
+    text = "".join(c.choices[0].delta.content or "" for c in body)
+    assert text == chat(client, max_tokens=9).choices[0].message.content
+    # Without include_usage it asks for nothing (as vLLM), and completions take it too.
+    plain = list(chat(client, max_tokens=3, stream=True, stream_options={"continuous_usage_stats": True}))
+    assert all(c.usage is None for c in plain)
+    done = list(client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=5, temperature=0,
+                                          stream=True, stream_options=opts))  # type: ignore[arg-type]
+    seen = [c.usage.completion_tokens for c in done[:-1] if c.usage]
+    assert len(seen) == len(done) - 1 and seen[-1] == 5 and seen == sorted(seen)
+
+
 def test_seed_determinism(client: openai.OpenAI) -> None:
     a = chat(client, temperature=1.0, seed=1234, max_tokens=24).choices[0].message.content
     b = chat(client, temperature=1.0, seed=1234, max_tokens=24).choices[0].message.content

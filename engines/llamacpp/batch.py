@@ -1207,7 +1207,8 @@ class BatchScheduler:
             slot.pending = token
             if self._draft_ngram:
                 self._remember(slot, token)
-            job.emit(TokenEvent(text=text, token_ids=(token,), logprobs=logprobs))
+            job.emit(TokenEvent(text=text, token_ids=(token,), logprobs=logprobs,
+                                prompt_tokens=len(job.prompt_ids) - job.resumed if slot.n_generated == 1 else 0))
             return True
         text += slot.stopper.push(slot.detok.flush()) + slot.stopper.flush()
         usage = Usage(

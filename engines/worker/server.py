@@ -24,6 +24,7 @@ import ssl
 import sys
 from typing import Any
 
+from engines import gcpause
 from engines.base import Engine, EngineError, GenerationRequest
 from engines.registry import create_engine
 from engines.worker import wire
@@ -158,6 +159,7 @@ async def serve_local(sock: socket.socket) -> None:
         await writer.drain()
         writer.close()
         return
+    gcpause.settle()  # what loading made stays; later collections do not walk it
     writer.write(wire.frame(wire.Ready(engine.info, os.getpid())))
     try:
         await Session(engine, reader, writer).serve()

@@ -23,6 +23,7 @@ from gateway.api.openai.protocol import (
     ErrorResponse,
     ModelCard,
     ModelList,
+    StreamOptions,
 )
 from gateway.api.serving import Prepared, model_spec
 from gateway.api.sse import sse_response, until_disconnect
@@ -115,13 +116,15 @@ def openapi_schema(app: Any, extra_models: tuple[type[Any], ...] = (ChatCompleti
 
 
 async def _respond(
-    request: Request, service: ChatService | CompletionService, p: Prepared, model: str, stream: bool, include_usage: bool
+    request: Request, service: ChatService | CompletionService, p: Prepared, model: str, stream: bool,
+    options: StreamOptions | None,
 ) -> Response:
     try:
         if not stream:
             body = await until_disconnect(request, service.complete(p, model))
             return Response(body.model_dump_json(), media_type="application/json", headers=p.headers)
-        frames = service.stream(p, model, include_usage)
+        frames = service.stream(p, model, bool(options and options.include_usage),
+                                bool(options and options.continuous_usage_stats))
         # Wait for the first token before sending headers: errors found before it (context too long,
         # queue full) still get a proper status, and clients measure an honest time to first token.
         first = await until_disconnect(request, anext(frames))
@@ -138,8 +141,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     service: ChatService = request.app.state.chat
     p = await until_disconnect(request, service.prepare_chat(body, received))
     request.state.observer = p.observer
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return await _respond(request, service, p, body.model, body.stream, include_usage)
+    return await _respond(request, service, p, body.model, body.stream, body.stream_options)
 
 
 @router.post("/v1/completions", response_model=None, responses=_generation_responses(Completion, Completion))
@@ -148,8 +150,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     service: CompletionService = request.app.state.completions
     p = await until_disconnect(request, service.prepare_completion(body, received))
     request.state.observer = p.observer
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return await _respond(request, service, p, body.model, body.stream, include_usage)
+    return await _respond(request, service, p, body.model, body.stream, body.stream_options)
 
 
 def _card(request: Request, spec: Any) -> ModelCard:

@@ -117,6 +117,9 @@ class Prepared:
     # How each choice's engine stream is opened (with failover); None: the engine's own generate.
     stream: Callable[[GenerationRequest], AsyncIterator[TokenEvent]] | None = None
     failovers: int = 0  # the most times a choice continued on another engine (X-Failover)
+    # Counted as the events pass (per-chunk usage, stream_options.continuous_usage_stats):
+    generated: dict[int, int] = field(default_factory=dict)  # tokens so far, per choice
+    prompt_tokens: int = 0  # the prompt's tokens, once an engine said (its first or last event)
 
     @property
     def headers(self) -> dict[str, str]:
@@ -149,6 +152,11 @@ class Prepared:
                 if ev.usage is not None and ev.usage.failovers > self.failovers:
                     self.failovers = ev.usage.failovers
                 self.observer.on_event(i, ev)
+                self.generated[i] = self.generated.get(i, 0) + len(ev.token_ids)
+                if ev.usage is not None:
+                    self.prompt_tokens = ev.usage.prompt_tokens
+                elif ev.prompt_tokens and not self.prompt_tokens:
+                    self.prompt_tokens = ev.prompt_tokens
                 if finish is None and ev.finish_reason is not None:
                     finish = ev.finish_reason
                 if i == 0 and self.on_complete is not None:

@@ -8,7 +8,14 @@ from dataclasses import replace
 
 from engines.base import TokenEvent, Usage
 from gateway.api.errors import invalid
-from gateway.api.openai.common import TextChunk, chat_logprobs, check_stream_options, sampling, usage_out
+from gateway.api.openai.common import (
+    TextChunk,
+    chat_logprobs,
+    check_stream_options,
+    sampling,
+    usage_out,
+    usage_so_far,
+)
 from gateway.api.openai.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -127,15 +134,20 @@ class ChatService(Service):
                                       logprobs=ChoiceLogprobs(content=chat_logprobs(tuple(c.tokens[i]))) if want_lp else None))
         return ChatCompletion(id=p.response_id, created=p.created, model=model, choices=choices, usage=usage_out(c.usages))
 
-    async def stream(self, p: Prepared, model: str, include_usage: bool) -> AsyncIterator[str]:
+    async def stream(self, p: Prepared, model: str, include_usage: bool,
+                     continuous_usage: bool = False) -> AsyncIterator[str]:
         """Chunks of the answer: text as content; a tool call's id, type and name once, then its
-        arguments in fragments (their concatenation is exactly the final arguments text)."""
+        arguments in fragments (their concatenation is exactly the final arguments text).
+        `continuous_usage` (with `include_usage`): each choice's chunk carries its usage so far."""
         started: set[int] = set()
         usages: list[Usage] = []
         want_lp = p.requests[0].sampling.logprobs
         last: dict[int, TokenEvent] = {}
+        continuous_usage = continuous_usage and include_usage
 
         def chunk(choices: list[ChunkChoice], usage: UsageOut | None = None) -> str:
+            if usage is None and continuous_usage and choices:
+                usage = usage_so_far(p, choices[0].index)
             c = ChatCompletionChunk(id=p.response_id, created=p.created, model=model, choices=choices, usage=usage)
             return c.model_dump_json(exclude=None if include_usage else {"usage"})
 
@@ -165,7 +177,7 @@ class ChatService(Service):
                     lp = ChoiceLogprobs(content=chat_logprobs(ev.logprobs))
                 last[i] = ev
                 if isinstance(e, TextDelta):
-                    if not first and lp is None:
+                    if not first and lp is None and not continuous_usage:
                         if e.text:
                             yield text_chunk(i, e.text)
                         continue

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engines.base import SamplingParams, TokenLogprob, Usage
 from gateway.api.errors import invalid
@@ -19,6 +19,9 @@ from gateway.api.openai.protocol import (
     UsageOut,
 )
 from gateway.models.registry import ModelSpec
+
+if TYPE_CHECKING:
+    from gateway.api.serving import Prepared
 
 # OpenAI has no top_k; like llama-server and Ollama we cut to the 40 likeliest tokens unless the
 # request or models.yaml says otherwise (top_k: 0 turns it off). Besides being their default, it
@@ -75,6 +78,13 @@ def chat_logprobs(items: tuple[TokenLogprob, ...]) -> list[TokenLogprobOut]:
         )
         for t in items
     ]
+
+
+def usage_so_far(p: Prepared, choice: int) -> UsageOut:
+    """One choice's usage up to the chunk being sent (vLLM's continuous_usage_stats): the tokens it
+    has generated; the prompt's once the engine has said (llama.cpp: with the first token)."""
+    done = p.generated.get(choice, 0)
+    return UsageOut(prompt_tokens=p.prompt_tokens, completion_tokens=done, total_tokens=p.prompt_tokens + done)
 
 
 def usage_out(usages: list[Usage]) -> UsageOut:

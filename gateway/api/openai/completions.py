@@ -8,7 +8,7 @@ from dataclasses import replace
 
 from engines.base import GenerationRequest, TokenLogprob, Usage
 from gateway.api.errors import invalid
-from gateway.api.openai.common import check_stream_options, sampling, usage_out
+from gateway.api.openai.common import check_stream_options, sampling, usage_out, usage_so_far
 from gateway.api.openai.protocol import (
     Completion,
     CompletionChoice,
@@ -54,12 +54,16 @@ class CompletionService(Service):
         ]
         return Completion(id=p.response_id, created=p.created, model=model, choices=choices, usage=usage_out(c.usages))
 
-    async def stream(self, p: Prepared, model: str, include_usage: bool) -> AsyncIterator[str]:
+    async def stream(self, p: Prepared, model: str, include_usage: bool,
+                     continuous_usage: bool = False) -> AsyncIterator[str]:
         usages: list[Usage] = []
         want_lp = p.requests[0].sampling.logprobs
         offsets = [0] * len(p.requests)
+        continuous_usage = continuous_usage and include_usage
 
         def chunk(choices: list[CompletionChoice], usage: UsageOut | None = None) -> str:
+            if usage is None and continuous_usage and choices:
+                usage = usage_so_far(p, choices[0].index)
             c = Completion(id=p.response_id, created=p.created, model=model, choices=choices, usage=usage)
             return c.model_dump_json(exclude=None if include_usage else {"usage"})
 

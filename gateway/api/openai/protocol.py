@@ -53,6 +53,9 @@ class ChatMessageIn(_Request):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    # vLLM's extension: with include_usage, every chunk carries the usage so far (the tokens
+    # generated up to it; a chunk may carry several tokens' text, or none of a token's).
+    continuous_usage_stats: bool = False
 
 
 class JsonSchemaFormat(_Request):
