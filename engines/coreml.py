@@ -272,7 +272,8 @@ class CoreMLEngine:
                 elif len(generated) >= max_new:
                     finish = "length"
             if finish is None:
-                channel.emit(TokenEvent(text=text, token_ids=(token,), logprobs=logprobs))
+                channel.emit(TokenEvent(text=text, token_ids=(token,), logprobs=logprobs,
+                                        prompt_tokens=len(prompt) if len(generated) == 1 else 0))
                 row = self._predict([token], len(prompt) + len(generated), state)[-1]
                 continue
             usage = Usage(prompt_tokens=len(prompt), completion_tokens=len(generated), queue_seconds=job.queue_seconds)

@@ -317,7 +317,8 @@ class OrtGenAIEngine:
                 elif n >= max_new:
                     finish = "length"
             if finish is None:
-                channel.emit(TokenEvent(text=text, token_ids=(token,), logprobs=logprobs))
+                channel.emit(TokenEvent(text=text, token_ids=(token,), logprobs=logprobs,
+                                        prompt_tokens=len(prompt) if n == len(resumed) + 1 else 0))
                 continue
             usage = Usage(prompt_tokens=len(prompt), completion_tokens=n, queue_seconds=job.queue_seconds)
             channel.emit(TokenEvent(

@@ -318,7 +318,8 @@ def test_an_ortgenai_worker_killed_mid_stream_does_not_end_the_stream(onnx_fp32:
         from tests.test_workers import _protocol_stream
 
         body = {"messages": [{"role": "user", "content": "Tell a long story about a lighthouse keeper."}],
-                "max_tokens": 80, "ignore_eos": True, "temperature": 0, "stream_options": {"include_usage": True}}
+                "max_tokens": 80, "ignore_eos": True, "temperature": 0,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
         reference: list[dict[str, Any]] = []
         _protocol_stream(server.url, "/v1/chat/completions", body, reference)
         worker = httpx.get(f"{server.url}/health").json()["models"][MODEL]["worker"]
@@ -338,6 +339,14 @@ def test_an_ortgenai_worker_killed_mid_stream_does_not_end_the_stream(onnx_fp32:
 
         assert text(chunks) == text(reference)
         assert chunks[-1]["usage"]["completion_tokens"] == 80 and chunks[-1]["usage"]["failovers"] == 1
+        # Every chunk's usage so far (continuous_usage_stats): the prompt's count from the first token
+        # on, the tokens counted on across the worker's death.
+        for cs in (reference, chunks):
+            final = cs[-1]["usage"]
+            body_usage = [c["usage"] for c in cs[:-1] if c["choices"]]
+            assert all(u["prompt_tokens"] == final["prompt_tokens"] > 0 for u in body_usage)
+            done = [u["completion_tokens"] for u in body_usage]
+            assert done == sorted(done) and done[-1] == 80
     finally:
         server.stop()
 
