@@ -500,6 +500,24 @@ async def _long_prompt_engine(monkeypatch: pytest.MonkeyPatch, tokens: str, para
     return e
 
 
+async def test_a_load_that_fails_part_way_frees_what_it_made(monkeypatch: pytest.MonkeyPatch) -> None:
+    from engines.base import ModelLoadError
+
+    made: list[LlamaCppEngine] = []
+
+    def no_second_context(self: LlamaCppEngine, *args: object) -> None:
+        made.append(self)
+        assert self._model is not None and self._ctx is not None and self._sched is not None
+        raise ModelLoadError("llama.cpp could not create the long prompts' context")
+
+    monkeypatch.setattr(LlamaCppEngine, "_open_side", no_second_context)
+    with pytest.raises(ModelLoadError, match="long prompts' context"):
+        await _long_prompt_engine(monkeypatch, "256", 1)
+    (e,) = made
+    assert e._model is None and e._ctx is None and e._sched is None
+    assert not e.health().ready
+
+
 async def test_a_long_prompt_beside_a_running_stream_is_prefilled_in_a_second_context(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """GATEWAY_LONG_PROMPT_TOKENS: a long prompt arriving while another request decodes is

@@ -242,6 +242,15 @@ class LlamaCppEngine:
 
     def _load_blocking(self) -> None:
         try:
+            self._load_parts()
+        except BaseException:
+            # A load that fails part-way (the long prompts' context, say) frees what it had made
+            # (the weights, the first context) now, not when the engine is closed.
+            self._close_blocking()
+            raise
+
+    def _load_parts(self) -> None:
+        try:
             import llama_cpp as lc
         except ImportError as exc:
             raise ModelLoadError(
