@@ -25,7 +25,11 @@ def repeats(tokens: list[str]) -> int:
     return len(tokens) - len(set(tokens))
 
 
-SEEDS = (1, 2, 3, 4)
+# Per seed the answer either repeats 'banana' (~40 of 48 tokens) or does not (0-7): which one can
+# flip with the KV state the shared server is in (a prefix computed in another batch differs in the
+# last bits). Twelve seeds keep the sums steady through a flip or two (fresh server, this CPU:
+# 221 repeats without a penalty; 67, 34 and 0 with the three below).
+SEEDS = tuple(range(1, 13))
 
 
 def chat_tokens(client: openai.OpenAI, seed: int, **kw: Any) -> list[str]:
@@ -54,7 +58,7 @@ def total_repeats(client: openai.OpenAI, **kw: Any) -> int:
 @pytest.fixture(scope="module")
 def baseline(client: openai.OpenAI) -> int:
     n = total_repeats(client)
-    assert n >= len(SEEDS) * N // 3, "the prompt should make the model repeat itself"
+    assert n >= len(SEEDS) * N // 5, "the prompt should make the model repeat itself"
     return n
 
 
