@@ -155,7 +155,7 @@ class TokenEvent:
     finish_reason: str | None = None
     usage: Usage | None = None
     stop_sequence: str | None = None  # the request's stop string that ended it (finish_reason "stop")
-    # On a generation's first event, where the engine knows it then (llama.cpp): the prompt's
+    # On a generation's first event, where the engine knows it then (llama.cpp, ORT GenAI, CoreML): the prompt's
     # tokens, as usage will count them; 0 otherwise (usage on the last event is the truth).
     prompt_tokens: int = 0
 

@@ -123,8 +123,9 @@ async def _respond(
         if not stream:
             body = await until_disconnect(request, service.complete(p, model))
             return Response(body.model_dump_json(), media_type="application/json", headers=p.headers)
-        frames = service.stream(p, model, bool(options and options.include_usage),
-                                bool(options and options.continuous_usage_stats))
+        # vLLM's continuous_usage_stats counts only with include_usage.
+        include = bool(options and options.include_usage)
+        frames = service.stream(p, model, include, include and bool(options and options.continuous_usage_stats))
         # Wait for the first token before sending headers: errors found before it (context too long,
         # queue full) still get a proper status, and clients measure an honest time to first token.
         first = await until_disconnect(request, anext(frames))

@@ -138,12 +138,11 @@ class ChatService(Service):
                      continuous_usage: bool = False) -> AsyncIterator[str]:
         """Chunks of the answer: text as content; a tool call's id, type and name once, then its
         arguments in fragments (their concatenation is exactly the final arguments text).
-        `continuous_usage` (with `include_usage`): each choice's chunk carries its usage so far."""
+        `continuous_usage`: each choice's chunk carries its usage so far."""
         started: set[int] = set()
         usages: list[Usage] = []
         want_lp = p.requests[0].sampling.logprobs
         last: dict[int, TokenEvent] = {}
-        continuous_usage = continuous_usage and include_usage
 
         def chunk(choices: list[ChunkChoice], usage: UsageOut | None = None) -> str:
             if usage is None and continuous_usage and choices:

@@ -59,7 +59,6 @@ class CompletionService(Service):
         usages: list[Usage] = []
         want_lp = p.requests[0].sampling.logprobs
         offsets = [0] * len(p.requests)
-        continuous_usage = continuous_usage and include_usage
 
         def chunk(choices: list[CompletionChoice], usage: UsageOut | None = None) -> str:
             if usage is None and continuous_usage and choices:
