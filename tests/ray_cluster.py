@@ -5,8 +5,8 @@ so the test process never imports it.  Token authentication is on (RAY_AUTH_MODE
 token in RAY_AUTH_TOKEN.
 
 usage: python tests/ray_cluster.py --port PORT --config MODELS_YAML [--nodes N] [--cpus C]
-Prints one JSON object per line: {"ready": ..., "address": GCS address, "nodes": [...]} first, then
-one answer per command read from stdin:
+Prints one JSON object per line behind MARK (stdout carries nothing else): {"ready": ..., "address":
+GCS address, "nodes": [...]} first, then one answer per command read from stdin:
   kill NODE_ID_PREFIX   SIGKILL that node's raylet and every process of it (a host lost)
   add                   add a node
   nodes                 the live nodes
@@ -32,6 +32,13 @@ def main() -> int:
     ap.add_argument("--gpus", type=int, default=None, help="GPUs per node (Ray detects them when unset)")
     args = ap.parse_args()
 
+    # Answers go out on a descriptor of their own; everything else this process and its children write
+    # to stdout goes to stderr.  Ray prints from threads of its own (e.g. "Raylet is terminated ..."
+    # when a node is killed), and a print of Ray's between an answer and its newline made the answer
+    # unreadable once.
+    answers = os.dup(1)  # not inherited by Ray's processes (PEP 446)
+    sys.stdout.flush()
+    os.dup2(2, 1)
     # Every node of this cluster lives on this machine: make Ray's own address detection say loopback
     # too (it otherwise picks the first interface's address for a driver or a node's components).
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -44,8 +51,8 @@ def main() -> int:
     from gateway.settings import Settings
 
     def say(**kw: object) -> None:
-        # Ray may print to stdout too: answers are the lines that start with MARK.
-        print(MARK + json.dumps(kw), flush=True)
+        # One write of the whole line: nothing else writes to this descriptor.
+        os.write(answers, (MARK + json.dumps(kw) + "\n").encode())
 
     # Every node on loopback: nothing of this cluster is reachable from another host.
     node_args: dict[str, object] = {"num_cpus": args.cpus, "include_dashboard": False, "node_ip_address": "127.0.0.1"}

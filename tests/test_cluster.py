@@ -71,8 +71,12 @@ class Cluster:
         done = threading.Event()
 
         def read() -> None:
-            answer.update(read_answer(self.proc))
-            done.set()
+            try:
+                answer.update(read_answer(self.proc))
+            except ValueError as exc:
+                answer["error"] = f"unreadable answer: {exc}"
+            finally:
+                done.set()
 
         threading.Thread(target=read, daemon=True).start()
         assert done.wait(timeout), f"no answer to {line!r}"
@@ -107,7 +111,10 @@ def read_answer(proc: subprocess.Popen[str]) -> dict[str, Any]:
     assert proc.stdout is not None
     for line in proc.stdout:
         if line.startswith(MARK):
-            answer: dict[str, Any] = json.loads(line[len(MARK):])
+            try:
+                answer: dict[str, Any] = json.loads(line[len(MARK):])
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{exc}: {line!r}") from exc
             return answer
     return {}
 
