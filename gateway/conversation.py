@@ -8,7 +8,8 @@ types only (`gateway.api.tools`), so a new protocol is one module that translate
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 Role = Literal["system", "user", "assistant", "tool"]
@@ -96,6 +97,21 @@ class Conversation:
     @property
     def uses_tool_history(self) -> bool:
         return any(t.role == "tool" or t.tool_calls for t in self.turns)
+
+
+def with_preamble(conv: Conversation, system: str | None, messages: Sequence[tuple[Role, str]]) -> Conversation:
+    """The model's own start of every chat (Ollama's SYSTEM and MESSAGE): its system prompt when the
+    request brings none, then its preset messages, then the request's turns (after the request's
+    leading system turns, which stay first where chat templates expect them)."""
+    if not system and not messages:
+        return conv
+    turns = list(conv.turns)
+    lead = 0
+    while lead < len(turns) and turns[lead].role == "system":
+        lead += 1
+    brings_own = any(t.role == "system" for t in turns)
+    head = [Turn.of("system", system)] if system and not brings_own else turns[:lead]
+    return replace(conv, turns=(*head, *(Turn.of(r, c) for r, c in messages), *turns[lead:]))
 
 
 # --- the output, as neutral events ---------------------------------------------------------------

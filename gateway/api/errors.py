@@ -65,13 +65,17 @@ class APIError(Exception):
         """(status, body) in the envelope of the protocol `path` belongs to."""
         if is_anthropic(path):
             return anthropic_error(self)
-        if path in OLLAMA_PATHS:
+        if is_ollama(path):
             return self.status, {"error": self.message}
         return self.status, self.body()
 
 
 OLLAMA_PATHS = frozenset({"/api/chat", "/api/generate", "/api/embed", "/api/embeddings", "/api/tags", "/api/show",
-                          "/api/ps", "/api/version", "/api/pull", "/api/delete"})
+                          "/api/ps", "/api/version", "/api/pull", "/api/delete", "/api/create", "/api/copy"})
+
+
+def is_ollama(path: str) -> bool:
+    return path in OLLAMA_PATHS or path.startswith("/api/blobs/")
 
 
 def is_anthropic(path: str) -> bool:

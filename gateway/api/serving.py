@@ -39,6 +39,7 @@ from gateway.conversation import (
     ReasoningDelta,
     TextDelta,
     ToolCall,
+    with_preamble,
 )
 from gateway.metrics import Metrics, RequestObserver
 from gateway.models.pool import Loaded, ModelManager
@@ -252,6 +253,7 @@ class Service:
                                    prefix: str, received: float) -> Prepared:
         """Any protocol's request, as the conversation model: the tool plan, the prompt, the output
         constraint; then a loaded engine and slots."""
+        conv = with_preamble(conv, spec.system, [(m.role, m.content) for m in spec.messages])
         skipped: tuple[str, ...] = ()
         if conv.tools and not spec.tools and (conv.tool_choice is None or conv.tool_choice.mode != "none"):
             if conv.tool_choice is not None and conv.tool_choice.mode in ("required", "named"):

@@ -160,7 +160,8 @@ def write_entry(entry: dict[str, Any], directory: Path | None = None) -> Path:
     path = entry_file(entry["id"], directory)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}.{threading.get_ident()}")
-    tmp.write_text("# Written by `gateway pull`; `gateway rm` removes it with the files it owns.\n"
+    tmp.write_text("# Written by `gateway pull` (or Ollama's /api/create); `gateway rm` removes it with the files "
+                   "it owns.\n"
                    + yaml.safe_dump(entry, sort_keys=False, allow_unicode=True, width=120))
     tmp.replace(path)
     return path
@@ -510,9 +511,24 @@ def _cached_links(repo: str, revision: str, files: list[str]) -> list[Path]:
 
 
 def remove(registry: Any, spec: Any) -> tuple[int, list[str]]:
-    """Remove the pulled model `spec`: its registry entry, and the files in the Hub cache that no
-    other model (nor another snapshot link) uses. (bytes freed, files kept because others use them)."""
-    src = spec.formats["gguf"].hf
+    """Remove the pulled or created model `spec`: its registry entry, and the files in the Hub cache
+    (or the uploaded blobs) that no other model (nor another snapshot link) uses. (bytes freed, files
+    kept because others use them)."""
+    from gateway.models.create import remove_created
+
+    freed, kept = _remove_hub_files(registry, spec)
+    freed += remove_created(registry, spec)
+    entry = registry.user_files.get(spec.id)
+    if entry is not None:
+        entry.unlink(missing_ok=True)
+        registry.refresh_user()
+    return freed, kept
+
+
+def _remove_hub_files(registry: Any, spec: Any) -> tuple[int, list[str]]:
+    src = spec.formats["gguf"].hf if "gguf" in spec.formats else None
+    if src is None:
+        return 0, []
     mine = _cached_links(src.repo, src.revision, [src.file, *src.parts])
     others: set[Path] = set()
     for other in registry.models.values():
@@ -537,10 +553,6 @@ def remove(registry: Any, spec: Any) -> tuple[int, list[str]]:
             blob.unlink()
         _marker(blob, registry.user_dir).unlink(missing_ok=True)
         _prune_empty(link.parent, stop=repo_dir / "snapshots")
-    entry = registry.user_files.get(spec.id)
-    if entry is not None:
-        entry.unlink(missing_ok=True)
-        registry.refresh_user()
     return freed, kept
 
 

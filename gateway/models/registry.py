@@ -112,7 +112,27 @@ class Defaults(_Strict):
     top_k: int | None = None
     min_p: float | None = None
     repeat_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    stop: list[str] = Field(default_factory=list, description="stop sequences when the request gives none")
     max_tokens: int | None = None
+
+
+class PresetMessage(_Strict):
+    """A message every chat with the model starts with (after the system prompt): Ollama's MESSAGE."""
+
+    role: Literal["user", "assistant", "system"]
+    content: str
+
+
+class CreatedInfo(_Strict):
+    """What Ollama's /api/create or /api/copy recorded about a model it registered (models.d/)."""
+
+    parent: str = Field(default="", description="the model it was made from (`from`, or copy's source)")
+    files: dict[str, str] = Field(default_factory=dict, description="file name -> sha256 of the uploaded blobs "
+                                  "it was made from (linked under created/<id>/)")
+    created_at: str = ""
 
 
 class EmbeddingOptions(_Strict):
@@ -271,6 +291,12 @@ class ModelSpec(_Strict):
     keep_alive: float | None = Field(default=None, description="seconds the model stays loaded after its last "
                                      "request (-1: until evicted; 0: unloaded at once); --keep-alive otherwise")
     pulled: PulledInfo | None = Field(default=None, description="set by `gateway pull` (models.d/ entries)")
+    system: str | None = Field(default=None, description="the system prompt of chats that bring none (Ollama's "
+                               "SYSTEM): every protocol's chat requests, not raw completions")
+    messages: list[PresetMessage] = Field(default_factory=list, description="messages every chat starts with, "
+                                          "after the system prompt (Ollama's MESSAGE)")
+    license: str = ""
+    created: CreatedInfo | None = Field(default=None, description="set by Ollama's /api/create and /api/copy")
 
     @field_validator("reasoning", "device_sampling", mode="before")
     @classmethod

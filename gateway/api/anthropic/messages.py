@@ -282,7 +282,7 @@ def thinking(req: MessagesRequest | CountTokensRequest) -> bool | None:
 def sampling_fields(req: MessagesRequest) -> SimpleNamespace:
     """The request's sampling settings, in the shape the shared sampler defaults expect."""
     return SimpleNamespace(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=None,
-                           repeat_penalty=None, seed=None, presence_penalty=0.0, frequency_penalty=0.0,
+                           repeat_penalty=None, seed=None, presence_penalty=None, frequency_penalty=None,
                            stop=req.stop_sequences, logit_bias=None, ignore_eos=False)
 
 

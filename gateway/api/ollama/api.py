@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from gateway.api.errors import invalid
 from gateway.api.notes import Notes
 from gateway.conversation import Conversation, Output, ToolCall, ToolSpec, Turn
+from gateway.models.create import Recipe
 from gateway.settings import parse_duration
 
 # options -> what the gateway's sampler reads; num_ctx is the model's (models.yaml), not per request.
@@ -82,6 +83,31 @@ class ModelRequest(BaseModel):
     @property
     def id(self) -> str:
         return self.model or self.name
+
+
+class CreateRequest(BaseModel):
+    """`POST /api/create` (Ollama 0.5.5 and later: fields, not a Modelfile)."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    model: str = ""
+    name: str = ""  # older clients send `name`
+    from_: str | None = Field(default=None, alias="from")
+    files: dict[str, str] | None = None
+    adapters: dict[str, str] | None = None
+    template: str | None = None
+    license: str | list[str] | None = None
+    system: str | None = None
+    parameters: dict[str, Any] | None = None
+    messages: list[dict[str, Any]] | None = None
+    quantize: str | None = None
+    modelfile: str | None = None  # the API before 0.5.5
+    stream: bool = True
+
+
+class CopyRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    source: str
+    destination: str
 
 
 # --- keep_alive ------------------------------------------------------------------------------------
@@ -202,42 +228,92 @@ def thinking(req: ChatRequest | GenerateRequest) -> bool | None:
     raise invalid(f"think must be true, false, \"high\", \"medium\" or \"low\", not {req.think!r}", param="think")
 
 
-def sampling_fields(options: dict[str, Any] | None, notes: Notes) -> tuple[SimpleNamespace, int | None]:
-    """(sampling settings in the shape the shared defaults expect, max tokens or None for no limit)."""
+def sampling_fields(options: dict[str, Any] | None, notes: Notes,
+                    where: str = "options") -> tuple[SimpleNamespace, int | None]:
+    """(sampling settings in the shape the shared defaults expect, max tokens or None for no limit).
+    `where` names the field in errors (`parameters` in /api/create)."""
     o = dict(options or {})
     for key in sorted(set(o) - _OPTIONS):
-        notes.ignored.add(f"options.{key}")
+        notes.ignored.add(f"{where}.{key}")
     if "num_ctx" in o:
-        notes.ignored.add("options.num_ctx")  # the context is the model's (models.yaml context_length)
+        notes.ignored.add(f"{where}.num_ctx")  # the context is the model's (models.yaml context_length)
 
     def num(key: str, kind: type) -> Any:
         v = o.get(key)
         if v is None:
             return None
         if isinstance(v, bool) or not isinstance(v, int | float) or (kind is int and not float(v).is_integer()):
-            raise invalid(f"options.{key} must be a {kind.__name__}", param=f"options.{key}")
+            raise invalid(f"{where}.{key} must be a {kind.__name__}", param=f"{where}.{key}")
         return kind(v)
 
     predict = num("num_predict", int)
     stop = o.get("stop")
     if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) for s in stop)):
-        raise invalid("options.stop must be a list of strings", param="options.stop")
+        raise invalid(f"{where}.stop must be a list of strings", param=f"{where}.stop")
     temperature = num("temperature", float)
     if temperature is not None and not 0 <= temperature <= 2:
-        raise invalid("options.temperature must be between 0 and 2", param="options.temperature")
+        raise invalid(f"{where}.temperature must be between 0 and 2", param=f"{where}.temperature")
     top_p = num("top_p", float)
     if top_p is not None and not 0 <= top_p <= 1:
-        raise invalid("options.top_p must be between 0 and 1", param="options.top_p")
+        raise invalid(f"{where}.top_p must be between 0 and 1", param=f"{where}.top_p")
     top_k = num("top_k", int)
     if top_k is not None and top_k < 0:
-        raise invalid("options.top_k must not be negative", param="options.top_k")
+        raise invalid(f"{where}.top_k must not be negative", param=f"{where}.top_k")
     fields = SimpleNamespace(temperature=temperature, top_p=top_p, top_k=top_k, min_p=num("min_p", float),
                              repeat_penalty=num("repeat_penalty", float), seed=num("seed", int),
-                             presence_penalty=num("presence_penalty", float) or 0.0,
-                             frequency_penalty=num("frequency_penalty", float) or 0.0, stop=stop, logit_bias=None,
+                             presence_penalty=num("presence_penalty", float),
+                             frequency_penalty=num("frequency_penalty", float), stop=stop, logit_bias=None,
                              ignore_eos=False)
     # -1: until the model stops; -2: fill the context (both: no limit here, the context bounds it).
     return fields, (predict if predict is not None and predict > 0 else None)
+
+
+def recipe(body: CreateRequest, notes: Notes) -> Recipe:
+    """What `/api/create` asks for, checked (400 for what the gateway cannot make; parameters it has no
+    sampler for are kept out and named in X-Ignored-Fields); the parent model is the route's to find."""
+    name = body.model or body.name
+    if not name:
+        raise invalid("model is required", param="model")
+    if body.modelfile is not None:
+        raise invalid("the Modelfile form of /api/create (before Ollama 0.5.5) is not served: send `from` or "
+                      "`files`, with `system`, `parameters`, `messages` (ollama >= 0.5.5 clients do)", param="modelfile")
+    if body.template:
+        raise invalid("template: Ollama's Go templates are not served; the model's own chat template (its GGUF's) is "
+                      "used, or a Jinja `chat_template` in models.yaml", param="template")
+    if body.adapters:
+        raise invalid("adapters: LoRA adapters are not served yet", param="adapters")
+    if body.quantize:
+        raise invalid("quantize: quantizing on create is not served yet (quantize with llama-quantize, then "
+                      "upload the GGUF)", param="quantize")
+    if body.from_ and body.files:
+        raise invalid("give `from` (a model) or `files` (uploaded GGUF blobs), not both", param="from")
+    params = dict(body.parameters or {})
+    if isinstance(params.get("stop"), str):
+        params["stop"] = [params["stop"]]
+    fields, predict = sampling_fields(params, notes, where="parameters")
+    notes.ignored.discard("parameters.num_ctx")
+    num_ctx = params.get("num_ctx")
+    if num_ctx is not None and (isinstance(num_ctx, bool) or not isinstance(num_ctx, int) or num_ctx < 16):
+        raise invalid("parameters.num_ctx must be an integer of at least 16", param="parameters.num_ctx")
+    defaults: dict[str, Any] = {k: getattr(fields, k) for k in (
+        "temperature", "top_p", "top_k", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty", "seed",
+        "stop") if getattr(fields, k) is not None}
+    if predict is not None:
+        defaults["max_tokens"] = predict
+    messages = None
+    if body.messages is not None:
+        messages = []
+        for i, m in enumerate(body.messages):
+            role, content = m.get("role"), m.get("content", "")
+            if role not in ("system", "user", "assistant") or not isinstance(content, str):
+                raise invalid(f"messages[{i}]: a role of system, user or assistant and a string content",
+                              param=f"messages[{i}]")
+            if set(m) - {"role", "content"}:
+                notes.ignored.update(f"messages[{i}].{k}" for k in set(m) - {"role", "content"})
+            messages.append({"role": role, "content": content})
+    license_ = "\n\n".join(body.license) if isinstance(body.license, list) else body.license
+    return Recipe(name=name, files=dict(body.files or {}), system=body.system, messages=messages, license=license_,
+                  defaults=defaults, context_length=num_ctx)
 
 
 # --- output -------------------------------------------------------------------------------------------

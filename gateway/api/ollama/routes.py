@@ -1,18 +1,22 @@
 """Ollama's routes on the gateway's port: `/api/chat`, `/api/generate` (NDJSON streams by default),
-`/api/embed`, `/api/embeddings`, `/api/tags`, `/api/show`, `/api/ps`, `/api/version`. Errors on these
+`/api/embed`, `/api/embeddings`, `/api/tags`, `/api/show`, `/api/ps`, `/api/version`, `/api/pull`,
+`/api/delete`, `/api/create`, `/api/copy`, `/api/blobs/<digest>`. Errors on these
 paths are Ollama's `{"error": "..."}` (gateway.api.errors)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import json
 import logging
+import shutil
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -29,7 +33,8 @@ from gateway.api.openai.protocol import EmbeddingRequest
 from gateway.api.serving import Prepared, Service, model_spec
 from gateway.api.sse import until_disconnect
 from gateway.conversation import ArgumentsDelta, CallStarted, Finished, ReasoningDelta, TextDelta
-from gateway.models.gguf_info import parameter_size
+from gateway.models.create import BlobUpload, CreateError, blob_path, check_name, copy, create
+from gateway.models.gguf_info import GGUFError, parameter_size, read_gguf
 from gateway.models.hub import PullError, parse_name, remove
 from gateway.models.pool import ModelBusy, ModelManager, device_of
 from gateway.models.registry import ModelSpec
@@ -326,14 +331,63 @@ def _file_facts(request: Request, spec: ModelSpec) -> tuple[int, str, str] | Non
 
 
 def _details(spec: ModelSpec) -> dict[str, Any]:
+    parent = spec.created.parent if spec.created is not None else ""
     if spec.pulled is not None:  # `gateway pull` read these from the GGUF
         p = spec.pulled
-        return {"parent_model": "", "format": "gguf", "family": p.architecture, "families": [p.architecture],
+        return {"parent_model": parent, "format": "gguf", "family": p.architecture, "families": [p.architecture],
                 "parameter_size": parameter_size(p.parameters), "quantization_level": p.quant}
+    src = spec.formats.get("gguf")
+    if src is not None and src.path and spec.created is not None and spec.created.files:
+        try:  # made from uploaded files: their header says
+            facts = _gguf_facts(src.path, Path(src.path).stat().st_mtime_ns)
+        except OSError:
+            facts = None
+        if facts is not None:
+            arch, params, quant = facts
+            return {"parent_model": parent, "format": "gguf", "family": arch, "families": [arch],
+                    "parameter_size": parameter_size(params), "quantization_level": quant}
     quant = next((q for q in ("Q4_K_M", "Q4_1", "Q4_0", "Q5_K_M", "Q8_0", "F16") if q.lower() in
                   json.dumps(spec.formats.get("gguf").model_dump() if spec.formats.get("gguf") else "").lower()), "")
-    return {"parent_model": "", "format": "gguf", "family": spec.id.split("-")[0], "families": [spec.id.split("-")[0]],
-            "parameter_size": "", "quantization_level": quant}
+    return {"parent_model": parent, "format": "gguf", "family": spec.id.split("-")[0],
+            "families": [spec.id.split("-")[0]], "parameter_size": "", "quantization_level": quant}
+
+
+@functools.lru_cache(maxsize=64)
+def _gguf_facts(path: str, mtime_ns: int) -> tuple[str, int, str] | None:
+    """(architecture, parameters, quantisation) from a GGUF's header (None when unreadable); cached per
+    file version."""
+    try:
+        info = read_gguf(path)
+    except GGUFError:
+        return None
+    return info.arch, info.parameters, info.quantization
+
+
+# Ollama's parameter names for the model defaults the gateway keeps.
+_PARAMETER_NAMES = {"max_tokens": "num_predict"}
+
+
+def _parameters(spec: ModelSpec) -> list[tuple[str, Any]]:
+    out: list[tuple[str, Any]] = []
+    for key, value in spec.defaults.model_dump(exclude_defaults=True).items():
+        for v in (value if isinstance(value, list) else [value]):
+            out.append((_PARAMETER_NAMES.get(key, key), v))
+    return out
+
+
+def _modelfile(spec: ModelSpec, parameters: list[tuple[str, Any]]) -> str:
+    """The model as a Modelfile would make it (for reading: `/api/create` takes fields, not this)."""
+    src = spec.formats.get("gguf")
+    origin = spec.created.parent if spec.created is not None and spec.created.parent else (
+        src.path if src is not None and src.path else spec.id)
+    lines = [f"# Modelfile of {spec.id}", f"FROM {origin}"]
+    if spec.system:
+        lines.append(f'SYSTEM """{spec.system}"""')
+    lines += [f"PARAMETER {k} {json.dumps(v) if isinstance(v, str) else v}" for k, v in parameters]
+    lines += [f'MESSAGE {m.role} """{m.content}"""' for m in spec.messages]
+    if spec.license:
+        lines.append(f'LICENSE """{spec.license}"""')
+    return "\n".join(lines) + "\n"
 
 
 def _entry(request: Request, spec: ModelSpec) -> dict[str, Any] | None:
@@ -360,9 +414,20 @@ async def show(body: ol.ModelRequest, request: Request) -> JSONResponse:
     context = loaded.engine.info.context_length if loaded is not None else spec.context_length
     caps = ["embedding"] if spec.embedding_only else ["completion", *(["tools"] if spec.tools else [])]
     facts = await asyncio.to_thread(_file_facts, request, spec)
-    return JSONResponse({"modelfile": "", "parameters": "", "template": spec.chat_template or "",
-                         "details": _details(spec), "model_info": {"general.context_length": context},
-                         "capabilities": caps, "modified_at": facts[2] if facts else ol.now()})
+    parameters = _parameters(spec)
+    body_out: dict[str, Any] = {
+        "modelfile": _modelfile(spec, parameters),
+        "parameters": "\n".join(f"{k:<30} {json.dumps(v) if isinstance(v, str) else v}" for k, v in parameters),
+        "template": spec.chat_template or "", "details": await asyncio.to_thread(_details, spec),
+        "model_info": {"general.context_length": context}, "capabilities": caps,
+        "modified_at": facts[2] if facts else ol.now()}
+    if spec.system:
+        body_out["system"] = spec.system
+    if spec.license:
+        body_out["license"] = spec.license
+    if spec.messages:
+        body_out["messages"] = [{"role": m.role, "content": m.content} for m in spec.messages]
+    return JSONResponse(body_out)
 
 
 @router.get("/api/ps", responses={200: {"description": "The loaded models"}, **_ERRORS})
@@ -475,3 +540,121 @@ async def delete(body: ol.ModelRequest, request: Request) -> Response:
                        param="model")
     await asyncio.to_thread(remove, manager.registry, spec)
     return Response(status_code=200)
+
+
+# --- create, copy and blobs -----------------------------------------------------------------------
+
+
+def _create_error(exc: CreateError) -> APIError:
+    return APIError(exc.status, str(exc), param=exc.param)
+
+
+def _new_id(manager: ModelManager, name: str, param: str) -> str:
+    """The id a created or copied model gets; 409 while a model of that name is loaded."""
+    try:
+        model_id = check_name(manager.registry, name, param)
+    except CreateError as exc:
+        raise _create_error(exc) from None
+    if manager.is_loaded(model_id) or model_id in manager.loading:
+        raise APIError(409, f"model {model_id!r} is loaded; unload it first (keep_alive 0, or the web page)",
+                       param=param)
+    return model_id
+
+
+@router.post("/api/create", responses={200: {"description": "Progress as NDJSON lines (or one JSON object with "
+                                                           "`stream: false`), ending with `{\"status\": \"success\"}`",
+                                             "content": _NDJSON},
+                                       **_ERRORS, 409: {"model": OllamaError, "description": "The model is loaded"}})
+async def create_model(body: ol.CreateRequest, request: Request) -> Response:
+    """A new model from one the gateway has (`from`: its own system prompt, preset messages, sampling
+    defaults, context) or from uploaded GGUF blobs (`files`); registered beside pulled models."""
+    manager: ModelManager = request.app.state.manager
+    notes = Notes()
+    recipe = ol.recipe(body, notes)
+    if body.from_:
+        found = manager.registry.get(body.from_) or manager.registry.get(body.from_.removesuffix(":latest"))
+        if found is None:
+            hint = " (pull it first: POST /api/pull)" if parse_name(body.from_) is not None else ""
+            raise APIError(404, f"model {body.from_!r} not found{hint}", param="from")
+        recipe.parent = found
+    _new_id(manager, recipe.name, "model")
+    try:
+        _, steps = await asyncio.to_thread(create, manager.registry, recipe)
+    except CreateError as exc:
+        raise _create_error(exc) from None
+    log.info("created model %s (%s)", recipe.name, "; ".join(steps))
+    headers = notes.headers()
+    if not body.stream:
+        return JSONResponse({"status": "success"}, headers=headers)
+    lines = [json.dumps({"status": s}).encode() + b"\n" for s in [*steps, "success"]]
+    return StreamingResponse(iter(lines), media_type="application/x-ndjson", headers=headers)
+
+
+@router.post("/api/copy", responses={200: {"description": "Copied (an empty body)"}, **_ERRORS,
+                                     409: {"model": OllamaError, "description": "The destination is loaded"}})
+async def copy_model(body: ol.CopyRequest, request: Request) -> Response:
+    """`destination` becomes a model with everything `source` has (replacing a pulled or created model of
+    that name; a model of models.yaml is not replaced)."""
+    manager: ModelManager = request.app.state.manager
+    source = _spec(request, body.source)
+    _new_id(manager, body.destination, "destination")
+    try:
+        await asyncio.to_thread(copy, manager.registry, source, body.destination)
+    except CreateError as exc:
+        raise _create_error(exc) from None
+    return Response(status_code=200)
+
+
+@router.head("/api/blobs/{digest}", responses={200: {"description": "The blob is here"},
+                                               404: {"description": "It is not"}})
+async def blob_exists(digest: str, request: Request) -> Response:
+    try:
+        path = blob_path(request.app.state.manager.registry, digest)
+    except CreateError as exc:
+        raise _create_error(exc) from None
+    return Response(status_code=200 if await asyncio.to_thread(path.is_file) else 404)
+
+
+# Disk kept free beside an upload.
+_UPLOAD_MARGIN = 1 << 30
+
+
+@router.post("/api/blobs/{digest}", status_code=201, responses={
+    201: {"description": "Stored"}, 200: {"description": "Already here (the body is not read)"},
+    400: {"model": OllamaError, "description": "The body's sha256 is not the digest"},
+    507: {"model": OllamaError, "description": "Not enough disk space"}})
+async def upload_blob(digest: str, request: Request) -> Response:
+    """A file for `/api/create`'s `files`, stored under its sha256 (checked as it arrives; nothing is kept
+    when it does not match). Not bound by --max-body."""
+    registry = request.app.state.manager.registry
+    try:
+        path = blob_path(registry, digest)
+    except CreateError as exc:
+        raise _create_error(exc) from None
+    if await asyncio.to_thread(path.is_file):
+        return Response(status_code=200)
+    length = request.headers.get("content-length")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    free = (await asyncio.to_thread(shutil.disk_usage, path.parent)).free
+    if length is not None and length.isdigit() and int(length) + _UPLOAD_MARGIN > free:
+        raise APIError(507, f"not enough disk space for {int(length)} bytes ({free} free, {_UPLOAD_MARGIN} kept)")
+    upload = await asyncio.to_thread(BlobUpload, registry, digest)
+    try:
+        buf = bytearray()
+        async for chunk in request.stream():
+            buf += chunk
+            if len(buf) >= 4 << 20:
+                await asyncio.to_thread(upload.write, bytes(buf))
+                buf.clear()
+                if upload.size + _UPLOAD_MARGIN > free:
+                    raise APIError(507, f"not enough disk space: {upload.size} bytes written, {free} were free")
+        if buf:
+            await asyncio.to_thread(upload.write, bytes(buf))
+        await asyncio.to_thread(upload.finish)
+    except CreateError as exc:
+        raise _create_error(exc) from None
+    except BaseException:
+        await asyncio.to_thread(upload.abort)
+        raise
+    log.info("stored blob %s (%d bytes)", path.name, upload.size)
+    return Response(status_code=201)

@@ -105,8 +105,8 @@ class _SamplingFields(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: Stop = None
-    presence_penalty: Penalty = 0.0
-    frequency_penalty: Penalty = 0.0
+    presence_penalty: Penalty | None = None  # None: the model's default (0)
+    frequency_penalty: Penalty | None = None
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     seed: int | None = None
     user: str | None = None

@@ -336,7 +336,7 @@ def conversation(req: ResponseCreateRequest, earlier: tuple[Turn, ...], notes: N
 def sampling_fields(req: ResponseCreateRequest) -> SimpleNamespace:
     """The request's sampling settings, in the shape the shared sampler defaults expect."""
     return SimpleNamespace(temperature=req.temperature, top_p=req.top_p, top_k=None, min_p=None, repeat_penalty=None,
-                           seed=req.seed, presence_penalty=0.0, frequency_penalty=0.0, stop=None, logit_bias=None,
+                           seed=req.seed, presence_penalty=None, frequency_penalty=None, stop=None, logit_bias=None,
                            ignore_eos=False)
 
 
