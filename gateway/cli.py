@@ -245,6 +245,68 @@ def _ls(args: argparse.Namespace) -> int:
     return 0
 
 
+def _create(args: argparse.Namespace) -> int:
+    """`ollama create NAME -f Modelfile`, here: FROM a model or a local GGUF (copied into the blob
+    store), with SYSTEM, PARAMETER, MESSAGE, LICENSE."""
+    from gateway.api.errors import APIError
+    from gateway.api.notes import Notes
+    from gateway.api.ollama.api import CreateRequest, recipe
+    from gateway.models.create import CreateError, check_name, create, store_blob
+    from gateway.models.modelfile import ModelfileError, local_files, parse
+
+    registry = _registry(args.config)
+    if registry is None:
+        return 2
+    path = Path(args.file)
+    try:
+        mf = parse(path.read_text())
+        files = local_files(mf, path.parent)
+        body = CreateRequest.model_validate({
+            "model": args.name, "system": mf.system, "parameters": mf.parameters or None,
+            "messages": mf.messages or None, "license": mf.license or None, "template": mf.template,
+            "adapters": dict.fromkeys(mf.adapters, "") or None, "stream": False,
+            **({"from": mf.from_} if files is None else {})})
+        notes = Notes()
+        rec = recipe(body, notes)
+        model_id = check_name(registry, rec.name)
+    except OSError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except (ModelfileError, CreateError) as exc:
+        print(f"error: {path}: {exc}", file=sys.stderr)
+        return 2
+    except APIError as exc:
+        print(f"error: {path}: {exc.message}", file=sys.stderr)
+        return 2
+    if files is None:
+        parent = registry.get(mf.from_) or registry.get(mf.from_.removesuffix(":latest"))
+        if parent is None:
+            print(f"error: FROM {mf.from_}: no such model (`gateway ls` lists them; `gateway pull` fetches "
+                  "Hub models) and no such file", file=sys.stderr)
+            return 2
+        rec.parent = parent
+    running = _gateway_models(args.url or _default_url())
+    if running is not None and (running.get(model_id, {}).get("engine") or
+                                running.get(model_id, {}).get("status") == "loading"):
+        print(f"error: {model_id!r} is loaded by the gateway at {args.url or _default_url()}; unload it first",
+              file=sys.stderr)
+        return 1
+    try:
+        for f in files or []:
+            print(f"copying {f} into the blob store")
+            rec.files[f.name] = store_blob(registry, f)
+        entry, steps = create(registry, rec)
+    except CreateError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for step in steps:
+        print(step)
+    for name in sorted(notes.ignored):
+        print(f"ignored: {name} (no sampler for it)")
+    print(f"created {model_id} ({entry})")
+    return 0
+
+
 def _rm(args: argparse.Namespace) -> int:
     from gateway.models.hub import remove
 
@@ -434,7 +496,14 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--config", default=None, help="models.yaml path")
     ls.add_argument("--url", default=None, help="the running gateway asked what is loaded (default: this host's)")
     ls.set_defaults(func=_ls)
-    rm = sub.add_parser("rm", help="remove a pulled model and the files only it uses")
+    cr = sub.add_parser("create", help="make a model from a Modelfile (Ollama's): FROM a model or a GGUF file, "
+                        "with SYSTEM, PARAMETER, MESSAGE, LICENSE")
+    cr.add_argument("name", help="the new model's name")
+    cr.add_argument("-f", "--file", default="Modelfile", help="the Modelfile (default: ./Modelfile)")
+    cr.add_argument("--config", default=None, help="models.yaml path")
+    cr.add_argument("--url", default=None, help="the running gateway asked whether the name is loaded")
+    cr.set_defaults(func=_create)
+    rm = sub.add_parser("rm", help="remove a pulled or created model and the files only it uses")
     rm.add_argument("id", help="the model's id (as `gateway ls` shows it)")
     rm.add_argument("--config", default=None, help="models.yaml path")
     rm.add_argument("--url", default=None, help="the running gateway asked whether it is loaded")

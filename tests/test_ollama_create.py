@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +19,7 @@ import openai
 import pytest
 
 from gateway.conversation import Conversation, Turn, with_preamble
+from gateway.models.modelfile import ModelfileError, parse
 from gateway.models.registry import load_registry
 from tests.conftest import ROOT
 from tests.test_production import Gateway
@@ -232,3 +235,58 @@ def test_copy_and_create_refuse_what_they_must(served: tuple[Gateway, Path], cli
         client.delete(name)
     assert not list((data / "models.d").glob("*.yaml"))
     assert os.path.exists(_smol()), "a copy's removal leaves the files of the model it copied"
+
+
+# --- Modelfiles and `gateway create` ------------------------------------------------------------------
+
+
+def test_modelfile_reads_what_ollama_writes() -> None:
+    mf = parse('''# a comment
+FROM ./model.gguf
+PARAMETER temperature 0.2
+PARAMETER num_ctx 4096
+PARAMETER stop "<|im_end|>"
+PARAMETER stop User:
+SYSTEM """You are a pirate.
+Answer like one."""
+MESSAGE user Hello there
+MESSAGE assistant "Ahoy!"
+LICENSE MIT
+''')
+    assert mf.from_ == "./model.gguf" and mf.system == "You are a pirate.\nAnswer like one."
+    assert mf.parameters == {"temperature": 0.2, "num_ctx": 4096, "stop": ["<|im_end|>", "User:"]}
+    assert mf.messages == [{"role": "user", "content": "Hello there"}, {"role": "assistant", "content": "Ahoy!"}]
+    assert mf.license == ["MIT"]
+    for text, says in (("PARAMETER temperature 1", "no FROM"), ("FROM x\nSYSTEM \"\"\"open", "never closed"),
+                       ("FROM x\nMESSAGE tool hi", "MESSAGE's role"), ("FROM x\nRUN rm -rf /", "unknown instruction"),
+                       ("FROM x\nPARAMETER temperature", "PARAMETER needs")):
+        with pytest.raises(ModelfileError, match=says):
+            parse(text)
+
+
+def test_gateway_create_from_a_modelfile(served: tuple[Gateway, Path], client: ollama.Client, tmp_path: Path) -> None:
+    g, data = served
+    env = {**os.environ, "GATEWAY_MODELS_DIR": str(data / "models.d")}
+    (tmp_path / "Modelfile").write_text(f'FROM {_smol()}\nSYSTEM """{SYSTEM}"""\nPARAMETER temperature 0\n'
+                                        "PARAMETER num_predict 5\nPARAMETER mirostat 1\n"
+                                        f'MESSAGE user {PRESET[0]["content"]}\nMESSAGE assistant {PRESET[1]["content"]}\n')
+    done = subprocess.run([sys.executable, "-m", "gateway.cli", "create", "pirate-cli", "--url", g.url],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "copying" in done.stdout and "ignored: parameters.mirostat" in done.stdout
+    # The running gateway serves it (a name it does not know makes it read the user registry again).
+    made = client.chat(model="pirate-cli", messages=QUESTION)
+    base = client.chat(model=BASE, messages=[{"role": "system", "content": SYSTEM}, *PRESET, *QUESTION],
+                       options={"temperature": 0, "num_predict": 5})
+    assert made.eval_count == 5 and made.message.content == base.message.content
+    (tmp_path / "Modelfile").write_text(f"FROM {BASE}\nTEMPLATE {{{{ .Prompt }}}}\n")
+    refused = subprocess.run([sys.executable, "-m", "gateway.cli", "create", "templated", "-f",
+                              str(tmp_path / "Modelfile")], env=env, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and "Go templates" in refused.stderr
+    (tmp_path / "Modelfile").write_text(f"FROM {BASE}\n")
+    loaded = subprocess.run([sys.executable, "-m", "gateway.cli", "create", "pirate-cli", "--url", g.url, "-f",
+                             str(tmp_path / "Modelfile")], env=env, capture_output=True, text=True, timeout=300)
+    assert loaded.returncode == 1 and "is loaded" in loaded.stderr
+    _unload(client, "pirate-cli")
+    client.delete("pirate-cli")
+    assert not [p for p in (data / "blobs").glob("sha256-*") if p.stat().st_size > 1 << 20]

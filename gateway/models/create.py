@@ -99,6 +99,27 @@ class BlobUpload:
         self.part.unlink(missing_ok=True)
 
 
+def store_blob(registry: Registry, path: Path, chunk: int = 8 << 20) -> str:
+    """A local file copied into the blob store (as `ollama create` uploads a FROM file); its digest."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while data := f.read(chunk):
+            h.update(data)
+    digest = f"sha256:{h.hexdigest()}"
+    if blob_path(registry, digest).is_file():
+        return digest
+    upload = BlobUpload(registry, digest)
+    try:
+        with open(path, "rb") as f:
+            while data := f.read(chunk):
+                upload.write(data)
+        upload.finish()  # the file changed between the two reads: a digest mismatch
+    except BaseException:
+        upload.abort()
+        raise
+    return digest
+
+
 @dataclass
 class Recipe:
     """What to make: a new model `name` from `parent` (a model of the registry) or from `files`
