@@ -265,6 +265,7 @@ def test_serve_pulls_on_first_use_and_serves_through_every_api(hub: HubStandIn, 
     from tests.test_production import Gateway
 
     g = Gateway(tmp_path, "--model", f"hf.co/{SPLIT}", env=env)  # not pulled yet: pulled, then served
+    ol = ollama.Client(host=g.url)
     try:
         model_id = f"hf.co/{SPLIT}:Q4_1"
         assert model_id in entries(env)
@@ -278,7 +279,6 @@ def test_serve_pulls_on_first_use_and_serves_through_every_api(hub: HubStandIn, 
         assert refused.returncode == 1 and "is loaded by the gateway" in refused.stderr
 
         # Ollama's client pulls through the running server, with progress, and the model serves at once.
-        ol = ollama.Client(host=g.url)
         name = f"hf.co/{SMOL}:Q4_1"
         steps = list(ol.pull(name, stream=True))
         assert steps[0].status == "pulling manifest" and steps[-1].status == "success"
@@ -306,7 +306,19 @@ def test_serve_pulls_on_first_use_and_serves_through_every_api(hub: HubStandIn, 
         with pytest.raises(ollama.ResponseError) as err:
             list(ol.pull(f"hf.co/{SMOL}:Q3_K_S", stream=True))
         assert "has no Q3_K_S GGUF; it has: Q4_1, Q8_0" in str(err.value)
+
+        # Ollama's create from a Hub model that is not here yet pulls it first, with its progress.
+        steps = list(ol.create(model="smol-pirate", from_=f"hf.co/{SMOL}:Q8_0", system="Talk like a pirate.",
+                               parameters={"num_predict": 3}, stream=True))
+        assert steps[0].status == "pulling manifest" and steps[-1].status == "success", steps
+        assert f"hf.co/{SMOL}:Q8_0" in entries(env) and "smol-pirate" in entries(env)
+        assert ol.chat(model="smol-pirate", messages=[{"role": "user", "content": "Hi"}]).eval_count == 3
+        with pytest.raises(ollama.ResponseError) as err:
+            ol.create(model="smol-pirate2", from_=f"hf.co/{SMOL}:Q3_K_S")
+        assert err.value.status_code == 404 and "has no Q3_K_S GGUF" in str(err.value)
+        assert "smol-pirate2" not in entries(env)
     finally:
+        ol._client.close()
         g.stop()
 
 

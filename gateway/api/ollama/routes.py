@@ -35,7 +35,7 @@ from gateway.api.sse import until_disconnect
 from gateway.conversation import ArgumentsDelta, CallStarted, Finished, ReasoningDelta, TextDelta
 from gateway.models.create import BlobUpload, CreateError, blob_path, check_name, copy, create
 from gateway.models.gguf_info import GGUFError, parameter_size, read_gguf
-from gateway.models.hub import PullError, parse_name, remove
+from gateway.models.hub import PullError, PullProgress, parse_name, remove
 from gateway.models.pool import ModelBusy, ModelManager, device_of
 from gateway.models.registry import ModelSpec
 
@@ -495,27 +495,34 @@ async def pull(body: PullRequest, request: Request) -> Response:
         return JSONResponse({"status": "success"})
 
     async def lines() -> AsyncIterator[bytes]:
-        yield json.dumps({"status": "pulling manifest"}).encode() + b"\n"
-        last: tuple[Any, ...] = ()
-        while not task.done():
-            now = (progress.status, progress.file, progress.completed // (1 << 20))
-            if now != last and progress.status in ("downloading", "verifying"):
-                last = now
-                line = ({"status": f"pulling {progress.file}", "digest": progress.file, "total": progress.total,
-                         "completed": progress.completed} if progress.status == "downloading"
-                        else {"status": "verifying sha256 digest"})
-                yield json.dumps(line).encode() + b"\n"
-            await asyncio.sleep(0.25)
-        exc = task.exception()
-        if exc is not None:
-            yield json.dumps({"error": str(exc)}).encode() + b"\n"
-            return
-        yield json.dumps({"status": "pulling " + progress.file, "digest": progress.file, "total": progress.total,
-                          "completed": progress.total}).encode() + b"\n"
-        yield json.dumps({"status": "writing manifest"}).encode() + b"\n"
-        yield json.dumps({"status": "success"}).encode() + b"\n"
+        async for line in _pull_lines(progress, task):
+            yield line
+        if task.exception() is None:
+            yield json.dumps({"status": "success"}).encode() + b"\n"
 
     return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+
+async def _pull_lines(progress: PullProgress, task: asyncio.Task[Any]) -> AsyncIterator[bytes]:
+    """A pull's progress as Ollama's NDJSON lines, up to "writing manifest" (or an `{"error"}` line)."""
+    yield json.dumps({"status": "pulling manifest"}).encode() + b"\n"
+    last: tuple[Any, ...] = ()
+    while not task.done():
+        now = (progress.status, progress.file, progress.completed // (1 << 20))
+        if now != last and progress.status in ("downloading", "verifying"):
+            last = now
+            line = ({"status": f"pulling {progress.file}", "digest": progress.file, "total": progress.total,
+                     "completed": progress.completed} if progress.status == "downloading"
+                    else {"status": "verifying sha256 digest"})
+            yield json.dumps(line).encode() + b"\n"
+        await asyncio.sleep(0.25)
+    exc = task.exception()
+    if exc is not None:
+        yield json.dumps({"error": str(exc)}).encode() + b"\n"
+        return
+    yield json.dumps({"status": "pulling " + progress.file, "digest": progress.file, "total": progress.total,
+                      "completed": progress.total}).encode() + b"\n"
+    yield json.dumps({"status": "writing manifest"}).encode() + b"\n"
 
 
 def _pull_status(message: str) -> int:
@@ -567,27 +574,59 @@ def _new_id(manager: ModelManager, name: str, param: str) -> str:
                                        **_ERRORS, 409: {"model": OllamaError, "description": "The model is loaded"}})
 async def create_model(body: ol.CreateRequest, request: Request) -> Response:
     """A new model from one the gateway has (`from`: its own system prompt, preset messages, sampling
-    defaults, context) or from uploaded GGUF blobs (`files`); registered beside pulled models."""
+    defaults, context; a Hub name not pulled yet is pulled first, its progress streamed) or from uploaded
+    GGUF blobs (`files`); registered beside pulled models."""
     manager: ModelManager = request.app.state.manager
     notes = Notes()
     recipe = ol.recipe(body, notes)
+    _new_id(manager, recipe.name, "model")
+    pulling: tuple[PullProgress, asyncio.Task[Any]] | None = None
     if body.from_:
         found = manager.registry.get(body.from_) or manager.registry.get(body.from_.removesuffix(":latest"))
-        if found is None:
-            hint = " (pull it first: POST /api/pull)" if parse_name(body.from_) is not None else ""
-            raise APIError(404, f"model {body.from_!r} not found{hint}", param="from")
+        hub_name = parse_name(body.from_) if found is None else None
+        if found is None and hub_name is None:
+            raise APIError(404, f"model {body.from_!r} not found", param="from")
+        if hub_name is not None:
+            pulling = manager.pull_jobs.start(hub_name)  # as Ollama does: a Hub model not here yet is pulled
         recipe.parent = found
-    _new_id(manager, recipe.name, "model")
-    try:
-        _, steps = await asyncio.to_thread(create, manager.registry, recipe)
-    except CreateError as exc:
-        raise _create_error(exc) from None
-    log.info("created model %s (%s)", recipe.name, "; ".join(steps))
+
+    async def make() -> list[str]:
+        if pulling is not None:
+            pulled = await asyncio.shield(pulling[1])
+            recipe.parent = manager.registry.get(pulled.model_id)
+            if recipe.parent is None:
+                raise APIError(500, f"pulled {pulled.model_id} but cannot find it in the registry")
+        _new_id(manager, recipe.name, "model")
+        try:
+            _, steps = await asyncio.to_thread(create, manager.registry, recipe)
+        except CreateError as exc:
+            raise _create_error(exc) from None
+        log.info("created model %s (%s)", recipe.name, "; ".join(steps))
+        return steps
+
     headers = notes.headers()
     if not body.stream:
+        try:
+            await until_disconnect(request, make())
+        except PullError as exc:
+            raise APIError(_pull_status(str(exc)), str(exc), param="from") from exc
         return JSONResponse({"status": "success"}, headers=headers)
-    lines = [json.dumps({"status": s}).encode() + b"\n" for s in [*steps, "success"]]
-    return StreamingResponse(iter(lines), media_type="application/x-ndjson", headers=headers)
+
+    async def lines() -> AsyncIterator[bytes]:
+        if pulling is not None:
+            async for line in _pull_lines(*pulling):
+                yield line
+            if pulling[1].exception() is not None:
+                return
+        try:
+            steps = await make()
+        except APIError as exc:
+            yield json.dumps({"error": exc.message}).encode() + b"\n"
+            return
+        for step in [*steps, "success"]:
+            yield json.dumps({"status": step}).encode() + b"\n"
+
+    return StreamingResponse(lines(), media_type="application/x-ndjson", headers=headers)
 
 
 @router.post("/api/copy", responses={200: {"description": "Copied (an empty body)"}, **_ERRORS,
