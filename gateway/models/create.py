@@ -14,6 +14,7 @@ import hashlib
 import os
 import re
 import shutil
+import threading
 import uuid
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -146,12 +147,23 @@ def check_name(registry: Registry, name: str, param: str = "model") -> str:
     if existing is not None and existing.id not in registry.user_files:
         raise CreateError(400, f"{model_id!r} is a model of models.yaml (or an alias of one); choose another name",
                           param)
+    if existing is not None and existing.id != model_id:
+        raise CreateError(400, f"{model_id!r} is another name of {existing.id!r}; choose another name", param)
     return model_id
+
+
+# One create, copy or removal of created files at a time (they share folders and blobs).
+_LOCK = threading.Lock()
 
 
 def create(registry: Registry, recipe: Recipe) -> tuple[Path, list[str]]:
     """Register the model `recipe` describes (replacing a pulled or created model of that name).
     Returns (its registry entry, what was done, as Ollama's status lines say it)."""
+    with _LOCK:
+        return _create(registry, recipe)
+
+
+def _create(registry: Registry, recipe: Recipe) -> tuple[Path, list[str]]:
     model_id = check_name(registry, recipe.name)
     steps: list[str] = []
     now = datetime.now(UTC).isoformat(timespec="seconds")
@@ -301,9 +313,10 @@ def remove_created(registry: Registry, spec: ModelSpec) -> int:
     """The created model's folder of links, and each blob no other model links (bytes freed)."""
     if spec.created is None or not _in_created(registry, spec):
         return 0
-    folder = Path(spec.formats["gguf"].path or "").parent
-    shutil.rmtree(folder, ignore_errors=True)
-    return sum(_prune_blob(registry, d) for d in set(spec.created.files.values()))
+    with _LOCK:
+        folder = Path(spec.formats["gguf"].path or "").parent
+        shutil.rmtree(folder, ignore_errors=True)
+        return sum(_prune_blob(registry, d) for d in set(spec.created.files.values()))
 
 
 def _prune_blob(registry: Registry, digest: str) -> int:
