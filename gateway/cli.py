@@ -264,7 +264,7 @@ def _create(args: argparse.Namespace) -> int:
         body = CreateRequest.model_validate({
             "model": args.name, "system": mf.system, "parameters": mf.parameters or None,
             "messages": mf.messages or None, "license": mf.license or None, "template": mf.template,
-            "adapters": dict.fromkeys(mf.adapters, "") or None, "stream": False,
+            "adapters": dict.fromkeys(mf.adapters, "") or None, "stream": False, "quantize": args.quantize,
             **({"from": mf.from_} if files is None else {})})
         notes = Notes()
         rec = recipe(body, notes)
@@ -291,16 +291,15 @@ def _create(args: argparse.Namespace) -> int:
         print(f"error: {model_id!r} is loaded by the gateway at {args.url or _default_url()}; unload it first",
               file=sys.stderr)
         return 1
+    rec.progress = print
     try:
         for f in files or []:
             print(f"copying {f} into the blob store")
             rec.files[f.name] = store_blob(registry, f)
-        entry, steps = create(registry, rec)
+        entry, _ = create(registry, rec)
     except CreateError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
-    for step in steps:
-        print(step)
+        return 2 if exc.status < 500 else 1
     for name in sorted(notes.ignored):
         print(f"ignored: {name} (no sampler for it)")
     print(f"created {model_id} ({entry})")
@@ -500,6 +499,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "with SYSTEM, PARAMETER, MESSAGE, LICENSE")
     cr.add_argument("name", help="the new model's name")
     cr.add_argument("-f", "--file", default="Modelfile", help="the Modelfile (default: ./Modelfile)")
+    cr.add_argument("-q", "--quantize", default=None, metavar="TYPE",
+                    help="quantize an F16/BF16/F32 model's weights to TYPE (q4_K_M, q8_0, ...), as llama-quantize")
     cr.add_argument("--config", default=None, help="models.yaml path")
     cr.add_argument("--url", default=None, help="the running gateway asked whether the name is loaded")
     cr.set_defaults(func=_create)

@@ -191,7 +191,8 @@ def test_create_from_a_model_with_preset_messages_then_copy_and_remove(served: t
 @pytest.mark.parametrize(("body", "status", "says"), [
     ({"model": "x", "from": BASE, "template": "{{ .Prompt }}"}, 400, "Go templates"),
     ({"model": "x", "from": BASE, "adapters": {"a.gguf": "sha256:" + "0" * 64}}, 400, "LoRA"),
-    ({"model": "x", "from": BASE, "quantize": "q4_K_M"}, 400, "quantiz"),
+    ({"model": "x", "from": BASE, "quantize": "q4_K_M"}, 400, "is Q4_1; only F16, BF16 and F32"),
+    ({"model": "x", "from": BASE, "quantize": "q9_X"}, 400, "unknown quantization 'q9_X'"),
     ({"model": "x", "modelfile": "FROM smollm2"}, 400, "Modelfile"),
     ({"model": "x", "from": "nope"}, 404, "not found"),
     ({"model": "x"}, 400, "neither"),
@@ -289,3 +290,48 @@ def test_gateway_create_from_a_modelfile(served: tuple[Gateway, Path], client: o
     _unload(client, "pirate-cli")
     client.delete("pirate-cli")
     assert not [p for p in (data / "blobs").glob("sha256-*") if p.stat().st_size > 1 << 20]
+
+
+# --- quantize ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def f16(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2 at F16 (its Q4_1 weights dequantized by llama.cpp), a model to quantize."""
+    out = tmp_path_factory.mktemp("f16") / "SmolLM2-135M-Instruct-F16.gguf"
+    subprocess.run([sys.executable, "-m", "gateway.models.quantize", str(_smol()), str(out), "F16",
+                    "--allow-requantize"], check=True, capture_output=True, timeout=300)
+    return out
+
+
+def test_create_quantizes_an_uploaded_f16_model(served: tuple[Gateway, Path], client: ollama.Client,
+                                                 f16: Path) -> None:
+    g, data = served
+    digest = client.create_blob(f16)
+    steps = [s.status for s in client.create(model="smol-q4km", files={f16.name: digest}, quantize="q4_K_M",
+                                             parameters={"num_predict": 4, "temperature": 0}, stream=True)]
+    assert "quantizing F16 model to Q4_K_M" in steps and steps[-1] == "success", steps
+    listed = {m.model: m for m in client.list().models}
+    assert listed["smol-q4km"].details.quantization_level == "Q4_K_M"
+    assert listed["smol-q4km"].size < f16.stat().st_size / 2
+    assert client.chat(model="smol-q4km", messages=QUESTION).eval_count == 4
+    assert not (data / "blobs" / digest.replace(":", "-")).exists(), "the F16 upload is not kept"
+    _unload(client, "smol-q4km")
+    client.delete("smol-q4km")
+    assert not [p for p in (data / "blobs").iterdir() if p.stat().st_size > 1 << 20]
+
+
+def test_gateway_create_quantizes_from_a_modelfile(served: tuple[Gateway, Path], client: ollama.Client,
+                                                   f16: Path, tmp_path: Path) -> None:
+    g, data = served
+    env = {**os.environ, "GATEWAY_MODELS_DIR": str(data / "models.d")}
+    (tmp_path / "Modelfile").write_text(f"FROM {f16}\nPARAMETER num_predict 3\n")
+    done = subprocess.run([sys.executable, "-m", "gateway.cli", "create", "smol-q8", "-q", "q8_0", "--url", g.url],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "quantizing F16 model to Q8_0" in done.stdout
+    listed = {m.model: m for m in client.list().models}
+    assert listed["smol-q8"].details.quantization_level == "Q8_0"
+    assert client.chat(model="smol-q8", messages=QUESTION).eval_count == 3
+    _unload(client, "smol-q8")
+    client.delete("smol-q8")

@@ -179,7 +179,7 @@ def _anthropic_card(request: Request, spec: Any) -> dict[str, Any]:
 @router.get("/v1/models", response_model=ModelList, responses=error_responses(401, 403))
 async def list_models(request: Request) -> Any:
     """OpenAI's model list; Anthropic's shape when the request carries `anthropic-version`."""
-    specs = list(request.app.state.manager.registry.models.values())
+    specs = list(request.app.state.manager.registry.current().values())
     if "anthropic-version" in request.headers:
         data = [_anthropic_card(request, s) for s in specs]
         return JSONResponse({"data": data, "has_more": False, "first_id": data[0]["id"] if data else None,

@@ -16,6 +16,7 @@ import re
 import shutil
 import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -23,6 +24,7 @@ from typing import Any, BinaryIO
 
 from gateway.models.gguf_info import GGUFError, read_gguf
 from gateway.models.hub import DEFAULT_PULL_CONTEXT, entry_file, user_models_dir, write_entry
+from gateway.models.quantize import SOURCES, QuantizeError, quantize, type_code
 from gateway.models.registry import ModelSpec, Registry
 
 _DIGEST = re.compile(r"^sha256[:-]([0-9a-f]{64})$")
@@ -134,6 +136,8 @@ class Recipe:
     license: str | None = None
     defaults: dict[str, Any] = field(default_factory=dict)  # Defaults' fields
     context_length: int | None = None
+    quantize: str | None = None  # a llama.cpp type (Q4_K_M, Q8_0, ...): the weights quantized to it
+    progress: Callable[[str], None] | None = None  # told each step as it starts
 
 
 def check_name(registry: Registry, name: str, param: str = "model") -> str:
@@ -165,21 +169,48 @@ def create(registry: Registry, recipe: Recipe) -> tuple[Path, list[str]]:
 
 def _create(registry: Registry, recipe: Recipe) -> tuple[Path, list[str]]:
     model_id = check_name(registry, recipe.name)
-    steps: list[str] = []
+    steps = _Steps(recipe.progress)
     now = datetime.now(UTC).isoformat(timespec="seconds")
+    qtype = None
+    if recipe.quantize:
+        try:
+            qtype = type_code(recipe.quantize)[0]
+        except ValueError as exc:
+            raise CreateError(400, f"quantize: {exc}", "quantize") from None
+    folder = created_dir(registry) / entry_file(model_id).stem
     if recipe.parent is not None:
         entry = _from_parent(registry, recipe.parent, model_id)
         files = dict(recipe.parent.created.files) if recipe.parent.created is not None else {}
         steps.append(f"using model {recipe.parent.id}")
         created = {"parent": recipe.parent.id, "files": files, "created_at": now}
-        folder = created_dir(registry) / entry_file(model_id).stem
-        if files and _in_created(registry, recipe.parent):
-            main = Path(entry["formats"]["gguf"]["path"]).name
+        if qtype is not None:
+            if "gguf" not in recipe.parent.formats:
+                raise CreateError(400, f"quantize: {recipe.parent.id} has no GGUF to quantize", "quantize")
+            try:
+                source = registry.resolve(recipe.parent, "gguf")
+            except (OSError, ValueError, RuntimeError) as exc:
+                raise CreateError(400, f"quantize: {recipe.parent.id}'s GGUF is not here: {exc}", "from") from exc
+            files = _quantized(registry, source, qtype, steps)
+            created["files"] = files
+            entry["description"] = f"{recipe.parent.id} quantized to {qtype}"
+            entry.pop("pulled", None)  # its quantisation and size were the parent's
+            entry["formats"]["gguf"] = {"path": ""}
+        if files and (qtype is not None or _in_created(registry, recipe.parent)):
+            main = next(iter(files)) if qtype is not None else Path(entry["formats"]["gguf"]["path"]).name
             _link_all(registry, files, folder)
             entry["formats"]["gguf"]["path"] = str(folder / main)
     else:
         entry, created = _from_files(registry, recipe, model_id, steps)
         created["created_at"] = now
+        if qtype is not None:
+            uploaded = created["files"]
+            created["files"] = _quantized(registry, Path(entry["formats"]["gguf"]["path"]), qtype, steps)
+            main = next(iter(created["files"]))
+            _swap(_link_all(registry, created["files"], folder.with_name(folder.name + ".new")), folder)
+            entry["formats"]["gguf"]["path"] = str(folder / main)
+            entry["description"] = f"{main}, quantized from uploaded files"
+            for digest in set(uploaded.values()):  # the unquantized upload is not kept
+                _prune_blob(registry, digest)
     entry["created"] = created
     if recipe.system is not None:
         entry["system"] = recipe.system
@@ -205,6 +236,47 @@ def _create(registry: Registry, recipe: Recipe) -> tuple[Path, list[str]]:
     registry.refresh_user()
     steps.append("writing manifest")
     return path, steps
+
+
+class _Steps(list[str]):
+    """The steps done so far (Ollama's status lines), each also told to `progress` as it starts."""
+
+    def __init__(self, progress: Callable[[str], None] | None) -> None:
+        super().__init__()
+        self.progress = progress
+
+    def append(self, step: str) -> None:
+        super().append(step)
+        if self.progress is not None:
+            self.progress(step)
+
+
+def _quantized(registry: Registry, source: Path, qtype: str, steps: list[str]) -> dict[str, str]:
+    """`source` quantized to `qtype`, stored as a blob: {file name: sha256}."""
+    try:
+        have = read_gguf(source).quantization
+    except GGUFError as exc:
+        raise CreateError(400, f"quantize: {source.name}: {exc}", "quantize") from exc
+    if have not in SOURCES:
+        raise CreateError(400, f"quantize: {source.name} is {have or 'of an unknown type'}; only F16, BF16 and F32 "
+                          "models are quantized (quantizing quantized weights again loses more)", "quantize")
+    steps.append(f"quantizing {have} model to {qtype}")
+    blobs = blobs_dir(registry)
+    blobs.mkdir(parents=True, exist_ok=True)
+    out = blobs / f"quantize-{uuid.uuid4().hex[:12]}.gguf"
+    try:
+        quantize(source, out, qtype)
+        h = hashlib.sha256()
+        with open(out, "rb") as f:
+            while data := f.read(8 << 20):
+                h.update(data)
+        os.replace(out, blob_path(registry, f"sha256:{h.hexdigest()}"))
+    except QuantizeError as exc:
+        raise CreateError(500, str(exc), "quantize") from exc
+    finally:
+        out.unlink(missing_ok=True)
+    stem = _SPLIT.sub("", source.name).removesuffix(".gguf").removesuffix(".GGUF")
+    return {f"{stem}-{qtype}.gguf": h.hexdigest()}
 
 
 def copy(registry: Registry, source: ModelSpec, destination: str) -> Path:

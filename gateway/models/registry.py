@@ -20,6 +20,7 @@ import importlib.util
 import logging
 import os
 import re
+import time
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -378,16 +379,28 @@ class Registry:
         self.user_dir: Path | None = None
         self.file_path: Path | None = None  # models.yaml
         self._user_seen: tuple[tuple[str, int], ...] = ()
+        self._user_checked = 0.0  # when get() last looked at the user registry's files
 
     def get(self, model_id: str) -> ModelSpec | None:
         """The model a request names: by id, by an exact alias, or by the first alias pattern that
         matches (clients such as Claude Code ask for their own model names). A name not found looks
-        again in the user registry, which `gateway pull` may have added to since."""
+        again in the user registry, which `gateway pull` may have added to since; a name found is
+        looked up again at most once a second (`gateway create` may have replaced its entry)."""
         found = self._get(model_id)
-        if found is None and self.user_dir is not None and self._user_stamp() != self._user_seen:
+        if self.user_dir is None or (found is not None and time.monotonic() - self._user_checked < 1.0):
+            return found
+        self._user_checked = time.monotonic()
+        if self._user_stamp() != self._user_seen:
             self.refresh_user()
             found = self._get(model_id)
         return found
+
+    def current(self) -> dict[str, ModelSpec]:
+        """Every model, the user registry read again first if it changed (listings see what `gateway
+        pull` or `gateway create` added since, without a request for it first)."""
+        if self.user_dir is not None and self._user_stamp() != self._user_seen:
+            self.refresh_user()
+        return self.models
 
     def _user_stamp(self) -> tuple[tuple[str, int], ...]:
         assert self.user_dir is not None

@@ -203,7 +203,7 @@ async def status(request: Request, since: Annotated[float | None, Query(
         default_model=manager.registry.default,
         draining=state.drain.draining,
         parity_reference=state.shadow.reference if state.shadow is not None else None,
-        models=[_model(request, spec) for spec in manager.registry.models.values()],
+        models=[_model(request, spec) for spec in manager.registry.current().values()],
         memory={d: DeviceMemory(**m) for d, m in manager.memory_status().items()},
         pulls=[PullStatus(**p.as_dict()) for p in manager.pulls.values()],
         live=Live(window_s=WINDOW_S, rate_window_s=RATE_WINDOW_S, sample_s=SAMPLE_S, history_s=HISTORY_S,

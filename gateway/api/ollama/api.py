@@ -23,6 +23,7 @@ from gateway.api.errors import invalid
 from gateway.api.notes import Notes
 from gateway.conversation import Conversation, Output, ToolCall, ToolSpec, Turn
 from gateway.models.create import Recipe
+from gateway.models.quantize import type_code
 from gateway.settings import parse_duration
 
 # options -> what the gateway's sampler reads; num_ctx is the model's (models.yaml), not per request.
@@ -283,8 +284,10 @@ def recipe(body: CreateRequest, notes: Notes) -> Recipe:
     if body.adapters:
         raise invalid("adapters: LoRA adapters are not served yet", param="adapters")
     if body.quantize:
-        raise invalid("quantize: quantizing on create is not served yet (quantize with llama-quantize, then "
-                      "upload the GGUF)", param="quantize")
+        try:
+            type_code(body.quantize)
+        except ValueError as exc:
+            raise invalid(f"quantize: {exc}", param="quantize") from None
     if body.from_ and body.files:
         raise invalid("give `from` (a model) or `files` (uploaded GGUF blobs), not both", param="from")
     params = dict(body.parameters or {})
@@ -313,7 +316,7 @@ def recipe(body: CreateRequest, notes: Notes) -> Recipe:
             messages.append({"role": role, "content": content})
     license_ = "\n\n".join(body.license) if isinstance(body.license, list) else body.license
     return Recipe(name=name, files=dict(body.files or {}), system=body.system, messages=messages, license=license_,
-                  defaults=defaults, context_length=num_ctx)
+                  defaults=defaults, context_length=num_ctx, quantize=body.quantize or None)
 
 
 # --- output -------------------------------------------------------------------------------------------

@@ -401,7 +401,7 @@ def _entry(request: Request, spec: ModelSpec) -> dict[str, Any] | None:
 
 @router.get("/api/tags", responses={200: {"description": "The models on disk"}, **_ERRORS})
 async def tags(request: Request) -> JSONResponse:
-    specs = request.app.state.manager.registry.models.values()
+    specs = request.app.state.manager.registry.current().values()
     models = [e for e in (await asyncio.gather(*(asyncio.to_thread(_entry, request, s) for s in specs))) if e]
     return JSONResponse({"models": models})
 
@@ -590,7 +590,7 @@ async def create_model(body: ol.CreateRequest, request: Request) -> Response:
             pulling = manager.pull_jobs.start(hub_name)  # as Ollama does: a Hub model not here yet is pulled
         recipe.parent = found
 
-    async def make() -> list[str]:
+    async def make() -> None:
         if pulling is not None:
             pulled = await asyncio.shield(pulling[1])
             recipe.parent = manager.registry.get(pulled.model_id)
@@ -602,7 +602,6 @@ async def create_model(body: ol.CreateRequest, request: Request) -> Response:
         except CreateError as exc:
             raise _create_error(exc) from None
         log.info("created model %s (%s)", recipe.name, "; ".join(steps))
-        return steps
 
     headers = notes.headers()
     if not body.stream:
@@ -612,19 +611,30 @@ async def create_model(body: ol.CreateRequest, request: Request) -> Response:
             raise APIError(_pull_status(str(exc)), str(exc), param="from") from exc
         return JSONResponse({"status": "success"}, headers=headers)
 
+    # Each step is streamed as it starts (a quantization may take minutes).
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[str] = asyncio.Queue()
+    recipe.progress = lambda step: loop.call_soon_threadsafe(queue.put_nowait, step)
+
     async def lines() -> AsyncIterator[bytes]:
         if pulling is not None:
             async for line in _pull_lines(*pulling):
                 yield line
             if pulling[1].exception() is not None:
                 return
-        try:
-            steps = await make()
-        except APIError as exc:
-            yield json.dumps({"error": exc.message}).encode() + b"\n"
+        task = asyncio.ensure_future(make())
+        while not task.done() or not queue.empty():
+            getter = asyncio.ensure_future(queue.get())
+            await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+            if getter.done():
+                yield json.dumps({"status": getter.result()}).encode() + b"\n"
+            else:
+                getter.cancel()
+        exc = task.exception()
+        if exc is not None:
+            yield json.dumps({"error": exc.message if isinstance(exc, APIError) else str(exc)}).encode() + b"\n"
             return
-        for step in [*steps, "success"]:
-            yield json.dumps({"status": step}).encode() + b"\n"
+        yield json.dumps({"status": "success"}).encode() + b"\n"
 
     return StreamingResponse(lines(), media_type="application/x-ndjson", headers=headers)
 
