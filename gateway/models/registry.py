@@ -323,10 +323,12 @@ class ModelSpec(_Strict):
 
 def source_label(spec: ModelSpec) -> str:
     """Where a model's files come from, for listings: pypi:<package>, hf.co/<repo>, path, converted,
-    remote workers."""
+    remote workers, created (uploaded or quantized files)."""
     src = spec.formats.get("gguf") or next(iter(spec.formats.values()), None)
     if spec.workers:
         return "remote workers"
+    if spec.created is not None and spec.created.files:
+        return "created"
     if src is None:
         return ""
     if src.hf is not None:
