@@ -16,6 +16,7 @@ import json
 import os
 from typing import Any
 
+import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
@@ -30,7 +31,7 @@ from schemathesis.checks import (
 from schemathesis.config import SchemathesisConfig
 
 from gateway.api.anthropic.messages import MessageStreamEvent
-from gateway.api.errors import OLLAMA_PATHS
+from gateway.api.errors import is_ollama
 from gateway.api.openai.protocol import ChatCompletionChunk, Completion, ErrorResponse
 from gateway.api.openai.responses import ResponseStreamEvent
 from tests.conftest import MODEL
@@ -66,13 +67,13 @@ def _is_anthropic_envelope(body: Any) -> bool:
 
 def error_envelope(ctx: Any, response: Any, case: Any) -> bool | None:
     """Every error response is the OpenAI envelope with all four fields (Anthropic's on its routes)."""
-    if response.status_code < 400:
+    if response.status_code < 400 or case.method.upper() == "HEAD":  # a HEAD answer has no body
         return None
     try:
         body = json.loads(response.content)
     except ValueError:
         raise FuzzFailure(f"{response.status_code} body is not JSON: {response.content[:200]!r}") from None
-    if case.path in OLLAMA_PATHS:
+    if is_ollama(case.path):
         if not (isinstance(body, dict) and set(body) == {"error"} and isinstance(body["error"], str)):
             raise FuzzFailure(f"{response.status_code} is not in Ollama's error shape: {body!r}")
         return True
@@ -142,9 +143,9 @@ def ndjson_stream(ctx: Any, response: Any, case: Any) -> bool | None:
     objs = [json.loads(x) for x in lines[:-1]]
     if objs and set(objs[-1]) == {"error"}:
         objs = objs[:-1]
-    elif case.path == "/api/pull":  # progress lines, then success
+    elif case.path in ("/api/pull", "/api/create"):  # progress lines, then success
         if not objs or objs[-1] != {"status": "success"}:
-            raise FuzzFailure(f"a pull stream does not end with success: {objs[-1:]!r}")
+            raise FuzzFailure(f"a {case.path} stream does not end with success: {objs[-1:]!r}")
         return True
     elif not objs or objs[-1].get("done") is not True:
         raise FuzzFailure(f"the stream does not end with done: {objs[-1:]!r}")
@@ -178,12 +179,18 @@ def _pin(body: Any, path: str = "") -> None:
     """The served model and a few output tokens; everything else as generated."""
     if not isinstance(body, dict):
         return
-    if path in OLLAMA_PATHS:  # Ollama's: the limit is options.num_predict; keep the model loaded
+    if is_ollama(path):  # Ollama's: the limit is options.num_predict; keep the model loaded
         if "model" in body:
             body["model"] = MODEL
         if path in ("/api/pull", "/api/delete"):  # never a Hub name: nothing is downloaded, nothing removed
             body["model"] = MODEL
             body.pop("name", None)
+        if path == "/api/create":  # one model of its own, made from the served one (nothing downloaded)
+            body.update({"model": MADE[0], "from": MODEL})
+            for key in ("name", "files", "quantize", "modelfile"):
+                body.pop(key, None)
+        if path == "/api/copy":
+            body.update({"source": MODEL, "destination": MADE[1]})
         if path in ("/api/chat", "/api/generate"):
             options = body.get("options") if isinstance(body.get("options"), dict) else {}
             body["options"] = {**options, "num_predict": MAX_TOKENS}
@@ -216,7 +223,10 @@ OPERATIONS = [("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("P
               ("POST", "/v1/messages"), ("POST", "/v1/messages/count_tokens"),
               ("POST", "/api/chat"), ("POST", "/api/generate"), ("POST", "/api/embed"), ("POST", "/api/embeddings"),
               ("GET", "/api/tags"), ("POST", "/api/show"), ("GET", "/api/ps"), ("GET", "/api/version"),
-              ("POST", "/api/pull"), ("DELETE", "/api/delete")]
+              ("POST", "/api/pull"), ("DELETE", "/api/delete"), ("POST", "/api/create"), ("POST", "/api/copy"),
+              ("HEAD", "/api/blobs/{digest}"), ("POST", "/api/blobs/{digest}")]
+# The models the fuzzed /api/create and /api/copy make (removed after them).
+MADE = ("fuzz-made", "fuzz-copy")
 
 
 def test_every_operation_is_fuzzed(api_schema: Any) -> None:
@@ -232,7 +242,7 @@ CASES = [(m, p, GenerationMode.POSITIVE) for m, p in OPERATIONS] + \
 
 @pytest.mark.parametrize(("method", "path", "mode"), CASES,
                          ids=[f"{m} {p} {g.value}" for m, p, g in CASES])
-def test_api(api_schema: Any, method: str, path: str, mode: GenerationMode) -> None:
+def test_api(api_schema: Any, gateway_url: str, method: str, path: str, mode: GenerationMode) -> None:
     operation = api_schema[path][method]
 
     @given(case=operation.as_strategy(generation_mode=mode))
@@ -244,4 +254,9 @@ def test_api(api_schema: Any, method: str, path: str, mode: GenerationMode) -> N
         response = case.call(timeout=120)
         case.validate_response(response, checks=CHECKS)
 
-    run()
+    try:
+        run()
+    finally:
+        if path in ("/api/create", "/api/copy"):
+            for name in MADE:
+                httpx.request("DELETE", f"{gateway_url}/api/delete", json={"model": name}, timeout=30)

@@ -16,7 +16,13 @@ class Notes:
     def headers(self) -> dict[str, str]:
         out = {}
         if self.ignored:
-            out["X-Ignored-Fields"] = ", ".join(sorted(self.ignored))
+            out["X-Ignored-Fields"] = header_value(", ".join(sorted(self.ignored)))
         if self.skipped_tools:
-            out["X-Skipped-Tools"] = ", ".join(sorted(self.skipped_tools))
+            out["X-Skipped-Tools"] = header_value(", ".join(sorted(self.skipped_tools)))
         return out
+
+
+def header_value(text: str, limit: int = 1024) -> str:
+    """HTTP header values are Latin-1 and one line; field names and reasons are the client's free text."""
+    flat = " ".join(text.split())
+    return flat.encode("ascii", "replace").decode()[:limit]

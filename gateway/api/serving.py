@@ -30,6 +30,7 @@ from gateway.api.admission import Admission, Ticket
 from gateway.api.errors import APIError, ServerShutdown, invalid, record
 from gateway.api.failover import FailoverPolicy, resumable
 from gateway.api.guards import Drain
+from gateway.api.notes import header_value
 from gateway.conversation import (
     ArgumentsDelta,
     CallStarted,
@@ -90,12 +91,6 @@ async def _merge(streams: list[AsyncIterator[TokenEvent]]) -> AsyncIterator[tupl
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _header_value(text: str, limit: int = 1024) -> str:
-    """HTTP header values are Latin-1 and one line; reasons are free text."""
-    flat = " ".join(text.split())
-    return flat.encode("ascii", "replace").decode()[:limit]
-
-
 # Called once a request finished normally: (engine it ran on, prompt ids, choice 0's generated ids).
 CompletionHook = Callable[[Loaded, tuple[int, ...], tuple[int, ...]], object]
 
@@ -125,11 +120,11 @@ class Prepared:
     @property
     def headers(self) -> dict[str, str]:
         c = self.loaded.candidate
-        out = {"X-Engine": c.label, "X-Device": _header_value(c.device)}
+        out = {"X-Engine": c.label, "X-Device": header_value(c.device)}
         if self.loaded.fallback_reason:
-            out["X-Fallback-Reason"] = _header_value(self.loaded.fallback_reason)
+            out["X-Fallback-Reason"] = header_value(self.loaded.fallback_reason)
         if self.skipped_tools:
-            out["X-Skipped-Tools"] = _header_value(", ".join(self.skipped_tools))
+            out["X-Skipped-Tools"] = header_value(", ".join(self.skipped_tools))
         if self.failovers:
             out["X-Failover"] = str(self.failovers)
         return out

@@ -533,7 +533,7 @@ def _pull_status(message: str) -> int:
     return 500
 
 
-@router.delete("/api/delete", responses={200: {"description": "Removed"}, **_ERRORS,
+@router.delete("/api/delete", response_class=Response, responses={200: {"description": "Removed"}, **_ERRORS,
                                          409: {"model": OllamaError, "description": "The model is loaded"}})
 async def delete(body: ol.ModelRequest, request: Request) -> Response:
     """Remove a pulled model and the files only it uses (`gateway rm`); refused while it is loaded."""
@@ -639,7 +639,7 @@ async def create_model(body: ol.CreateRequest, request: Request) -> Response:
     return StreamingResponse(lines(), media_type="application/x-ndjson", headers=headers)
 
 
-@router.post("/api/copy", responses={200: {"description": "Copied (an empty body)"}, **_ERRORS,
+@router.post("/api/copy", response_class=Response, responses={200: {"description": "Copied (an empty body)"}, **_ERRORS,
                                      409: {"model": OllamaError, "description": "The destination is loaded"}})
 async def copy_model(body: ol.CopyRequest, request: Request) -> Response:
     """`destination` becomes a model with everything `source` has (replacing a pulled or created model of
@@ -654,8 +654,9 @@ async def copy_model(body: ol.CopyRequest, request: Request) -> Response:
     return Response(status_code=200)
 
 
-@router.head("/api/blobs/{digest}", responses={200: {"description": "The blob is here"},
-                                               404: {"description": "It is not"}})
+@router.head("/api/blobs/{digest}", response_class=Response, responses={
+    200: {"description": "The blob is here"}, 404: {"description": "It is not"},
+    400: {"description": "Not a sha256:<hex> digest"}, 401: {"description": "Missing or wrong API key"}})
 async def blob_exists(digest: str, request: Request) -> Response:
     try:
         path = blob_path(request.app.state.manager.registry, digest)
@@ -668,7 +669,7 @@ async def blob_exists(digest: str, request: Request) -> Response:
 _UPLOAD_MARGIN = 1 << 30
 
 
-@router.post("/api/blobs/{digest}", status_code=201, responses={
+@router.post("/api/blobs/{digest}", status_code=201, response_class=Response, responses={
     201: {"description": "Stored"}, 200: {"description": "Already here (the body is not read)"},
     400: {"model": OllamaError, "description": "The body's sha256 is not the digest"},
     507: {"model": OllamaError, "description": "Not enough disk space"}})
