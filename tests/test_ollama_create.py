@@ -19,6 +19,7 @@ import openai
 import pytest
 
 from gateway.conversation import Conversation, Turn, with_preamble
+from gateway.models.hub import sha256_of
 from gateway.models.modelfile import ModelfileError, parse
 from gateway.models.registry import load_registry
 from tests.conftest import ROOT
@@ -35,14 +36,6 @@ PRESET = [{"role": "user", "content": "My name is Ada."}, {"role": "assistant", 
 def _smol() -> Path:
     registry = load_registry(ROOT / "models.yaml", user_dir="/nonexistent")
     return registry.resolve(registry.get(BASE), "gguf")  # type: ignore[arg-type]
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +114,7 @@ def test_create_from_an_uploaded_gguf_applies_its_system_prompt_and_defaults(ser
     g, data = served
     smol = _smol()
     digest = client.create_blob(smol)  # ~90 MB: past --max-body (4 MiB), which blob uploads are not bound by
-    assert digest == f"sha256:{_sha256(smol)}"
+    assert digest == f"sha256:{sha256_of(smol)}"
     steps = list(client.create(model="pirate", files={"smol.gguf": digest}, system=SYSTEM,
                                parameters={"temperature": 0, "num_predict": 6, "seed": 7}, stream=True))
     assert steps[-1].status == "success" and any(s.status == "parsing GGUF" for s in steps)

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from gateway.models.gguf_info import GGUFError, read_gguf
-from gateway.models.hub import DEFAULT_PULL_CONTEXT, entry_file, user_models_dir, write_entry
+from gateway.models.hub import DEFAULT_PULL_CONTEXT, entry_file, sha256_of, user_models_dir, write_entry
 from gateway.models.quantize import SOURCES, QuantizeError, quantize, type_code
 from gateway.models.registry import ModelSpec, Registry
 
@@ -104,11 +104,7 @@ class BlobUpload:
 
 def store_blob(registry: Registry, path: Path, chunk: int = 8 << 20) -> str:
     """A local file copied into the blob store (as `ollama create` uploads a FROM file); its digest."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while data := f.read(chunk):
-            h.update(data)
-    digest = f"sha256:{h.hexdigest()}"
+    digest = f"sha256:{sha256_of(path)}"
     if blob_path(registry, digest).is_file():
         return digest
     upload = BlobUpload(registry, digest)
@@ -266,17 +262,14 @@ def _quantized(registry: Registry, source: Path, qtype: str, steps: list[str]) -
     out = blobs / f"quantize-{uuid.uuid4().hex[:12]}.gguf"
     try:
         quantize(source, out, qtype)
-        h = hashlib.sha256()
-        with open(out, "rb") as f:
-            while data := f.read(8 << 20):
-                h.update(data)
-        os.replace(out, blob_path(registry, f"sha256:{h.hexdigest()}"))
+        hexdigest = sha256_of(out)
+        os.replace(out, blob_path(registry, f"sha256:{hexdigest}"))
     except QuantizeError as exc:
         raise CreateError(500, str(exc), "quantize") from exc
     finally:
         out.unlink(missing_ok=True)
     stem = _SPLIT.sub("", source.name).removesuffix(".gguf").removesuffix(".GGUF")
-    return {f"{stem}-{qtype}.gguf": h.hexdigest()}
+    return {f"{stem}-{qtype}.gguf": hexdigest}
 
 
 def copy(registry: Registry, source: ModelSpec, destination: str) -> Path:
