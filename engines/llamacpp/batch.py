@@ -52,7 +52,7 @@ MIN_COPY_GAIN = 16
 # Seconds of prefill a saved state must stand for: a save stops every running stream for its copy,
 # and most saved states never come back (one-off prompts). A state that prefills again in less
 # than this is not worth a host-cache entry (on the H100, SmolLM2's 256-token requests: saving
-# each cost 4-12% of 1-16-stream throughput and 40% of TTFT; BENCHMARKS.md, issue 28).
+# each cost 4-12% of 1-16-stream throughput and 40% of TTFT; docs/benchmarks/history.md#saving-only-what-pays).
 MIN_SAVE_GAIN_S = 0.05
 
 # `_save_size` verdicts besides a size: prefilling the state again beats copying it; it cannot be

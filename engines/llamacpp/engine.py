@@ -48,9 +48,11 @@ from engines.thinking import render_thinking, template_traits
 log = logging.getLogger(__name__)
 
 # Prompt tokens per step while other sequences decode (chunked prefill), by backend: a chunk costs
-# the running streams its compute in every step it shares with them. Measured in BENCHMARKS.md
-# ("Prefill interference"); EngineConfig.prefill_budget / models.yaml `prefill_budget` override.
-# The CPU's 128 (64 until session 18): ggml's CPU attention takes a prompt chunk in tiles of 64
+# the running streams its compute in every step it shares with them (measured on a 2-core CPU and an
+# H100, docs/benchmarks/history.md#a-host-memory-prefix-cache-and-a-prefill-budget);
+# EngineConfig.prefill_budget / models.yaml `prefill_budget` override. The CPU's 128 (was 64; measured
+# on a 2-core AMD EPYC, docs/benchmarks/history.md#two-passes-on-the-cpu-and-a-prefill-budget-of-128):
+# ggml's CPU attention takes a prompt chunk in tiles of 64
 # query rows per head, 4 row ranges per thread, so on 2 threads a 64-token chunk of a 4-head model
 # (Gemma-3-270M) fills its tiles by half and costs about what 128 tokens do (8 streams beside a
 # 17.9k-token prompt: steps 424 vs 396 ms, the prompt through in 1.43x its time alone vs 2.28x).
@@ -107,8 +109,8 @@ def long_prompt_settings() -> tuple[int, int]:
     prefilled (and then decoded) in a second llama_context beside them instead of in chunks
     inside their steps (0: off, the default); on a CUDA build patched with
     scripts/patches-h100/ggml-cuda-streams.patch, that context's kernels keep to that many SMs
-    (0: all) and the decoding streams have the rest. Opt-in and for measuring: BENCHMARKS.md,
-    "Green contexts"."""
+    (0: all) and the decoding streams have the rest. Opt-in and for measuring (on an H100 and an H200:
+    docs/benchmarks/history.md#green-contexts)."""
     return _env_count("GATEWAY_LONG_PROMPT_TOKENS"), _env_count("GATEWAY_LONG_PROMPT_SMS")
 
 

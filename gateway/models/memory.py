@@ -7,7 +7,7 @@ when the context is created; sliding-window layers hold only their window and a 
 
 The compute and runtime terms are calibrated on measurements (the worker's resident memory after
 requests that fill every sequence, ask for logprobs and follow a grammar: benchmarks/bench_memory.py,
-BENCHMARKS.md "Memory estimate"): 56 MiB of llama.cpp buffers and threads, 40 MiB for the worker's
+docs/benchmarks/history.md#memory-estimate): 56 MiB of llama.cpp buffers and threads, 40 MiB for the worker's
 Python, and 900 bytes per vocabulary entry (logits, the output projection's work space and the
 logprobs over the vocabulary all grow with it).
 
@@ -33,7 +33,7 @@ GiB = 1 << 30
 RUNTIME_BYTES = 56 * MiB  # ggml/llama.cpp buffers and threads of one context
 PER_VOCAB_BYTES = 900  # logits, output work space and logprobs, per vocabulary entry
 WORKER_BYTES = 40 * MiB  # a worker process's interpreter and imports
-# On a GPU (measured on the H100 with CUDA, BENCHMARKS.md "Memory estimate"; Vulkan assumed alike):
+# On a GPU (measured on an H100 80GB with CUDA, docs/benchmarks/history.md#memory-estimate; Vulkan assumed alike):
 GPU_CONTEXT_BYTES = 720 * MiB  # the runtime's context and library work spaces on the device
 GPU_RUNTIME_HOST_BYTES = 500 * MiB  # the GPU runtime's host memory in the worker
 PER_SEQ_VOCAB_HOST_BYTES = 96  # host buffers per sequence and vocabulary entry (logits, sampling)

@@ -645,7 +645,7 @@ def build_of(host: HostCapabilities, cand: Candidate) -> LlamaCppBuild:
 
 
 def ladder(cand: Candidate, config: EngineConfig, host: HostCapabilities, settings: Settings) -> list[EngineConfig]:
-    """The ways to run `cand`, tried in order before the next candidate (issue 24): as planned
+    """The ways to run `cand`, tried in order before the next candidate: as planned
     (weights repacked, the build's CPU variant), then with repacking off (llama.cpp's --no-repack:
     no AMX or interleaved buffers), then also on a lower CPU variant (AVX2 class below AVX-512)."""
     if cand.runtime != "llamacpp":
