@@ -1,4 +1,4 @@
-"""Ray Serve cluster mode on this machine (issue 17): one command, three tables.
+"""Ray Serve cluster mode on this machine: one command, three tables.
 
     .venv/bin/python benchmarks/bench_cluster.py [--replicas 1,2,4] [--rounds 2]
 

@@ -1,4 +1,4 @@
-"""The gap a client sees when the engine under its stream dies (issue 27): one command.
+"""The gap a client sees when the engine under its stream dies: one command.
 
     .venv/bin/python benchmarks/bench_failover.py [--rounds 10] [--engine cpu] [--model ID] [--kill-at 40]
 

@@ -19,7 +19,7 @@ llama-server from the same llama.cpp (its default prompt cache), one run, server
 - together: requests sent at once with one long system prompt and each its own question (agents'
   sessions or sub-agents started together), SmolLM2: their TTFT against one such prompt alone, and
   the share of their prompt tokens from cache. Also the gateway with GATEWAY_PREFIX_FOLLOW=off
-  (each request prefills the shared prefix itself, as before session 19).
+  (each request prefills the shared prefix itself).
 
 Prints Markdown tables with machine and commit; --json keeps every number.
 """

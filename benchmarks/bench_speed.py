@@ -1,4 +1,4 @@
-"""Issue 15's comparison table in one command: the gateway vs llama-server on this host.
+"""The speed comparison table in one command: the gateway vs llama-server on this host.
 
     .venv/bin/python benchmarks/bench_speed.py [--backend cpu|cuda|vulkan] [--rounds 4]
         [--concurrency 1,8,16] [--server-bin DIR] [--speculative 3:16] [--json out.json]

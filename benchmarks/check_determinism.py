@@ -1,6 +1,6 @@
 """Is greedy output the same across runs of one request on this build and device? Cold (the prompt
 prefilled whole on a fresh worker) against warm (the prompt from the prefix cache but its last
-token), and cold against cold. Prints the three comparisons (issue 27: what failover can promise).
+token), and cold against cold. Prints the three comparisons (what failover can promise).
 
     .venv/bin/python benchmarks/check_determinism.py [--engine cuda] [--max-tokens 120]
 """

@@ -1,7 +1,7 @@
-"""Can a long prompt's prefill run beside decoding streams without costing them (issue 28)?
+"""Can a long prompt's prefill run beside decoding streams without costing them?
 
 The gateway feeds a long prompt in chunks inside the running streams' steps, one llama_context for
-all. Where a step's costs add (llama.cpp's do: BENCHMARKS.md, "the arithmetic"), the streams'
+all. Where a step's costs add (llama.cpp's do: docs/benchmarks/history.md#why-no-prefill-budget-meets-both-interference-targets), the streams'
 inter-token gap during the prefill and the prompt's time beside them trade against each other, and
 "ITL p99 <= 3x the median" with "TTFT <= 1.3x alone" cannot both hold. This probe measures the one
 way around it that the llama.cpp API offers: a second context on the same model (its own KV and,

@@ -4,8 +4,8 @@ A collection holds the interpreter lock: while it runs, every thread of the proc
 decode loops between their llama_decode calls, the gateway's event loop sending every stream's
 chunks). A full collection walks every live object, and a serving process keeps hundreds of
 thousands from start-up (modules, schemas, the vocabulary) that will never be garbage (the gateway's
-~88k took 60 ms to walk on a 2-core CPU). On the H100 with 32 streams an A/B showed no difference in
-their gaps (BENCHMARKS, session 23): it bounds a pause that was not the one seen there.
+~88k took 60 ms to walk on a 2-core CPU). On an H100 80GB with 32 streams an A/B showed no difference
+in their gaps (docs/benchmarks/history.md#streams-timed-per-token): it bounds a pause that was not the one seen there.
 
 `settle()` (after start-up) moves what exists then out of the collector's view (`gc.freeze()`, as
 CPython's documentation advises for servers); `GATEWAY_GC_FREEZE=0` leaves it. `watch()` logs every

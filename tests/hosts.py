@@ -60,7 +60,7 @@ NVIDIA = host(
     vulkan=VulkanInfo("libvulkan.so.1", "1.4", (vk(0, "NVIDIA H100", "discrete"),)),
     llamacpp=llama("CUDA", "Vulkan", vulkan=1, cuda=1),
 )
-# The H100 lent here: CUDA works, the NVIDIA Vulkan ICD refuses to initialise, no loader.
+# An H100 host as measured: CUDA works, the NVIDIA Vulkan ICD refuses to initialise, no loader.
 H100_HOST = host(
     cuda=H100,
     vulkan=VulkanInfo(None, "", (), (VulkanDriver(

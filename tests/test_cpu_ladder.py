@@ -1,4 +1,4 @@
-"""Issue 24: serve on every CPU. The CPU variants of the build, the fallback ladder (repacking off,
+"""Serve on every CPU. The CPU variants of the build, the fallback ladder (repacking off,
 a lower CPU variant, the next candidate) walked by a stand-in for ggml's AMX crash that SIGSEGVs
 the real worker on any CPU (tests/amx_standin.py), and the crash policy that never stops serving
 the only engine."""

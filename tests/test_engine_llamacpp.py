@@ -216,7 +216,7 @@ async def test_requests_take_the_lowest_free_sequence_ids() -> None:
         await e.close()
 
 
-# --- sampling on the device, speculative decoding (issue 15) ----------------------------------
+# --- sampling on the device, speculative decoding ---------------------------------------------
 
 CODE = '''def fibonacci(n):
     """Return the n-th Fibonacci number."""

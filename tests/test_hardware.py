@@ -20,7 +20,7 @@ needs_loader = pytest.mark.skipif(
     reason="no Vulkan loader here (scripts/test.sh installs libvulkan1 and mesa-vulkan-drivers)",
 )
 
-# A Vulkan driver that refuses to initialise, like the NVIDIA ICD on the lent H100.
+# A Vulkan driver that refuses to initialise, like the NVIDIA ICD on an H100 host without libglvnd.
 BROKEN_ICD = r"""
 #include <stdint.h>
 int32_t vk_icdNegotiateLoaderICDInterfaceVersion(uint32_t *v) { (void)v; return -3; }

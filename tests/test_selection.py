@@ -27,7 +27,7 @@ def labels(h: HostCapabilities, spec: ModelSpec = GGUF, **pref: str) -> list[str
     ("lavapipe explicit", hosts.LAVAPIPE, GGUF, {"engine": "vulkan"}, ["llamacpp/vulkan:Vulkan0"]),
     ("nvidia + vulkan", hosts.NVIDIA, GGUF, {}, ["llamacpp/cuda:CUDA0", "llamacpp/vulkan:Vulkan0", "llamacpp/cpu:cpu"]),
     ("nvidia, vulkan asked", hosts.NVIDIA, GGUF, {"engine": "vulkan"}, ["llamacpp/vulkan:Vulkan0"]),
-    ("h100 lent here", hosts.H100_HOST, GGUF, {}, ["llamacpp/cuda:CUDA0", "llamacpp/cpu:cpu"]),
+    ("h100 host, vulkan icd broken", hosts.H100_HOST, GGUF, {}, ["llamacpp/cuda:CUDA0", "llamacpp/cpu:cpu"]),
     ("amd vulkan only", hosts.AMD_VULKAN, GGUF, {}, ["llamacpp/vulkan:Vulkan0", "llamacpp/cpu:cpu"]),
     # Discrete before integrated; the build has no CUDA, so the NVIDIA card runs Vulkan.
     ("igpu + dgpu", hosts.IGPU_DGPU, GGUF, {}, ["llamacpp/vulkan:Vulkan1", "llamacpp/vulkan:Vulkan0", "llamacpp/cpu:cpu"]),

@@ -1,4 +1,4 @@
-"""The speed options of models.yaml through the whole gateway (issue 15): speculative decoding's
+"""The speed options of models.yaml through the whole gateway: speculative decoding's
 usage details and metrics, sampling on the device, and their validation."""
 
 from __future__ import annotations

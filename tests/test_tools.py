@@ -251,7 +251,7 @@ def _distinct(calls: list[tuple[str, str]]) -> bool:
 
 
 def test_a_repeated_call_does_not_eat_the_budget(client: openai.OpenAI, gateway_url: str) -> None:
-    """Issue 25's finding: one tool, required, temperature 0, max_tokens 96 — the default model
+    """A case seen with the default model: one tool, required, temperature 0, max_tokens 96 — the default model
     repeats the same call inside the parallel array until max_tokens. The answer ends at the first
     exact repeat, with the calls before it, whole or streamed, in both OpenAI protocols."""
     kw: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": "What is the weather in Paris?"}],

@@ -378,7 +378,7 @@ def test_repeated_crashes_fall_back_to_the_next_candidate(tmp_path: Path) -> Non
     g = Gateway(tmp_path, "--engine", "auto", "--device", "llvmpipe", "--parallel", "1",
                 "--config", str(tmp_path / "models.yaml"), env={"GATEWAY_WORKER_MAX_CRASHES": "2"})
     try:
-        # Each rung of the Vulkan build's ladder (repacking off, then a lower CPU variant, issue 24)
+        # Each rung of the Vulkan build's ladder (repacking off, then a lower CPU variant)
         # gives up after two crashes; then the CPU candidate serves.
         seen = []
         for _ in range(5):

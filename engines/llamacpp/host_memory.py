@@ -1,8 +1,8 @@
 """Host memory for the host prefix cache: page-locked where the engine's device has it.
 
 Copying a sequence's KV between a GPU and pageable host memory goes through the driver's staging
-buffers: on the H100 an 11k-token Llama-3-8B state (1.4 GiB) took ~1.3 s each way, as long as
-prefilling it again (BENCHMARKS.md, issue 28), so the cache could not pay there. The device's own
+buffers: on an H100 80GB an 11k-token Llama-3-8B state (1.4 GiB) took ~1.3 s each way, as long as
+prefilling it again (docs/benchmarks/history.md#a-host-memory-prefix-cache-and-a-prefill-budget), so the cache could not pay there. The device's own
 host buffer type (`ggml_backend_dev_host_buffer_type`: `cudaMallocHost` on CUDA, pinned memory on
 Vulkan) is copied by DMA (~50 GB/s measured there); `llama_state_seq_get_data`/`set_data` read
 and write the caller's buffer directly, so an entry that lives in such memory moves at that speed.

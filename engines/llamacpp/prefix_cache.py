@@ -2,7 +2,8 @@
 
 A sequence slot is reused for a new request at every turn of every conversation; with more
 conversations than slots, the KV of a conversation is overwritten before its next turn arrives
-(BENCHMARKS.md: 3-4 % of follow-up prompt tokens from cache with 16 conversations on 8 slots).
+(measured on a 2-core CPU: 3-4 % of follow-up prompt tokens from cache with 16 conversations on 8
+slots, docs/benchmarks/history.md#ray-serve).
 Before a slot's KV is cut, it is saved here (`llama_state_seq_get_data`: the cells of one sequence,
 with their positions); a new request whose prompt starts with a saved entry's tokens gets them
 back into its slot (`llama_state_seq_set_data`) instead of prefilling them.

@@ -81,7 +81,7 @@ TOLERANCES: tuple[tuple[tuple[str, str, str], ParityTolerance], ...] = (
     (("llamacpp/cpu", "ortgenai/cpu", "quant"), CROSS_RUNTIME_QUANT),
     (("ortgenai/cpu", "llamacpp/cpu", "quant"), CROSS_RUNTIME_QUANT),
     # ExecuTorch/XNNPACK on the fp32 export of the same weights: built-in prompts x 16 tokens,
-    # mean KL 0.0043, max 0.040, top-1 0.948, perplexity 2.215 vs 2.213 (PARITY.md) - as ORT.
+    # mean KL 0.0043, max 0.040, top-1 0.948, perplexity 2.215 vs 2.213 (docs/parity.md) - as ORT.
     (("llamacpp/cpu", "executorch/cpu", "quant"), CROSS_RUNTIME_QUANT),
     (("executorch/cpu", "llamacpp/cpu", "quant"), CROSS_RUNTIME_QUANT),
     # The two Vulkan runtimes on the same weights: ExecuTorch's Vulkan delegate computes the fp32
