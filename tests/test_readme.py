@@ -1,0 +1,183 @@
+"""The documentation runs as written: every `gateway …` command in the fenced code blocks of
+README.md and docs/ names a real subcommand with options it accepts (checked against the CLI's own
+argparse parser, in-process), and the configuration tables list exactly the options of
+`gateway serve`, each with the environment variable that settings.py really reads."""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import re
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from gateway.cli import build_parser
+from gateway.settings import Settings
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+CONFIG_DOC = ROOT / "docs" / "configuration.md"
+SHELL_LANGS = {"", "bash", "sh", "shell", "console"}
+FENCE = re.compile(r"^```([\w-]*)[^\n]*\n(.*?)^```", re.M | re.S)
+# A line that may call the command: `gateway`, `.venv/bin/gateway`, `$ gateway`, `X=1 gateway`.
+MAYBE_GATEWAY = re.compile(r"(?:^|[\s;&|(])(?:\S*/)?gateway(?:\s|$)")
+ENV_ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
+
+
+@dataclass(frozen=True)
+class Command:
+    where: str  # file:line
+    args: tuple[str, ...]  # what follows `gateway`
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    raise AssertionError("gateway's parser has no subcommands")
+
+
+def _options(parser: argparse.ArgumentParser) -> set[str]:
+    return {o for a in parser._actions for o in a.option_strings} - {"-h", "--help"}
+
+
+def _logical_lines(block: str) -> list[tuple[int, str]]:
+    """The block's lines with backslash continuations joined: (offset of the first line, text)."""
+    out: list[tuple[int, str]] = []
+    pending, start = "", 0
+    for i, line in enumerate(block.split("\n")):
+        if not pending:
+            start = i
+        if line.rstrip().endswith("\\"):
+            pending += line.rstrip()[:-1] + " "
+            continue
+        out.append((start, pending + line))
+        pending = ""
+    if pending:
+        out.append((start, pending))
+    return out
+
+
+def commands_in(path: Path) -> list[Command]:
+    """Every `gateway …` invocation in the file's fenced shell (or untagged) code blocks."""
+    text = path.read_text()
+    found: list[Command] = []
+    for m in FENCE.finditer(text):
+        lang = m.group(1).lower()
+        if lang not in SHELL_LANGS:
+            continue
+        first_line = text.count("\n", 0, m.start(2)) + 1
+        for offset, line in _logical_lines(m.group(2)):
+            stripped = line.strip()
+            if lang in ("", "console"):  # output may follow: only prompts and bare command lines
+                stripped = stripped.removeprefix("$ ")
+            if not MAYBE_GATEWAY.search(stripped):
+                continue
+            where = f"{path.relative_to(ROOT)}:{first_line + offset}"
+            lexer = shlex.shlex(stripped, posix=True, punctuation_chars=True)
+            lexer.whitespace_split = True
+            lexer.commenters = "#"
+            try:
+                tokens = list(lexer)
+            except ValueError as exc:
+                raise AssertionError(f"{where}: not a shell line ({exc}): {line!r}") from exc
+            segment: list[str] = []
+            for tok in [*tokens, ";"]:
+                if tok in (";", "&&", "||", "|", "&", "(", ")"):
+                    words = list(segment)
+                    while words and ENV_ASSIGNMENT.match(words[0]):
+                        words.pop(0)
+                    if words and words[0] == "exec":
+                        words.pop(0)
+                    if words and Path(words[0]).name == "gateway":
+                        found.append(Command(where, tuple(words[1:])))
+                    segment = []
+                else:
+                    segment.append(tok)
+    return found
+
+
+ALL_COMMANDS = [c for doc in DOCS for c in commands_in(doc)]
+
+
+def test_the_docs_show_gateway_commands() -> None:
+    """The extraction finds what it should (a regex gone wrong must not make the check vacuous)."""
+    subcommands = {c.args[0] for c in ALL_COMMANDS if c.args}
+    assert {"serve", "pull", "devices", "convert", "parity"} <= subcommands, subcommands
+    assert any(c.where.startswith("README.md") for c in ALL_COMMANDS)
+
+
+@pytest.mark.parametrize("command", ALL_COMMANDS, ids=lambda c: c.where)
+def test_each_documented_command_parses(command: Command) -> None:
+    parser = build_parser()
+    subparsers = _subparsers(parser)
+    assert command.args, f"{command.where}: `gateway` without a subcommand"
+    name, *rest = command.args
+    assert name in subparsers, f"{command.where}: no subcommand {name!r}; gateway has {sorted(subparsers)}"
+    accepted = _options(subparsers[name])
+    unknown = [tok.split("=", 1)[0] for tok in rest
+               if tok.startswith("-") and len(tok) > 1 and not re.fullmatch(r"-\d+(\.\d+)?", tok)
+               and tok.split("=", 1)[0] not in accepted]
+    assert not unknown, f"{command.where}: `gateway {name}` does not accept {unknown}; it takes {sorted(accepted)}"
+    try:  # values too: choices, types, required options, as the real command line parses them
+        parser.parse_args(list(command.args))
+    except SystemExit as exc:
+        raise AssertionError(f"{command.where}: `gateway {' '.join(command.args)}` does not parse") from exc
+
+
+def table_rows(path: Path, heading: str) -> list[list[str]]:
+    """The cells of the first Markdown table after `heading` (header and separator left out)."""
+    text = path.read_text()
+    start = text.index(heading)
+    rows: list[list[str]] = []
+    for line in text[start:].split("\n")[1:]:
+        if line.startswith("|"):
+            cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
+            rows.append(cells)
+        elif rows:
+            break
+    assert len(rows) > 2, f"{path.name}: no table under {heading!r}"
+    return rows[2:]
+
+
+def _flag_rows(rows: list[list[str]]) -> dict[str, str]:
+    """flag -> environment variable cell, for rows whose first cell is one `--option`."""
+    out: dict[str, str] = {}
+    for cells in rows:
+        m = re.fullmatch(r"`(--[a-z0-9-]+)`", cells[0])
+        assert m, f"not a flag cell: {cells[0]!r}"
+        assert m.group(1) not in out, f"{m.group(1)} listed twice"
+        out[m.group(1)] = cells[1]
+    return out
+
+
+def _serve_options() -> set[str]:
+    return {o for o in _options(_subparsers(build_parser())["serve"]) if o.startswith("--")}
+
+
+def test_the_configuration_table_lists_exactly_the_options_of_serve() -> None:
+    documented = set(_flag_rows(table_rows(CONFIG_DOC, "## `gateway serve`")))
+    actual = _serve_options()
+    assert not actual - documented, f"docs/configuration.md lacks {sorted(actual - documented)}"
+    assert not documented - actual, f"docs/configuration.md lists options serve lacks: {sorted(documented - actual)}"
+
+
+def test_the_readme_table_is_part_of_the_full_one() -> None:
+    full = _flag_rows(table_rows(CONFIG_DOC, "## `gateway serve`"))
+    readme = _flag_rows(table_rows(ROOT / "README.md", "## Configuration"))
+    assert set(readme) <= _serve_options(), sorted(set(readme) - _serve_options())
+    for flag, env in readme.items():
+        assert env == full[flag], f"{flag}: README says {env}, docs/configuration.md {full[flag]}"
+
+
+def test_each_documented_variable_is_read_by_the_settings() -> None:
+    source = inspect.getsource(Settings.from_env)
+    for flag, env in _flag_rows(table_rows(CONFIG_DOC, "## `gateway serve`")).items():
+        if env == "—":
+            continue
+        m = re.fullmatch(r"`(GATEWAY_[A-Z0-9_]+)(=[^`]*)?`", env)
+        assert m, f"{flag}: {env!r} is not a GATEWAY_* variable"
+        assert f'"{m.group(1)}"' in source, f"{flag}: settings.py does not read {m.group(1)}"
