@@ -121,7 +121,8 @@ def test_each_documented_command_parses(command: Command) -> None:
     unknown = [tok.split("=", 1)[0] for tok in rest
                if tok.startswith("-") and len(tok) > 1 and not re.fullmatch(r"-\d+(\.\d+)?", tok)
                and tok.split("=", 1)[0] not in accepted]
-    assert not unknown, f"{command.where}: `gateway {name}` does not accept {unknown}; it takes {sorted(accepted)}"
+    assert not unknown, (f"{command.where}: `gateway {name}` does not accept {unknown}; "
+                         f"it takes {sorted(accepted)}")
     try:  # values too: choices, types, required options, as the real command line parses them
         parser.parse_args(list(command.args))
     except SystemExit as exc:
@@ -162,7 +163,8 @@ def test_the_configuration_table_lists_exactly_the_options_of_serve() -> None:
     documented = set(_flag_rows(table_rows(CONFIG_DOC, "## `gateway serve`")))
     actual = _serve_options()
     assert not actual - documented, f"docs/configuration.md lacks {sorted(actual - documented)}"
-    assert not documented - actual, f"docs/configuration.md lists options serve lacks: {sorted(documented - actual)}"
+    extra = sorted(documented - actual)
+    assert not extra, f"docs/configuration.md lists options serve lacks: {extra}"
 
 
 def test_the_readme_table_is_part_of_the_full_one() -> None:
