@@ -77,6 +77,9 @@ class SamplingParams:
     # A GBNF grammar for free-text answers (models.yaml `grammar`; llama.cpp only); a structured
     # output above replaces it.
     grammar: str | None = None
+    # The prompt's own tokens with their log-probabilities (and this many alternatives), on the
+    # first event (OpenAI completions' `echo`). With it `max_tokens` may be 0: the prompt is only scored.
+    prompt_logprobs: int | None = None
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,8 @@ class GenerationRequest:
     sampling: SamplingParams
     prompt: str | None = None
     messages: tuple[ChatMessage, ...] | None = None
+    # A raw prompt given as token ids (OpenAI completions' token prompts): fed as they are.
+    prompt_ids: tuple[int, ...] = ()
     add_generation_prompt: bool = True
     tools_json: str | None = None  # tool definitions (OpenAI's JSON) for templates that render them
     # Reasoning models: None = the template's default; True/False = `enable_thinking` (False also
@@ -158,6 +163,11 @@ class TokenEvent:
     # On a generation's first event, where the engine knows it then (llama.cpp, ORT GenAI, CoreML): the prompt's
     # tokens, as usage will count them; 0 otherwise (usage on the last event is the truth).
     prompt_tokens: int = 0
+    # On that first event too: how many of them came from a cache (the KV or the host prefix cache).
+    cached_tokens: int = 0
+    # On the first event, with SamplingParams.prompt_logprobs: each prompt token, the first one's
+    # logprob NaN (nothing comes before it).
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -399,7 +409,22 @@ class EngineFailure(EngineError):
 
 
 class EngineCrashed(EngineFailure):
-    """The process hosting the engine died or hung (a native crash, an OOM kill, a stuck step)."""
+    """The process hosting the engine died or hung (a native crash, an OOM kill, a stuck step).
+    `outside`: it was killed from outside (a SIGKILL that neither the gateway nor the kernel's OOM
+    killer sent): nothing the requests did, so none of them is blamed for it."""
+
+    def __init__(self, message: str = "", outside: bool = False) -> None:
+        super().__init__(message)
+        self.outside = outside
+
+
+def token_prompt(ids: tuple[int, ...], n_vocab: int) -> list[int]:
+    """A prompt given as token ids, checked against the model's vocabulary."""
+    bad = next((t for t in ids if not 0 <= t < n_vocab), None)
+    if bad is not None:
+        raise InvalidGenerationRequest(f"token id {bad} is not in the model's vocabulary (0 to {n_vocab - 1})",
+                                       param="prompt")
+    return list(ids)
 
 
 def new_token_budget(prompt: list[int], n_ctx: int, max_tokens: int | None) -> int:
@@ -407,6 +432,8 @@ def new_token_budget(prompt: list[int], n_ctx: int, max_tokens: int | None) -> i
     prompt is not empty and leaves room for at least one token."""
     if not prompt:
         raise InvalidGenerationRequest("the prompt is empty", param="prompt")
+    if max_tokens is not None and max_tokens < 1:
+        raise InvalidGenerationRequest("max_tokens must be at least 1 (0 only to score the prompt)", param="max_tokens")
     if len(prompt) >= n_ctx:
         raise ContextLengthExceeded(len(prompt), n_ctx)
     room = n_ctx - len(prompt)

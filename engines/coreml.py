@@ -38,11 +38,12 @@ from engines.base import (
     Usage,
     new_token_budget,
     resumed_tokens,
+    token_prompt,
 )
 from engines.bridge import EventChannel, Job, WorkerPool, call_job, pool_health, stream_job
 from engines.chat import ChatTemplate
 from engines.registry import register_runtime
-from engines.text import StopMatcher, token_logprob
+from engines.text import StopMatcher, token_logprob, with_scored_prompt
 
 log = logging.getLogger(__name__)
 
@@ -176,10 +177,12 @@ class CoreMLEngine:
         return str(self._tokenizer.decode([token], skip_special_tokens=False)).encode("utf-8")
 
     def render_prompt(self, request: GenerationRequest) -> list[int]:
+        if request.prompt_ids:
+            return token_prompt(request.prompt_ids, self._tokenizer.get_vocab_size())
         if request.messages is None:
             return self.encode(request.prompt or "")
         if self._template is None:
-            raise InvalidGenerationRequest("this model has no chat template; use /v1/completions", param="messages")
+            raise InvalidGenerationRequest("this model has no chat template, so it answers raw prompts (completions), not messages", param="messages")
         try:
             return self.encode(self._template.render(request.messages, request.add_generation_prompt, request.thinking))
         except Exception as exc:
@@ -213,14 +216,15 @@ class CoreMLEngine:
         if sp.grammar is not None:
             raise InvalidGenerationRequest(f"grammars are not supported by the {self.info.runtime} runtime", param="grammar")
         prompt = self.render_prompt(request)
-        max_new = new_token_budget(prompt, self._n_ctx, sp.max_tokens)
+        # max_tokens 0 (only the prompt scored) never runs the generation below.
+        max_new = new_token_budget(prompt, self._n_ctx, sp.max_tokens if sp.prompt_logprobs is None else sp.max_tokens or 1)
         resumed = resumed_tokens(request, max_new)
         replay = request.resume_replay
 
         def run(job: Job[None], channel: EventChannel) -> None:
             self._generate_blocking(job, prompt, sp, max_new, channel, resumed, replay)
 
-        async for item in stream_job(pool, run):
+        async for item in with_scored_prompt(prompt, sp, self.logits, self.piece, lambda: stream_job(pool, run)):
             yield item
 
     def _generate_blocking(

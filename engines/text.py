@@ -6,12 +6,13 @@ Shared by every engine so that stop strings behave the same whatever the runtime
 from __future__ import annotations
 
 import codecs
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 
 import numpy as np
 import numpy.typing as npt
 
-from engines.base import TokenLogprob, TopLogprob
+from engines.base import SamplingParams, TokenEvent, TokenLogprob, TopLogprob, Usage
 
 
 class StopMatcher:
@@ -67,6 +68,37 @@ class Detokenizer:
 
     def flush(self) -> str:
         return self._decoder.decode(b"", final=True)
+
+
+def prompt_logprobs(
+    rows: npt.NDArray[np.float32], ids: list[int], top_n: int, piece: Callable[[int], bytes]
+) -> tuple[TokenLogprob, ...]:
+    """Each prompt token's log-probability under the logits of the positions before it (`rows`:
+    the engine's logits at every position of `ids`); the first token's is NaN."""
+    b = piece(ids[0])
+    first = TokenLogprob(token=b.decode("utf-8", errors="replace"), token_id=ids[0], logprob=float("nan"), bytes=b)
+    return (first, *(token_logprob(rows[k - 1], ids[k], top_n, piece) for k in range(1, len(ids))))
+
+
+async def with_scored_prompt(
+    prompt: list[int], sp: SamplingParams, logits: Callable[[list[int]], Awaitable[npt.NDArray[np.float32]]],
+    piece: Callable[[int], bytes], run: Callable[[], AsyncIterator[TokenEvent]],
+) -> AsyncIterator[TokenEvent]:
+    """A generation's events (`run`), the first one carrying the prompt's own log-probabilities
+    when `sp.prompt_logprobs` asks for them; with `max_tokens` 0 the prompt is only scored."""
+    if sp.prompt_logprobs is None:
+        async for ev in run():
+            yield ev
+        return
+    scored = prompt_logprobs(await logits(prompt), prompt, sp.prompt_logprobs, piece)
+    if sp.max_tokens == 0:
+        yield TokenEvent(text="", finish_reason="length", usage=Usage(len(prompt), 0, prompt_ids=tuple(prompt)),
+                         prompt_tokens=len(prompt), prompt_logprobs=scored)
+        return
+    async for ev in run():
+        if scored:
+            ev, scored = replace(ev, prompt_logprobs=scored), ()
+        yield ev
 
 
 def token_logprob(

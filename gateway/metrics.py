@@ -61,6 +61,7 @@ class Metrics:
         self.worker_crashes = Counter("gateway_worker_crashes", "Engine worker processes that died or hung (each is restarted or, past the limit, falls back).", LABELS, registry=r)
         self.failovers = Counter("gateway_failovers", "Streams whose engine died mid-generation, by what happened: restarted (continued on the restarted worker), next_engine (on another engine), gave_up (budget, time or an engine that cannot resume).", ("model", "reason"), registry=r)
         self.failover_pause = Histogram("gateway_failover_pause_seconds", "The gap a client saw between the last token before its engine died and the first after the failover.", ("model",), buckets=(0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0), registry=r)
+        self.memory_misses = Counter("gateway_memory_estimate_misses", "Loaded models whose worker measured more than 15% over their memory estimate (the budget then uses the measured memory).", ("model",), registry=r)
         self.loads = Counter("gateway_engine_loads", "Engine load attempts.", (*LABELS, "result"), registry=r)
         self.build = Info("gateway_engine_build", "Engine build of each loaded model.", ("model",), registry=r)
         # Shadow parity: finished requests re-scored against a reference engine (labels: the serving engine).

@@ -85,6 +85,32 @@ def test_agents_sdk_runs_an_agent_with_a_function_tool_to_its_final_output(gatew
     assert isinstance(result.final_output, str) and result.final_output.strip()
 
 
+def test_agents_sdk_runs_an_agent_without_tools(gateway_url: str) -> None:
+    """An agent with no tools sends `tools: []` (and no tool_choice): OpenAI's Responses API takes
+    that as no tools, and so does the gateway. The same with every SDK default: no instructions."""
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, RunResult, set_tracing_disabled
+    from agents.items import MessageOutputItem
+
+    set_tracing_disabled(True)
+    sent: list[dict[str, object]] = []
+
+    async def record(request: httpx.Request) -> None:
+        if request.url.path.endswith("/responses"):
+            sent.append(json.loads(request.content))
+
+    async def run() -> RunResult:
+        async with httpx.AsyncClient(event_hooks={"request": [record]}) as http, \
+                AsyncOpenAI(base_url=f"{gateway_url}/v1", api_key="x", max_retries=0, http_client=http) as client:
+            agent = Agent(name="plain", model=OpenAIResponsesModel(model=MODEL, openai_client=client),
+                          model_settings=ModelSettings(temperature=0, max_tokens=256))
+            return await Runner.run(agent, "Say hello in three words.", max_turns=1)
+
+    result = asyncio.run(run())
+    assert sent and sent[0].get("tools") == [], sent  # what the SDK sends for an agent without tools
+    assert [type(i) for i in result.new_items] == [MessageOutputItem]
+    assert isinstance(result.final_output, str) and result.final_output.strip()
+
+
 @pytest.fixture(scope="module")
 def agent_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     g = Gateway(tmp_path_factory.mktemp("agent-gateway"), "--model", "smollm2-135m-agent")

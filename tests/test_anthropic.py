@@ -124,6 +124,26 @@ def test_count_tokens_matches_what_a_request_uses(claude: anthropic.Anthropic) -
     assert counted.input_tokens == used.usage.input_tokens + (used.usage.cache_read_input_tokens or 0) > 5
 
 
+def test_stream_reports_the_prompt_tokens_up_front(claude: anthropic.Anthropic) -> None:
+    """As Anthropic does, `message_start` carries the prompt's tokens (context meters and cost
+    trackers read them there), split into input and cache reads as the final usage is."""
+    messages: Any = [{"role": "user", "content": "Name two rivers of Europe, please."}]
+    counted = claude.messages.count_tokens(model=MODEL, messages=messages, system="Be brief.").input_tokens
+    for _ in range(2):  # the second finds its prompt in the prefix cache
+        with claude.messages.stream(model=MODEL, max_tokens=6, system="Be brief.", messages=messages,
+                                    extra_body=GREEDY) as stream:
+            events = list(stream)
+        start = events[0]
+        assert start.type == "message_start"
+        up_front = start.message.usage
+        assert up_front.input_tokens > 0 and up_front.output_tokens == 0
+        assert up_front.input_tokens + (up_front.cache_read_input_tokens or 0) == counted
+        delta = next(e for e in events if e.type == "message_delta")
+        assert delta.usage.input_tokens == up_front.input_tokens
+        assert delta.usage.cache_read_input_tokens == up_front.cache_read_input_tokens
+    assert (up_front.cache_read_input_tokens or 0) > 0
+
+
 def test_models_list_in_anthropic_shape(claude: anthropic.Anthropic) -> None:
     models = claude.models.list()
     assert MODEL in [m.id for m in models.data] and all(m.type == "model" for m in models.data)

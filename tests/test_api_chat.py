@@ -57,7 +57,9 @@ def test_stream_chunk_format(gateway_url: str) -> None:
     chunks = [json.loads(line[6:]) for line in lines[:-1]]
     assert len({c["id"] for c in chunks}) == 1
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
-    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    # OpenAI's first chunk names the role alone (strict stream parsers expect it); the text follows.
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "logprobs" not in chunks[0]["choices"][0] or chunks[0]["choices"][0]["logprobs"] is None
     assert all("role" not in c["choices"][0]["delta"] for c in chunks[1:])
     finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"][0]["finish_reason"]]
     assert finishes == ["length"]
@@ -237,3 +239,38 @@ def test_health_ready(gateway_url: str, path: str) -> None:
     r = httpx.get(gateway_url + path)
     assert r.status_code == 200
     assert r.json()["models"][MODEL]["ready"] is True
+
+
+def test_stream_starts_role_only_and_adds_up_to_the_answer(client: openai.OpenAI) -> None:
+    whole = client.chat.completions.create(model=MODEL, messages=Q, max_tokens=12, temperature=0, logprobs=True)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=Q, max_tokens=12, temperature=0,
+                                                 logprobs=True, stream=True))
+    first = chunks[0].choices[0]
+    assert first.delta.role == "assistant" and first.delta.content == "" and first.logprobs is None
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+    # Each token's logprobs ride on the chunk of its text, none on the role chunk.
+    streamed = [t.token for c in chunks[1:] if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content or []]
+    assert whole.choices[0].logprobs is not None and whole.choices[0].logprobs.content is not None
+    assert streamed == [t.token for t in whole.choices[0].logprobs.content]
+
+
+@pytest.mark.parametrize("path", ["/chat/completions", "/completions", "/models", "/embeddings"])
+def test_paths_without_v1_are_the_v1_routes(gateway_url: str, path: str) -> None:
+    """Clients configured with a base URL without /v1 (as llama-server allows) reach the same routes."""
+    bodies = {"/chat/completions": {"model": MODEL, "messages": Q, "max_tokens": 6, "temperature": 0},
+              "/completions": {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 6, "temperature": 0},
+              "/embeddings": {"model": MODEL, "input": "hello"}}
+
+    def call(p: str) -> httpx.Response:
+        if path == "/models":
+            return httpx.get(f"{gateway_url}{p}", timeout=60)
+        return httpx.post(f"{gateway_url}{p}", json=bodies[path], timeout=60)
+
+    plain, versioned = call(path), call(f"/v1{path}")
+    assert plain.status_code == versioned.status_code == 200, plain.text
+    a, b = plain.json(), versioned.json()
+    assert {k: v for k, v in a.items() if k not in ("id", "created", "usage")} == {k: v for k, v in b.items() if k not in ("id", "created", "usage")}
+    # Errors keep the OpenAI envelope on the unversioned paths too.
+    if path != "/models":
+        bad = httpx.post(f"{gateway_url}{path}", json={**bodies[path], "model": "no-such-model"}, timeout=60)
+        assert bad.status_code == 404 and bad.json()["error"]["type"]

@@ -94,10 +94,11 @@ def test_context_length_exceeded(gateway_url: str, stream: bool) -> None:
 
 def test_completion_bad_input(gateway_url: str) -> None:
     url = f"{gateway_url}/v1/completions"
-    _check(httpx.post(url, json={"model": MODEL, "prompt": "x", "echo": True}), 400, param="echo")
+    _check(httpx.post(url, json={"model": MODEL, "prompt": "x", "suffix": "y"}), 400, param="suffix")
     _check(httpx.post(url, json={"model": MODEL, "prompt": "x", "logprobs": 50}), 400, param="logprobs")
     _check(httpx.post(url, json={"model": MODEL, "prompt": "x", "best_of": 3}), 400, param="best_of")
-    _check(httpx.post(url, json={"model": MODEL, "prompt": ["a", "b"]}), 400, param="prompt")
+    _check(httpx.post(url, json={"model": MODEL, "prompt": []}), 400, param="prompt")
+    _check(httpx.post(url, json={"model": MODEL, "prompt": ["a", 5]}), 400, param="prompt")
     _check(httpx.post(url, json={"model": MODEL}), 400, param="prompt")
     _check(httpx.post(url, json={"model": "nope", "prompt": "x"}), 404, code="model_not_found")
 

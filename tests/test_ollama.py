@@ -81,7 +81,7 @@ def test_format_json_schema_is_enforced(client: ollama.Client) -> None:
     r = client.chat(model=MODEL, messages=[{"role": "user", "content": "Name a colour."}], format=schema,
                     options={"temperature": 0, "num_predict": 64})
     assert set(json.loads(r.message.content)) == {"colour"}
-    r = client.generate(model=MODEL, prompt="Reply with a JSON object with one key, name, and your name.",
+    r = client.generate(model=MODEL, prompt="Reply with a JSON object whose one key, colour, names a colour.",
                         format="json", options={"temperature": 0, "num_predict": 256})
     assert r.done_reason == "stop", r.response
     assert isinstance(json.loads(r.response), dict)

@@ -69,13 +69,13 @@ class Stream:
     """A streaming chat request read in a thread; `started` is set at its first data frame."""
 
     def __init__(self, url: str, max_tokens: int, headers: dict[str, str] | None = None,
-                 include_usage: bool = False) -> None:
+                 include_usage: bool = False, messages: list[dict[str, str]] | None = None) -> None:
         self.frames: list[str] = []
         self.status = 0
         self.error: Exception | None = None  # the connection broke (a server that exited at once)
         self.started = threading.Event()
         self.done = threading.Event()
-        body: dict[str, Any] = {"model": MODEL, "messages": LONG, "max_tokens": max_tokens, "ignore_eos": True,
+        body: dict[str, Any] = {"model": MODEL, "messages": messages or LONG, "max_tokens": max_tokens, "ignore_eos": True,
                                 "stream": True, "temperature": 0}
         if include_usage:
             body["stream_options"] = {"include_usage": True}
@@ -229,6 +229,51 @@ def test_api_keys(guarded: Gateway) -> None:
     assert httpx.get(f"{guarded.url}/metrics", headers={"Authorization": f"Bearer {METRICS_KEY}"}).status_code == 200
     log = guarded.log()
     assert all(k not in log for k in (*KEYS, METRICS_KEY)), "a key leaked into the log"
+
+
+def _limit_bodies(turns: int, chars: int) -> dict[str, tuple[dict[str, Any], str]]:
+    """A request of `turns` messages (or a prompt of `chars` characters) for each generation route,
+    with the name its protocol gives the field."""
+    msgs = [{"role": "user" if i % 2 == 0 else "assistant", "content": "Hi"} for i in range(turns)]
+    long = "word " * (chars // 5)
+    return {
+        "/v1/chat/completions": ({"model": MODEL, "messages": msgs, "max_tokens": 2}, "messages"),
+        "/v1/responses": ({"model": MODEL, "input": msgs, "max_output_tokens": 2}, "input"),
+        "/v1/messages": ({"model": MODEL, "messages": msgs, "max_tokens": 2}, "messages"),
+        "/api/chat": ({"model": MODEL, "messages": msgs, "stream": False}, "messages"),
+        "/v1/completions": ({"model": MODEL, "prompt": long, "max_tokens": 2}, "prompt"),
+        "/api/generate": ({"model": MODEL, "prompt": long, "stream": False}, "prompt"),
+    }
+
+
+@pytest.mark.parametrize("over", ["messages", "characters"])
+def test_request_limits_hold_on_every_protocol(guarded: Gateway, over: str) -> None:
+    """GATEWAY_MAX_MESSAGES and GATEWAY_MAX_PROMPT_CHARS are checked once, for every protocol: a
+    400 in the envelope of the protocol asked, naming its own field."""
+    turns, chars = (51, 10) if over == "messages" else (3, 20_500)
+    for path, (body, field) in _limit_bodies(turns, chars).items():
+        if over == "characters" and "messages" in body:
+            body["messages"][0]["content"] = "word " * (chars // 5)
+        if over == "characters" and "input" in body:
+            body["input"][0]["content"] = "word " * (chars // 5)
+        if over == "messages" and field == "prompt":
+            continue  # a raw prompt has no messages
+        r = httpx.post(f"{guarded.url}{path}", json=body, headers={**AUTH, "anthropic-version": "2023-06-01"},
+                       timeout=300)
+        assert r.status_code == 400, (path, r.status_code, r.text)
+        err = r.json()
+        if path == "/v1/messages":
+            assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
+            assert field in err["error"]["message"], err
+        elif path.startswith("/api/"):
+            assert set(err) == {"error"} and "limit" in err["error"], err
+        else:
+            assert _is_envelope(err) and err["error"]["param"] == field, (path, err)
+    # Just under the limits every route answers.
+    for path, (body, _field) in _limit_bodies(49, 10).items():
+        r = httpx.post(f"{guarded.url}{path}", json=body, headers={**AUTH, "anthropic-version": "2023-06-01"},
+                       timeout=300)
+        assert r.status_code == 200, (path, r.text)
 
 
 def test_cors_preflight_from_a_loopback_origin_is_allowed(guarded: Gateway) -> None:

@@ -1,4 +1,4 @@
-"""Memory-aware residency (issue 29): estimates read from the GGUF, budgets per device, eviction of
+"""Memory-aware residency: estimates read from the GGUF, budgets per device, eviction of
 the least recently used idle model to make room, refusal before loading of a model that cannot fit,
 sizing down, and idle unload after keep_alive; on the real engine in a real `gateway serve`."""
 
@@ -12,8 +12,19 @@ import httpx
 import pytest
 import yaml
 
+from engines.base import EngineConfig
 from gateway.models.gguf_info import read_gguf
-from gateway.models.memory import MiB, estimate, fit, kv_bytes_per_sequence, kv_bytes_per_token, swa_layers
+from gateway.models.memory import (
+    GiB,
+    MiB,
+    auto_host_cache,
+    estimate,
+    fit,
+    fit_config,
+    kv_bytes_per_sequence,
+    kv_bytes_per_token,
+    swa_layers,
+)
 from gateway.models.registry import load_registry
 from tests.conftest import ROOT
 from tests.test_production import Gateway
@@ -62,6 +73,38 @@ def test_fit_sizes_down_sequences_then_context() -> None:
     assert (need, changed) == (whole, "")
     need, changed = fit(gemma, 8192, 1, "cpu", 10 * MiB, None)
     assert changed == "" and need.host > 10 * MiB  # cannot fit: the caller refuses it
+
+
+def test_the_host_cache_is_in_the_estimate_and_shrinks_first() -> None:
+    gemma = read_gguf(_path(GEMMA))
+    bare = estimate(gemma, 8192, 4)
+    cached = estimate(gemma, 8192, 4, host_cache=500 * MiB)
+    assert cached.parts["host cache"] == 500 * MiB and cached.host == bare.host + 500 * MiB
+    assert estimate(gemma, 2048, 1, device="cuda:0", host_cache=64 * MiB).parts["host cache"] == 64 * MiB
+    # Short of room: the cache gives way first (to the RAM left), sequences and context only after.
+    need, changed = fit(gemma, 8192, 4, "cpu", bare.host + 100 * MiB, None, host_cache=500 * MiB)
+    assert (need.parallel, need.context, need.parts["host cache"]) == (4, 8192, 100 * MiB)
+    assert changed == "host cache 500 -> 100 MiB"
+    need, changed = fit(gemma, 8192, 4, "cpu", bare.host - MiB, None, host_cache=500 * MiB)
+    assert need.parts["host cache"] == 0 and need.parallel < 4 and changed.startswith("parallel 4 ->")
+
+
+@pytest.mark.parametrize(("prefix_cache_mib", "used", "want"), [
+    (-1, 0, "auto"),  # a quarter of the budget left beside the model
+    (-1, 3 * GiB, "auto"),  # other models hold some: a quarter of what is left
+    (-1, 4 * GiB, 0),  # nothing left: no cache (never memory another model holds)
+    (256, 3 * GiB, 256 * MiB),  # set outright
+    (0, 0, 0),  # off
+])
+def test_each_model_gets_its_share_of_the_ram_left(prefix_cache_mib: int, used: int, want: object) -> None:
+    smol = read_gguf(_path(SMOL))
+    config = EngineConfig(model_path=str(_path(SMOL)), context_length=2048, parallel=1, prefix_cache_mib=prefix_cache_mib)
+    budgets = {"cpu": 4 * GiB}
+    need, _changed, exceeded = fit_config(smol, config, "cpu", budgets, used)
+    bare = estimate(smol, 2048, 1)
+    expected = auto_host_cache(4 * GiB - used - bare.host) if want == "auto" else want
+    assert not exceeded and need.parts["host cache"] == expected
+    assert expected == 0 or need.host == bare.host + expected
 
 
 @pytest.fixture
@@ -155,6 +198,21 @@ def test_a_long_context_is_sized_down_to_fit(gateway: callable) -> None:
     assert show["model_info"]["general.context_length"] == 16384
 
 
+def test_two_models_share_the_ram_budget_with_their_caches(gateway: callable) -> None:
+    """Each model's host prefix cache is part of its estimate: the second model's cache is what the
+    budget has left, so both stay resident and their estimates never promise more than the budget."""
+    budget = 1400 * MiB
+    g = gateway("--memory-budget", "1400M", "--keep-alive", "-1")
+    assert _chat(g.url, GEMMA).status_code == 200
+    models = _health(g.url)["models"]
+    assert {m for m, row in models.items() if row.get("engine")} == {SMOL, GEMMA}
+    smol, gemma = (models[m]["memory"]["estimate"] for m in (SMOL, GEMMA))
+    assert smol["parts_bytes"]["host cache"] > gemma["parts_bytes"]["host cache"] > 0, (smol, gemma)
+    assert smol["ram_bytes"] + gemma["ram_bytes"] <= budget
+    held = _health(g.url)["memory"]["cpu"]
+    assert held["used_bytes"] <= budget, held
+
+
 def test_idle_models_unload_after_keep_alive(gateway: callable) -> None:
     g = gateway("--keep-alive", "2s")
     assert _chat(g.url, GEMMA).status_code == 200
@@ -194,7 +252,9 @@ def test_devices_says_what_fits_before_anything_loads() -> None:
                             "--memory-budget", budget], cwd=ROOT, capture_output=True, text=True, timeout=300)
         return r.stdout
 
-    need = estimate(read_gguf(_path(GEMMA)), 32768, 1)
+    gemma = read_gguf(_path(GEMMA))
+    bare = estimate(gemma, 32768, 1)
+    need = estimate(gemma, 32768, 1, host_cache=auto_host_cache(8 * GiB - bare.host))  # its host cache included
     out = devices("8G")
     assert "Memory    budgets for models: RAM 8.0 GiB" in out
     assert f"memory: needs {need.host / MiB:.0f} MiB RAM" in out

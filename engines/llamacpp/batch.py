@@ -1207,8 +1207,10 @@ class BatchScheduler:
             slot.pending = token
             if self._draft_ngram:
                 self._remember(slot, token)
+            first = slot.n_generated == 1
             job.emit(TokenEvent(text=text, token_ids=(token,), logprobs=logprobs,
-                                prompt_tokens=len(job.prompt_ids) - job.resumed if slot.n_generated == 1 else 0))
+                                prompt_tokens=len(job.prompt_ids) - job.resumed if first else 0,
+                                cached_tokens=slot.n_cached_prompt if first else 0))
             return True
         text += slot.stopper.push(slot.detok.flush()) + slot.stopper.flush()
         usage = Usage(

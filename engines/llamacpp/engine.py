@@ -38,11 +38,13 @@ from engines.base import (
     arguments_value,
     new_token_budget,
     resumed_tokens,
+    token_prompt,
 )
 from engines.bridge import EventChannel, settle_from_thread
 from engines.llamacpp.host_memory import HostMemory, PinnedHostMemory
 from engines.llamacpp.prefix_cache import HostPrefixCache, default_limit_bytes
 from engines.registry import register_runtime
+from engines.text import with_scored_prompt
 from engines.thinking import render_thinking, template_traits
 
 log = logging.getLogger(__name__)
@@ -577,11 +579,13 @@ class LlamaCppEngine:
         return list(arr[:n])
 
     def render_prompt(self, request: GenerationRequest) -> list[int]:
+        if request.prompt_ids:
+            return token_prompt(request.prompt_ids, self._n_vocab)
         if request.messages is None:
             return self.encode(request.prompt or "")
         if self._template is None:
             raise InvalidGenerationRequest(
-                "this model has no chat template; use /v1/completions", param="messages"
+                "this model has no chat template, so it answers raw prompts (completions), not messages", param="messages"
             )
         try:
             tools = json.loads(request.tools_json) if request.tools_json else None
@@ -599,8 +603,6 @@ class LlamaCppEngine:
     # --- generation ------------------------------------------------------------------------
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
-        from engines.llamacpp.batch import GenJob, build_sampler, sampler_key
-
         if self._sched is None:
             raise ModelLoadError("model is not loaded")
         # A long prompt is rendered and tokenized on another thread: on this loop it would hold
@@ -609,6 +611,14 @@ class LlamaCppEngine:
         size = len(request.prompt or "") + sum(len(m.content or "") for m in request.messages or ())
         prompt = await asyncio.to_thread(self.render_prompt, request) if size > LONG_RENDER_CHARS else \
             self.render_prompt(request)
+        async for item in with_scored_prompt(prompt, request.sampling, self.logits, self.piece,
+                                             lambda: self._generate(request, prompt)):
+            yield item
+
+    async def _generate(self, request: GenerationRequest, prompt: list[int]) -> AsyncIterator[TokenEvent]:
+        from engines.llamacpp.batch import GenJob, build_sampler, sampler_key
+
+        assert self._sched is not None
         sp = request.sampling
         max_new = new_token_budget(prompt, self._n_ctx_seq, sp.max_tokens)
         resumed = list(resumed_tokens(request, max_new))

@@ -31,6 +31,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import msgspec
@@ -130,6 +131,24 @@ def rss_bytes(pid: int) -> int | None:
     return None
 
 
+def oom_kills() -> int | None:
+    """The kernel's OOM kills in this process's cgroup so far (cgroup v2 `memory.events`; None where
+    it cannot be read). A worker shares the gateway's cgroup, so a rise means a memory kill there."""
+    try:
+        rel = next(line.split(":", 2)[2] for line in Path("/proc/self/cgroup").read_text().splitlines()
+                   if line.startswith("0::"))
+        for folder in (Path("/sys/fs/cgroup") / rel.strip().lstrip("/"), Path("/sys/fs/cgroup")):
+            events = folder / "memory.events"
+            if events.exists():
+                for line in events.read_text().splitlines():
+                    key, _, value = line.partition(" ")
+                    if key == "oom_kill":
+                        return int(value)
+    except (OSError, StopIteration, ValueError):
+        return None
+    return None
+
+
 # Seconds after a standby took over before the next one starts loading.
 SPARE_DELAY_S = 5.0
 
@@ -152,6 +171,7 @@ class LocalWorker:
         self.load_timeout_s = load_timeout_s
         self.process: asyncio.subprocess.Process | None = None
         self._we_killed = False
+        self._oom_base: int | None = None  # the cgroup's OOM kills when the serving worker started
         # A warm standby: a second worker, loaded and waiting, that takes over at once when the
         # serving one dies (then another is loaded behind it). Costs a second copy of the model.
         self.standby = standby
@@ -163,9 +183,18 @@ class LocalWorker:
         return self.process.pid if self.process else None
 
     def killed_from_outside(self) -> bool:
-        """The worker died of a SIGKILL that the gateway did not send (OOM killer, `kill -9`)."""
+        """The worker died of a SIGKILL that the gateway did not send (`kill -9`)."""
         p = self.process
-        return p is not None and p.returncode == -signal.SIGKILL and not self._we_killed
+        return p is not None and p.returncode == -signal.SIGKILL and not self._we_killed and not self.memory_killed()
+
+    def memory_killed(self) -> bool:
+        """The worker died of a SIGKILL while the kernel's OOM killer killed in this cgroup (its
+        `memory.events` count rose since the worker started serving): the running requests' doing."""
+        p = self.process
+        if p is None or p.returncode != -signal.SIGKILL or self._we_killed:
+            return False
+        now = oom_kills()
+        return now is not None and self._oom_base is not None and now > self._oom_base
 
     async def open(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, wire.Ready]:
         """A loaded worker: the standby when one is ready, else a new one."""
@@ -174,6 +203,7 @@ class LocalWorker:
             got = await self._spawn()
         self.process, reader, writer, ready = got
         self._we_killed = False
+        self._oom_base = oom_kills()
         if self._spare is None and self.standby and self._trusted:
             # Not at once: loading the next standby would compete with the streams resuming on
             # this one (its replay and prefill) for the same cores.
@@ -641,7 +671,9 @@ class WorkerEngine:
         s = self.supervision
         outside = isinstance(self.connection, LocalWorker) and self.connection.killed_from_outside()
         if outside:
-            reason += " from outside (not counted as an engine crash)"
+            reason += " from outside (not counted as an engine crash; its requests continue)"
+        elif isinstance(self.connection, LocalWorker) and self.connection.memory_killed():
+            reason += " (the kernel's OOM killer: the cgroup's memory.events counted a kill)"
         self.crashes = [c for c in self.crashes if now - c[0] < s.crash_window_s] + [(now, reason)]
         self._strikes = [t for t in self._strikes if now - t < s.crash_window_s] + ([] if outside else [now])
         log.error("%s; %d crash(es) counted in the last %.0f s", reason, len(self._strikes), s.crash_window_s)
@@ -649,7 +681,7 @@ class WorkerEngine:
             self.failed = f"{reason} during the functional check"
             self._fail_pending(EngineCrashed(self.failed), everything=True)
             return
-        self._fail_pending(EngineCrashed(f"{reason} while generating"), everything=False)
+        self._fail_pending(EngineCrashed(f"{reason} while generating", outside=outside), everything=False)
         if self.on_crash is not None:
             self.on_crash(reason)
         if self._out_of_strikes(reason):
@@ -707,8 +739,9 @@ class WorkerEngine:
     def _fail_pending(self, exc: EngineError, everything: bool) -> None:
         """Fail the streams that produced tokens (every request with `everything`); the rest (streams not
         started yet, and calls, which are idempotent) wait to be sent to the restarted worker."""
+        blame = not (isinstance(exc, EngineCrashed) and exc.outside)  # a kill from outside is nobody's doing
         for p in list(self._pending.values()):
-            if p.sent and not everything:
+            if p.sent and not everything and blame:
                 p.crashes += 1
             if everything or p.started or p.crashes >= POISON_CRASHES:
                 err = exc

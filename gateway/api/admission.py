@@ -154,11 +154,18 @@ class Ticket:
         self.waited_s = waited_s
         self._t0 = time.monotonic()
         self._released = False
+        self._paused: dict[str, float] = {}  # seconds each choice waited for its engine to come back
+
+    def paused(self, choice: str, seconds: float) -> None:
+        """A choice waited `seconds` for a restarted engine: that gap is not serving speed, so the
+        drain-rate estimate leaves it out."""
+        self._paused[choice] = self._paused.get(choice, 0.0) + seconds
 
     def release(self) -> None:
         if not self._released:
             self._released = True
-            self.gate.release(self.n, time.monotonic() - self._t0)
+            held = time.monotonic() - self._t0 - max(self._paused.values(), default=0.0)
+            self.gate.release(self.n, max(0.0, held))
 
 
 class Admission:

@@ -4,6 +4,7 @@ client speaks (OpenAI's by default; Anthropic's on /v1/messages; Ollama's on its
 from __future__ import annotations
 
 import logging
+import re
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
@@ -62,12 +63,42 @@ class APIError(Exception):
         return ErrorResponse(error=err).model_dump()
 
     def answer(self, path: str) -> tuple[int, dict[str, Any]]:
-        """(status, body) in the envelope of the protocol `path` belongs to."""
+        """(status, body) in the envelope of the protocol `path` belongs to, its fields named as
+        that protocol names them."""
         if is_anthropic(path):
-            return anthropic_error(self)
+            return anthropic_error(self.named(_FIELD_NAMES["anthropic"]))
         if is_ollama(path):
-            return self.status, {"error": self.message}
+            return self.status, {"error": self.named(_FIELD_NAMES[path if path in _FIELD_NAMES else "ollama"]).message}
+        if path == "/v1/responses" or path.startswith("/v1/responses/"):
+            return self.status, self.named(_FIELD_NAMES["responses"]).body()
         return self.status, self.body()
+
+    def named(self, names: dict[str, str]) -> APIError:
+        """This error with a field named in the neutral (OpenAI chat) terms renamed, in `param` and
+        in the message."""
+        if self.param is None:
+            return self
+        head, dot, rest = self.param.partition(".")
+        new = names.get(self.param) or (names[head] + dot + rest if head in names else None)
+        if new is None:
+            return self
+        old = self.param if self.param in names else head
+        message = re.sub(rf"(?<![\w.]){re.escape(old)}(?![\w])", names.get(old, new), self.message)
+        return APIError(self.status, message, self.type, new, self.code, self.headers)
+
+
+# Request fields that engines and the neutral service name as OpenAI's chat does, as the other
+# protocols call them (a client is never told about a field its protocol does not have).
+_FIELD_NAMES: dict[str, dict[str, str]] = {
+    "responses": {"messages": "input", "response_format": "text.format", "response_format.json_schema":
+                  "text.format.schema", "max_tokens": "max_output_tokens"},
+    "anthropic": {"response_format": "output_config.format", "response_format.json_schema":
+                  "output_config.format.schema", "prompt": "messages"},
+    "ollama": {"response_format": "format", "response_format.json_schema": "format", "max_tokens":
+               "options.num_predict", "presence_penalty": "options.presence_penalty", "frequency_penalty":
+               "options.frequency_penalty", "min_p": "options.min_p", "logit_bias": "options.logit_bias"},
+}
+_FIELD_NAMES["/api/generate"] = {**_FIELD_NAMES["ollama"], "messages": "prompt"}
 
 
 OLLAMA_PATHS = frozenset({"/api/chat", "/api/generate", "/api/embed", "/api/embeddings", "/api/tags", "/api/show",

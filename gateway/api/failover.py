@@ -34,11 +34,14 @@ class FailoverPolicy:
 
 
 async def resumable(request: GenerationRequest, engine: Engine, current: Callable[[], Awaitable[Engine]],
-                    policy: FailoverPolicy, model: str, metrics: Metrics) -> AsyncIterator[TokenEvent]:
+                    policy: FailoverPolicy, model: str, metrics: Metrics,
+                    on_pause: Callable[[float], None] | None = None) -> AsyncIterator[TokenEvent]:
     """`engine.generate(request)`, continued after a crash of its worker (`EngineCrashed`) on the
-    engine `current()` returns then, at most `policy.budget` times."""
+    engine `current()` returns then, at most `policy.budget` times for crashes the request may have
+    caused (kills from outside: every time). `on_pause` hears how long each failover stalled it."""
     produced: list[int] = []
-    failovers = 0
+    failovers = 0  # the times it continued on an engine
+    counted = 0  # of those, after crashes it may have caused (a kill from outside is not one)
     last_token = time.perf_counter()
     paused_at: float | None = None
     while True:
@@ -56,6 +59,8 @@ async def resumable(request: GenerationRequest, engine: Engine, current: Callabl
                     return
                 if paused_at is not None:
                     metrics.failover_pause.labels(model).observe(time.perf_counter() - last_token)
+                    if on_pause is not None:
+                        on_pause(time.perf_counter() - last_token)
                     paused_at = None
                 last_token = time.perf_counter()
                 produced.extend(ev.token_ids)
@@ -63,7 +68,7 @@ async def resumable(request: GenerationRequest, engine: Engine, current: Callabl
                     ev = replace(ev, usage=replace(ev.usage, failovers=failovers))
                 yield ev
         except EngineCrashed as exc:
-            crashed: BaseException = exc
+            crashed: EngineCrashed = exc
         except TimeoutError:
             metrics.failovers.labels(model, "gave_up").inc()
             raise EngineCrashed(f"the engine was not back within {policy.wait_s:.0f} s of losing this stream") from None
@@ -71,10 +76,13 @@ async def resumable(request: GenerationRequest, engine: Engine, current: Callabl
             await stream.aclose()  # type: ignore[attr-defined]
         # An attempt that died before it produced a token may be what kills the engine (a prompt
         # that takes a broken kernel; the worker client already re-sent it once): it is not
-        # carried to the next engine, as an unstarted request is not sent a third time.
-        if failovers >= policy.budget or len(produced) == before:
-            metrics.failovers.labels(model, "gave_up").inc()
-            raise crashed
+        # carried to the next engine, as an unstarted request is not sent a third time. A kill
+        # from outside is no such sign, and does not use up the budget.
+        if not crashed.outside:
+            if counted >= policy.budget or len(produced) == before:
+                metrics.failovers.labels(model, "gave_up").inc()
+                raise crashed
+            counted += 1
         failovers += 1
         paused_at = time.perf_counter()
         try:

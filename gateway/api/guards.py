@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.api.errors import REQUEST_ID, APIError, outcome_of, to_api_error
+from gateway.api.errors import OLLAMA_PATHS, REQUEST_ID, APIError, outcome_of, to_api_error
 from gateway.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -79,6 +79,24 @@ def key_matches(presented: str, keys: tuple[str, ...]) -> bool:
     return ok
 
 
+# OpenAI routes also served without their /v1 prefix (clients given a base URL without it, as
+# llama-server allows): the same routes, keys, limits and error envelope.
+UNVERSIONED = ("/chat/completions", "/completions", "/embeddings", "/models", "/responses")
+
+
+def normalized(scope: Scope) -> Scope:
+    """The scope as the routes expect it: an unversioned OpenAI alias rewritten to its /v1 path, and
+    an Ollama request's body read as JSON whatever its Content-Type says (as Ollama does: LiteLLM's
+    `ollama_chat` provider sends none)."""
+    path: str = scope["path"]
+    if any(path == a or path.startswith(a + "/") for a in UNVERSIONED):
+        return {**scope, "path": "/v1" + path, "raw_path": b"/v1" + scope.get("raw_path", path.encode())}
+    if path in OLLAMA_PATHS and scope["method"] == "POST":
+        headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-type"]
+        return {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
+    return scope
+
+
 class Guards:
     def __init__(self, app: ASGIApp, policy: Policy, drain: Drain, metrics: Metrics) -> None:
         self.app = app
@@ -105,6 +123,7 @@ class Guards:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        scope = normalized(scope)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         given = headers.get("x-request-id", "")
         rid = given if _REQUEST_ID_OK.match(given) else f"req-{uuid.uuid4().hex[:20]}"

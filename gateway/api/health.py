@@ -61,7 +61,8 @@ def _models(request: Request) -> dict[str, dict[str, Any]]:
         memory: dict[str, Any] = {"held_bytes": {d: b for d, b in held.items() if b}}
         if entry.need is not None:
             memory["estimate"] = {"ram_bytes": entry.need.host, "gpu_bytes": entry.need.gpu, "device": entry.need.device,
-                                  "context": entry.need.context, "parallel": entry.need.parallel}
+                                  "context": entry.need.context, "parallel": entry.need.parallel,
+                                  "parts_bytes": dict(entry.need.parts)}
         if entry.fitted:
             memory["sized_down"] = entry.fitted
         keep = manager.keep_alive_of(entry)

@@ -116,6 +116,12 @@ class Prepared:
     # Counted as the events pass (per-chunk usage, stream_options.continuous_usage_stats):
     generated: dict[int, int] = field(default_factory=dict)  # tokens so far, per choice
     prompt_tokens: int = 0  # the prompt's tokens, once an engine said (its first or last event)
+    cached_tokens: int = 0  # of those, served from a cache (once an engine said)
+    # Each choice's prompt tokens with their logprobs (SamplingParams.prompt_logprobs), as its engine sent them.
+    prompt_logprobs: dict[int, tuple[TokenLogprob, ...]] = field(default_factory=dict)
+    usages: dict[int, Usage] = field(default_factory=dict)  # each choice's, once it finished
+    n: int = 1  # choices per prompt (requests[k * n: (k + 1) * n] share a prompt)
+    echo: list[str | None] | None = None  # completions' echo: each choice's prompt text (None: its tokens' text)
 
     @property
     def headers(self) -> dict[str, str]:
@@ -150,9 +156,12 @@ class Prepared:
                 self.observer.on_event(i, ev)
                 self.generated[i] = self.generated.get(i, 0) + len(ev.token_ids)
                 if ev.usage is not None:
-                    self.prompt_tokens = ev.usage.prompt_tokens
+                    self.usages[i] = ev.usage
+                    self.prompt_tokens, self.cached_tokens = ev.usage.prompt_tokens, ev.usage.cached_tokens
                 elif ev.prompt_tokens and not self.prompt_tokens:
-                    self.prompt_tokens = ev.prompt_tokens
+                    self.prompt_tokens, self.cached_tokens = ev.prompt_tokens, ev.cached_tokens
+                if ev.prompt_logprobs and i not in self.prompt_logprobs:
+                    self.prompt_logprobs[i] = ev.prompt_logprobs
                 if finish is None and ev.finish_reason is not None:
                     finish = ev.finish_reason
                 if i == 0 and self.on_complete is not None:
@@ -202,6 +211,16 @@ def check_prompt_chars(chars: int, limit: int, param: str, what: str) -> None:
         raise invalid(f"{what} {chars} characters, more than the limit of {limit}", param=param, code="prompt_too_long")
 
 
+def check_limits(conv: Conversation, max_messages: int, max_prompt_chars: int) -> None:
+    """The request limits, for every protocol's conversation (named as the protocol names the field)."""
+    where = conv.param("messages")
+    if len(conv.turns) > max_messages:
+        raise invalid(f"{len(conv.turns)} messages exceed the limit of {max_messages}", param=where,
+                      code="too_many_messages")
+    check_prompt_chars(sum(len(t.text) + sum(len(c.arguments) for c in t.tool_calls) for t in conv.turns),
+                       max_prompt_chars, where, f"'{where}' has")
+
+
 class Service:
     def __init__(self, manager: ModelManager, metrics: Metrics, admission: Admission, drain: Drain,
                  on_complete: CompletionHook | None = None) -> None:
@@ -218,19 +237,24 @@ class Service:
                           code="model_not_supported")
         return spec
 
-    async def prepare(self, spec: ModelSpec, base: GenerationRequest, n: int, prefix: str, received: float) -> Prepared:
+    async def prepare(self, spec: ModelSpec, base: GenerationRequest | list[GenerationRequest], n: int, prefix: str,
+                      received: float) -> Prepared:
+        """Slots for `n` choices of each request in `base` (one, or a batch of prompts), in that order."""
+        bases = base if isinstance(base, list) else [base]
+        raw = sum(len(b.prompt or "") for b in bases if b.messages is None)
+        check_prompt_chars(raw, self.manager.settings.max_prompt_chars, "prompt", "the prompt holds")
         loaded = await self.manager.get(spec)
         c = loaded.candidate
         observer = self.metrics.observe(spec.id, f"{c.runtime}/{c.backend}", c.device, received)
         try:
-            ticket = await self.admission.admit(spec.id, loaded.engine.info.parallel, n)
+            ticket = await self.admission.admit(spec.id, loaded.engine.info.parallel, n * len(bases))
         except Exception as exc:
             raise record(observer, exc) from exc
         observer.admission_wait = ticket.waited_s
         self.metrics.admission_wait.labels(spec.id).observe(ticket.waited_s)
         rid = f"{prefix}-{uuid.uuid4().hex[:24]}"
-        base = replace(base, request_id=rid)
-        p = Prepared(loaded, _fan_out(base, n), rid, observer, ticket, self.drain, on_complete=self.on_complete)
+        requests = [replace(r, request_id=f"{rid}-{k}") for k, r in enumerate(x for b in bases for x in _fan_out(b, n))]
+        p = Prepared(loaded, requests, rid, observer, ticket, self.drain, on_complete=self.on_complete, n=n)
         settings = self.manager.settings
         if settings.failover_budget > 0:
             policy = FailoverPolicy(settings.failover_budget, settings.failover_wait, settings.failover_replay == "exact")
@@ -239,7 +263,8 @@ class Service:
                 return (await self.manager.get(spec)).engine
 
             def stream(r: GenerationRequest) -> AsyncIterator[TokenEvent]:
-                return resumable(r, loaded.engine, current, policy, spec.id, self.metrics)
+                return resumable(r, loaded.engine, current, policy, spec.id, self.metrics,
+                                 lambda s: ticket.paused(r.request_id, s))
 
             p.stream = stream
         return p
@@ -248,6 +273,7 @@ class Service:
                                    prefix: str, received: float) -> Prepared:
         """Any protocol's request, as the conversation model: the tool plan, the prompt, the output
         constraint; then a loaded engine and slots."""
+        check_limits(conv, self.manager.settings.max_messages, self.manager.settings.max_prompt_chars)
         conv = with_preamble(conv, spec.system, [(m.role, m.content) for m in spec.messages])
         skipped: tuple[str, ...] = ()
         if conv.tools and not spec.tools and (conv.tool_choice is None or conv.tool_choice.mode != "none"):

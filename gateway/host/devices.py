@@ -27,14 +27,13 @@ def _table(rows: list[tuple[str, ...]], indent: str = "  ") -> list[str]:
 
 def memory_verdict(spec: Any, cand: Any, config: Any, host: HostCapabilities, budgets: dict[str, int]) -> str:
     """What the candidate would take and whether it fits its budgets: "" when it cannot be estimated."""
-    from gateway.models.memory import fit_budgets, gguf_info, shared_sequences
+    from gateway.models.memory import fit_config, gguf_info
     from gateway.models.pool import device_of
 
     info = gguf_info(config.model_path) if cand.runtime == "llamacpp" else None
     if info is None or "cpu" not in budgets:
         return ""
-    need, changed, exceeded = fit_budgets(info, config.context_length, config.parallel, device_of(cand, host),
-                                          budgets, swa_full=config.swa_full, shared=shared_sequences(config))
+    need, changed, exceeded = fit_config(info, config, device_of(cand, host), budgets)
     if exceeded:
         return f"DOES NOT FIT: needs {need.describe()}; budget {exceeded}"
     return f"needs {need.describe()}" + (f"; sized down to fit: {changed}" if changed else "")

@@ -17,6 +17,11 @@ CUDA on the H100: -3..+2% against the 8B model's measured GPU memory over five c
 
 A budget per device is its memory less a reserve: RAM (MemTotal) for the CPU, each GPU's memory for
 the GPU; `--memory-budget` / `--gpu-memory-budget` set them outright.
+
+The host prefix cache (KV of conversations that lost their sequence, kept in RAM, pinned on a GPU
+host) is part of each model's estimate and of the RAM budget: sized by the gateway (a quarter of
+the RAM budget left, at most 8 GiB, unless --prefix-cache sets it), and the first thing to shrink
+when a load would not fit.
 """
 
 from __future__ import annotations
@@ -136,12 +141,12 @@ class Need:
 
 
 def estimate(info: GGUFInfo, context: int, parallel: int, device: str = "cpu", worker: bool = True,
-             swa_full: bool = False, shared: int = 0) -> Need:
+             swa_full: bool = False, shared: int = 0, host_cache: int = 0) -> Need:
     """The memory of `info` served with `context` tokens per sequence and `parallel` sequences on
     `device` ("cpu" or a GPU key), with the engine's batch of 512 tokens; `shared` > 0: one KV cache
     of context x parallel cells shared by that many sequences (kv_unified), whose per-sequence
-    buffers and sliding windows count for each. The host prefix cache is not in it: it counts as it
-    fills, through the worker's measured memory."""
+    buffers and sliding windows count for each; `host_cache`: the bytes of its host prefix cache
+    (in RAM, pinned or not), counted whole as it may fill."""
     ctx = min(context, info.context_length) if info.context_length else context
     seqs = max(shared, parallel)
     if shared:
@@ -153,11 +158,11 @@ def estimate(info: GGUFInfo, context: int, parallel: int, device: str = "cpu", w
     embed = next((t.nbytes for t in info.tensors if t.name == "token_embd.weight"), 0)
     process = WORKER_BYTES if worker else 0
     if device == "cpu":
-        parts = {"weights": weights, "kv": kv, "compute": compute, "worker": process}
+        parts = {"weights": weights, "kv": kv, "compute": compute, "host cache": host_cache, "worker": process}
         return Need("cpu", sum(parts.values()), 0, parts, ctx, parallel)
     gpu_parts = {"weights": weights - embed, "kv": kv, "compute": compute, "gpu runtime": GPU_CONTEXT_BYTES}
     host_parts = {"embeddings": embed, "runtime": GPU_RUNTIME_HOST_BYTES + PER_SEQ_VOCAB_HOST_BYTES * info.n_vocab * seqs,
-                  "worker": process}
+                  "host cache": host_cache, "worker": process}
     return Need(device, sum(host_parts.values()), sum(gpu_parts.values()), {**gpu_parts, **host_parts}, ctx, parallel)
 
 
@@ -167,20 +172,25 @@ def shared_sequences(config: Any) -> int:
 
 
 def fit(info: GGUFInfo, context: int, parallel: int, device: str, room_host: int, room_gpu: int | None,
-        min_context: int = 2048, swa_full: bool = False, shared: int = 0) -> tuple[Need, str]:
-    """The largest way to serve `info` within the room given: first fewer sequences (down to one),
-    then a shorter context (halved, not below `min_context` or the asked one). (need, what was
-    changed, "" when nothing); the need returned may still not fit (the caller refuses it)."""
+        min_context: int = 2048, swa_full: bool = False, shared: int = 0, host_cache: int = 0) -> tuple[Need, str]:
+    """The largest way to serve `info` within the room given: first a smaller host prefix cache
+    (the RAM left, down to none), then fewer sequences (down to one), then a shorter context
+    (halved, not below `min_context` or the asked one). (need, what was changed, "" when nothing);
+    the need returned may still not fit (the caller refuses it)."""
 
-    def need(c: int, p: int) -> Need:
-        return estimate(info, c, p, device, swa_full=swa_full, shared=shared)
+    def need(c: int, p: int, cache: int = 0) -> Need:
+        return estimate(info, c, p, device, swa_full=swa_full, shared=shared, host_cache=cache)
 
     def fits(n: Need) -> bool:
         return n.host <= room_host and (room_gpu is None or n.gpu <= room_gpu)
 
-    first = need(context, parallel)
+    first = need(context, parallel, host_cache)
     if fits(first):
         return first, ""
+    bare = need(context, parallel)
+    cache = min(host_cache, max(0, room_host - bare.host)) // MiB * MiB
+    if fits(n := need(context, parallel, cache)):
+        return n, f"host cache {host_cache // MiB} -> {cache // MiB} MiB"
     p, c = parallel, first.context
     while p > 1:
         p -= 1
@@ -195,13 +205,14 @@ def fit(info: GGUFInfo, context: int, parallel: int, device: str, room_host: int
 
 
 def fit_budgets(info: GGUFInfo, context: int, parallel: int, device: str,
-                budgets: dict[str, int], swa_full: bool = False, shared: int = 0) -> tuple[Need, str, str]:
+                budgets: dict[str, int], swa_full: bool = False, shared: int = 0,
+                host_cache: int = 0) -> tuple[Need, str, str]:
     """`fit` within `budgets` (which has "cpu"): (need, what was sized down, "" when it fits or else
     the budget it exceeds, e.g. "450 MiB RAM" or "2048 MiB RAM, 7000 MiB on cuda:0")."""
     room_host = budgets["cpu"]
     room_gpu = budgets.get(device) if device != "cpu" else None  # unknown GPU memory: RAM only
     need, changed = fit(info, context, parallel, device, room_host, room_gpu, min_context=min(2048, context),
-                        swa_full=swa_full, shared=shared)
+                        swa_full=swa_full, shared=shared, host_cache=host_cache)
     if need.host > room_host or (room_gpu is not None and need.gpu > room_gpu):
         return need, "", f"{room_host / MiB:.0f} MiB RAM" + (f", {room_gpu / MiB:.0f} MiB on {device}" if room_gpu else "")
     return need, changed, ""
@@ -226,3 +237,28 @@ def default_reserve(total: int) -> int:
     """What a budget leaves to the system and other programs: 10% of the memory, at least 1 GiB
     (half of it on a machine of 2 GiB or less)."""
     return min(max(GiB, total // 10), total // 2)
+
+
+# The most a model's host prefix cache takes when it is sized automatically (llama-server's --cache-ram default).
+HOST_CACHE_MAX = 8 * GiB
+
+
+def auto_host_cache(room: int) -> int:
+    """The host prefix cache a model gets by default: a quarter of the RAM budget still free, at most
+    HOST_CACHE_MAX, in whole MiB."""
+    return min(HOST_CACHE_MAX, max(0, room) // 4) // MiB * MiB
+
+
+def fit_config(info: GGUFInfo, config: Any, device: str, budgets: dict[str, int], ram_used: int = 0
+               ) -> tuple[Need, str, str]:
+    """`fit_budgets` for an EngineConfig, with its host prefix cache: the size it sets
+    (`prefix_cache_mib` 0: none), or by default a quarter of the RAM budget left beside this model
+    and the `ram_used` by others (auto_host_cache)."""
+    shared = shared_sequences(config)
+    if config.prefix_cache_mib >= 0:
+        cache = config.prefix_cache_mib * MiB
+    else:
+        bare = estimate(info, config.context_length, config.parallel, device, swa_full=config.swa_full, shared=shared)
+        cache = auto_host_cache(budgets["cpu"] - ram_used - bare.host)
+    return fit_budgets(info, config.context_length, config.parallel, device, budgets, swa_full=config.swa_full,
+                       shared=shared, host_cache=cache)

@@ -38,7 +38,7 @@ from gateway.host.functional_check import (
 from gateway.host.hardware import HostCapabilities, LlamaCppBuild, probe_host, vulkan_visible_env
 from gateway.host.selection import Candidate, Plan, Preference, SelectionError, plan
 from gateway.metrics import Metrics
-from gateway.models.memory import MiB, Need, default_reserve, fit_budgets, gguf_info, shared_sequences
+from gateway.models.memory import MiB, Need, default_reserve, fit_config, gguf_info
 from gateway.models.registry import ModelSpec, ModelUnavailable, Registry
 from gateway.models.routing import WorkerGroup
 from gateway.settings import Settings
@@ -71,6 +71,11 @@ class Loaded:
     need: Need | None = None  # its estimated memory (None: not estimated, e.g. not a GGUF)
     fitted: str = ""  # what was sized down to fit the memory budget ("" when nothing)
     keep_alive: float | None = None  # set by a request (Ollama's keep_alive); else the model's default
+    over_estimate: bool = False  # its worker was measured over the estimate (logged and counted once)
+
+
+# A worker measured this much over its estimate is logged and counted (gateway_memory_estimate_misses).
+ESTIMATE_SLACK = 0.15
 
 
 def memory_budgets(host: HostCapabilities, settings: Settings) -> dict[str, int]:
@@ -209,6 +214,12 @@ class ModelManager:
                 except Exception:  # noqa: BLE001 - a worker between restarts has no numbers
                     st = {}
                 rss = (st.get("rss_bytes") or 0) + ((st.get("standby") or {}).get("rss_bytes") or 0)
+                if entry.need is not None and rss > est * (1 + ESTIMATE_SLACK) and not entry.over_estimate:
+                    entry.over_estimate = True
+                    self.metrics.memory_misses.labels(entry.spec.id).inc()
+                    log.warning("%s: its worker holds %.0f MiB, %.0f%% over the estimate of %.0f MiB (%s); the "
+                                "memory budget counts the measured size", entry.spec.id, rss / MiB,
+                                100 * (rss / est - 1), est / MiB, entry.need.describe())
                 est = max(est, rss)
         return est
 
@@ -229,8 +240,9 @@ class ModelManager:
         if info is None or "cpu" not in self.budgets:
             return config, None, ""
         device = device_of(cand, self.host)
-        need, changed, exceeded = fit_budgets(info, config.context_length, config.parallel, device, self.budgets,
-                                               swa_full=config.swa_full, shared=shared_sequences(config))
+        # The host prefix cache is part of the estimate and of the RAM budget: by default what the
+        # budget has left beside this model and the others, so it never takes memory another holds.
+        need, changed, exceeded = fit_config(info, config, device, self.budgets, self.used("cpu"))
         if exceeded:
             raise ModelTooLarge(
                 f"model {spec.id!r} needs {need.describe()} even with one sequence and a {need.context}-token "
@@ -239,7 +251,7 @@ class ModelManager:
             log.warning("%s sized down to fit the memory budget of %s: %s (needs %s)", spec.id, device, changed,
                         need.describe())
             config = dataclasses.replace(config, parallel=need.parallel, context_length=need.context)
-        return config, need, changed
+        return dataclasses.replace(config, prefix_cache_mib=need.parts["host cache"] // MiB), need, changed
 
     def keep_alive_of(self, entry: Loaded) -> float:
         """Seconds `entry` stays loaded once idle (negative: until evicted)."""
@@ -273,6 +285,7 @@ class ModelManager:
             for mid, entry in list(self._loaded.items()):
                 if entry.candidate.format in ("ray", "remote") or mid in self.loading:
                     continue
+                self.held(entry, "cpu")  # measured against the estimate as its caches fill
                 if not _idle(entry.engine):
                     entry.last_used = now
                     continue

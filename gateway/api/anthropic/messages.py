@@ -20,7 +20,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from engines.base import TokenEvent, Usage
-from gateway.api.errors import anthropic_error, invalid, to_api_error
+from gateway.api.errors import invalid, to_api_error
 from gateway.api.notes import Notes
 from gateway.conversation import (
     ArgumentsDelta,
@@ -202,7 +202,7 @@ def _tools(tools: list[dict[str, Any]] | None, notes: Notes) -> tuple[ToolSpec, 
         if not isinstance(schema, dict):
             raise invalid("a tool needs its input_schema (a JSON schema object)", param=f"{param}.input_schema")
         out.append(ToolSpec(name, t.get("description") or "", schema))
-    return tuple(out) if out or not tools else None
+    return tuple(out) or None  # an empty list: no tools
 
 
 def _choice(choice: dict[str, Any] | None) -> tuple[ToolChoice | None, bool]:
@@ -330,10 +330,13 @@ class Assembler:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": self.blocks,
                 "stop_reason": self.stop[0], "stop_sequence": self.stop[1], "usage": usage_obj(self.usage)}
 
-    def start(self) -> dict[str, Any]:
+    def start(self, prompt_tokens: int = 0, cached_tokens: int = 0) -> dict[str, Any]:
+        """`message_start`, with the prompt's tokens as Anthropic sends them there (clients that
+        track the context from this event read them; the output count comes in `message_delta`)."""
         return {"type": "message_start", "message": {
             "id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
-            "stop_reason": None, "stop_sequence": None, "usage": usage_obj(None)}}
+            "stop_reason": None, "stop_sequence": None,
+            "usage": usage_obj(Usage(prompt_tokens, 0, cached_tokens=cached_tokens))}}
 
     def _close(self) -> list[tuple[str, dict[str, Any]]]:
         b, self._open = self._open, None
@@ -426,7 +429,8 @@ async def generate(service: Any, prepared: Any, asm: Assembler, in_band: bool
     except BaseException:
         await events.aclose()
         raise
-    yield "message_start", asm.start()
+    # The engine's first events (before this first output event) said how long the prompt is.
+    yield "message_start", asm.start(prepared.prompt_tokens, prepared.cached_tokens)
     yield "ping", {"type": "ping"}
     try:
         if first is not None:
@@ -439,7 +443,7 @@ async def generate(service: Any, prepared: Any, asm: Assembler, in_band: bool
     except Exception as exc:
         if not in_band:
             raise
-        _status, body = anthropic_error(to_api_error(exc))
+        _status, body = to_api_error(exc).answer("/v1/messages")
         yield "error", body
         return
     yield "message_delta", {"type": "message_delta",

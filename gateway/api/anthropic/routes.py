@@ -12,13 +12,10 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
 
 from gateway.api.anthropic import messages as am
-from gateway.api.errors import invalid
 from gateway.api.notes import Notes
 from gateway.api.openai.common import sampling
-from gateway.api.serving import Service, check_prompt_chars
+from gateway.api.serving import Service
 from gateway.api.sse import answer_events, until_disconnect
-from gateway.conversation import Conversation
-from gateway.models.registry import ModelSpec
 
 router = APIRouter(tags=["anthropic"])
 
@@ -58,18 +55,6 @@ _STREAM = {"schema": {
 }}
 
 
-def _checked(service: Service, body: am.MessagesRequest | am.CountTokensRequest, notes: Notes
-             ) -> tuple[ModelSpec, Conversation]:
-    spec = service.spec(body.model)
-    conv = am.conversation(body, notes)
-    limits = service.manager.settings
-    if len(conv.turns) > limits.max_messages:
-        raise invalid(f"{len(conv.turns)} messages exceed the limit of {limits.max_messages}", param="messages")
-    check_prompt_chars(sum(len(t.text) + sum(len(c.arguments) for c in t.tool_calls) for t in conv.turns),
-                       limits.max_prompt_chars, "messages", "the messages hold")
-    return spec, conv
-
-
 @router.post("/v1/messages", response_model=None, responses={
     200: {"model": am.MessageObject, "description": "The message (JSON), or its events (SSE) with `stream`",
           "content": {"text/event-stream": _STREAM}},
@@ -78,7 +63,7 @@ async def create_message(body: am.MessagesRequest, request: Request) -> Response
     received = time.perf_counter()
     service: Service = request.app.state.chat
     notes = Notes()
-    spec, conv = _checked(service, body, notes)
+    spec, conv = service.spec(body.model), am.conversation(body, notes)
     sp = sampling(am.sampling_fields(body), spec, body.max_tokens)
     p = await until_disconnect(request, service.prepare_conversation(spec, conv, sp, 1, "msg", received))
     request.state.observer = p.observer
@@ -101,7 +86,7 @@ async def count_tokens(body: am.CountTokensRequest, request: Request) -> JSONRes
     received = time.perf_counter()
     service: Service = request.app.state.chat
     notes = Notes()
-    spec, conv = _checked(service, body, notes)
+    spec, conv = service.spec(body.model), am.conversation(body, notes)
     fields = am.sampling_fields(am.MessagesRequest(model=body.model, max_tokens=1, messages=body.messages))
     sp = replace(sampling(fields, spec, 1), temperature=0.0)
     p = await until_disconnect(request, service.prepare_conversation(spec, conv, sp, 1, "count", received))

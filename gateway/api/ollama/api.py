@@ -216,7 +216,7 @@ def generate_conversation(req: GenerateRequest) -> Conversation:
         raise invalid("suffix (fill-in-the-middle) is not supported", param="suffix")
     turns = ([Turn.of("system", req.system)] if req.system else []) + [Turn.of("user", req.prompt)]
     return Conversation(tuple(turns), None, None, True, _output(req.format), thinking(req),
-                        params={"output.schema": "format"})
+                        params={"output.schema": "format", "messages": "prompt"})
 
 
 def thinking(req: ChatRequest | GenerateRequest) -> bool | None:

@@ -208,7 +208,7 @@ async def _answer(request: Request, p: Prepared, name: str, key: str, stream: bo
                 yield (json.dumps(obj) + "\n").encode()
             yield (json.dumps(_final(name, key, answer, False)) + "\n").encode()
         except Exception as exc:  # noqa: BLE001 - after the first line, errors travel in-band
-            yield (json.dumps({"error": to_api_error(exc).message}) + "\n").encode()
+            yield (json.dumps(to_api_error(exc).answer(request.url.path)[1]) + "\n").encode()
         finally:
             await lines.aclose()
             ka.set(spec.id, keep)

@@ -31,7 +31,7 @@ from gateway.api.openai.protocol import (
     ToolCallOut,
     UsageOut,
 )
-from gateway.api.serving import Prepared, Service, check_prompt_chars
+from gateway.api.serving import Prepared, Service
 from gateway.conversation import (
     CallStarted,
     Conversation,
@@ -97,12 +97,6 @@ class ChatService(Service):
         check_stream_options(req)
         if req.max_tokens is not None and req.max_completion_tokens is not None and req.max_tokens != req.max_completion_tokens:
             raise invalid("max_tokens and max_completion_tokens disagree; send one", param="max_tokens")
-        limits = self.manager.settings
-        if len(req.messages) > limits.max_messages:
-            raise invalid(f"{len(req.messages)} messages exceed the limit of {limits.max_messages}",
-                          param="messages", code="too_many_messages")
-        check_prompt_chars(sum(len(m.text()) for m in req.messages), limits.max_prompt_chars, "messages",
-                           "the messages hold")
         for i, m in enumerate(req.messages):
             if m.role == "assistant" and m.content is None and not m.tool_calls:
                 raise invalid("assistant messages need content or tool_calls", param=f"messages[{i}].content")
@@ -162,13 +156,13 @@ class ChatService(Service):
 
         async with contextlib.aclosing(self.conversation_events(p)) as events:
             async for i, e, ev in events:
-                first = i not in started
-                started.add(i)
+                if i not in started:
+                    # OpenAI's first chunk of a choice names the role alone; the text follows.
+                    started.add(i)
+                    yield chunk([ChunkChoice(index=i, delta=Delta(role="assistant", content=""))])
                 if isinstance(e, Finished):
                     if ev.usage is not None:
                         usages.append(ev.usage)
-                    if first:
-                        yield chunk([ChunkChoice(index=i, delta=Delta(role="assistant"))])
                     yield chunk([ChunkChoice(index=i, delta=Delta(), finish_reason=e.reason)])
                     continue
                 lp = None
@@ -176,19 +170,18 @@ class ChatService(Service):
                     lp = ChoiceLogprobs(content=chat_logprobs(ev.logprobs))
                 last[i] = ev
                 if isinstance(e, TextDelta):
-                    if not first and lp is None and not continuous_usage:
+                    if lp is None and not continuous_usage:
                         if e.text:
                             yield text_chunk(i, e.text)
                         continue
-                    delta = Delta(role="assistant" if first else None, content=e.text)
+                    delta = Delta(content=e.text)
                 elif isinstance(e, ReasoningDelta):
-                    delta = Delta(role="assistant" if first else None, reasoning_content=e.text)
+                    delta = Delta(reasoning_content=e.text)
                 elif isinstance(e, CallStarted):
-                    delta = Delta(role="assistant" if first else None, tool_calls=[ToolCallDelta(
+                    delta = Delta(tool_calls=[ToolCallDelta(
                         index=e.call, id=e.id, type="function", function=FunctionDelta(name=e.name, arguments=""))])
                 else:
-                    delta = Delta(role="assistant" if first else None,
-                                  tool_calls=[ToolCallDelta(index=e.call, function=FunctionDelta(arguments=e.text))])
+                    delta = Delta(tool_calls=[ToolCallDelta(index=e.call, function=FunctionDelta(arguments=e.text))])
                 yield chunk([ChunkChoice(index=i, delta=delta, logprobs=lp)])
         if include_usage:
             yield chunk([], usage_out(usages))

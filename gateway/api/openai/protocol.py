@@ -135,9 +135,14 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+
+
 class CompletionRequest(_SamplingFields):
-    prompt: str | Annotated[list[str], Field(min_length=1)]
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    # A string, a batch of strings, token ids, or a batch of token-id lists (OpenAI's four forms).
+    prompt: str | Annotated[list[str], Field(min_length=1)] | TokenIds | Annotated[list[TokenIds], Field(min_length=1)]
+    # 0 only with echo: the prompt is scored, nothing generated (log-likelihood evaluation).
+    max_tokens: Annotated[int, Field(ge=0)] | None = 16
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     echo: bool = False
     suffix: str | None = None
@@ -289,8 +294,8 @@ class ChatCompletionChunk(_Response):
 
 class CompletionLogprobs(_Response):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None
+    token_logprobs: list[float | None]  # None: an echoed prompt's first token (nothing before it)
+    top_logprobs: list[dict[str, float] | None] | None
     text_offset: list[int]
 
 

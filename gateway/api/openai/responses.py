@@ -265,7 +265,8 @@ def _tools(req: ResponseCreateRequest, notes: Notes) -> tuple[ToolSpec, ...] | N
             notes.skipped_tools.add(kind)
         else:
             raise invalid("each tool needs a type", param=f"{param}.type")
-    return tuple(out) if out or not req.tools else None
+    # An empty list is no tools (the Agents SDK sends `tools: []` for an agent without tools).
+    return tuple(out) or None
 
 
 def _choice(req: ResponseCreateRequest, tools: tuple[ToolSpec, ...] | None, notes: Notes) -> ToolChoice | None:
@@ -329,7 +330,7 @@ def conversation(req: ResponseCreateRequest, earlier: tuple[Turn, ...], notes: N
     _note_ignored(req, notes)
     effort = (req.reasoning or {}).get("effort")
     conv = Conversation(turns, tools, choice, req.parallel_tool_calls is not False, _output(req),
-                        thinking=False if effort == "none" else None, params={"output.schema": "text.format.schema"})
+                        thinking=False if effort == "none" else None, params={"output.schema": "text.format.schema", "messages": "input"})
     return conv, history, listed
 
 
@@ -600,8 +601,7 @@ async def generate(service: Any, run: Run) -> AsyncIterator[tuple[str, dict[str,
     except Exception as exc:
         if not run.in_band:
             raise
-        err = to_api_error(exc)
-        body = err.body()["error"]
+        body = to_api_error(exc).answer("/v1/responses")[1]["error"]
         yield asm.event("response.failed", response=run.response(
             "failed", asm.items, error={"code": body.get("code") or "server_error", "message": body["message"]}))
         return

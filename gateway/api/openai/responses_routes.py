@@ -13,7 +13,7 @@ from gateway.api.errors import APIError
 from gateway.api.openai import responses as rs
 from gateway.api.openai.common import sampling
 from gateway.api.routes import error_responses
-from gateway.api.serving import Service, check_prompt_chars
+from gateway.api.serving import Service
 from gateway.api.sse import answer_events, until_disconnect
 from gateway.conversation import Turn
 from gateway.store import ResponseStore
@@ -56,12 +56,6 @@ async def create_response(body: rs.ResponseCreateRequest, request: Request) -> R
         earlier = found
     spec = service.spec(body.model)
     conv, history, listed = rs.conversation(body, earlier, notes)
-    limits = service.manager.settings
-    if len(conv.turns) > limits.max_messages:
-        raise APIError(400, f"{len(conv.turns)} messages exceed the limit of {limits.max_messages}", param="input",
-                       code="too_many_messages")
-    check_prompt_chars(sum(len(t.text) + sum(len(c.arguments) for c in t.tool_calls) for t in conv.turns),
-                       limits.max_prompt_chars, "input", "the input holds")
     sp = sampling(rs.sampling_fields(body), spec, body.max_output_tokens)
     p = await until_disconnect(request, service.prepare_conversation(spec, conv, sp, 1, "resp", received))
     request.state.observer = p.observer
