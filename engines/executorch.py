@@ -97,7 +97,9 @@ def vulkan_backend_library() -> tuple[Path | None, str]:
     if builds:
         return max(builds)[1], ""
     return None, (f"the executorch {version} wheel has no Vulkan backend and none is built for it: "
-                  "scripts/install-executorch.sh vulkan")
+                  "scripts/install-executorch.sh vulkan builds it from the pinned ExecuTorch, volk and VMA "
+                  "sources (fetched from GitHub, or local copies named by EXECUTORCH_GIT, VOLK_GIT and VMA_GIT; "
+                  "docs/conversion.md)")
 
 
 def _executorch_lib_dir() -> Path | None:

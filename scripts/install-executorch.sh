@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build ExecuTorch's Vulkan backend for the installed executorch wheel (issue 30).
+# Build ExecuTorch's Vulkan backend for the installed executorch wheel.
 #
 #   bash scripts/install-executorch.sh vulkan      -> prints the built library's path
 #
@@ -11,11 +11,15 @@
 # static initialiser registers "VulkanBackend" with the wheel's runtime.  Beside it,
 # libgateway_et_runner.so (runner.cpp): the engine runs Vulkan programs through it, without torch.
 #
-# Sources (no registry carries them; each is checked to be the pinned commit):
-#   EXECUTORCH_SRC  an ExecuTorch checkout at $ET_COMMIT, or EXECUTORCH_GIT a git dir holding it
-#   VOLK_GIT, VMA_GIT  git dirs holding volk $VOLK_COMMIT and VulkanMemoryAllocator $VMA_COMMIT
-# Defaults: the snapshots the session tools bring in under /work/.mirror.  Without them the build
-# is not possible and this exits 3 with the reason (the tests then skip the Vulkan program).
+# Sources (no package registry carries them; each is checked to be the pinned commit), first found of:
+#   1. EXECUTORCH_SRC (an ExecuTorch checkout at $ET_COMMIT) or EXECUTORCH_GIT, and VOLK_GIT,
+#      VMA_GIT: local git dirs (bare or not) holding the pinned commits, e.g. on an air-gapped host;
+#   2. the same variables in ${XDG_CONFIG_HOME:-~/.config}/llm-gateway/executorch-sources
+#      (KEY=VALUE lines), for a machine that keeps such copies;
+#   3. the upstream repositories on GitHub, fetched once into
+#      ${XDG_CACHE_HOME:-~/.cache}/llm-gateway/sources/ (only the pinned commits).
+# Where none of them has a pinned commit the build is not possible: this exits 3 saying what to
+# set, and the tests of Vulkan programs skip with that reason.
 # Tools from Debian: glslc, flatc (flatbuffers-compiler 2.0.8, with its headers), cmake, ninja;
 # Vulkan headers from scripts/vulkan-headers.sh (as the llama.cpp Vulkan build).
 #
@@ -34,10 +38,13 @@ root="$PWD"
 ET_COMMIT=cff6f4dd32e630945b7188512c1f2b4f102b05ad    # main, 2026-08-22 (the 1.5 line; schema.fbs as 1.5.1's)
 VOLK_COMMIT=91e0d29e4d328328be05290eb02e80660c6eca95
 VMA_COMMIT=e386068d174c9807479b4d13ff2db8e23bd91bc0
-mirror=/work/.mirror
-EXECUTORCH_GIT="${EXECUTORCH_GIT:-$mirror/pytorch+executorch/repo}"
-VOLK_GIT="${VOLK_GIT:-$mirror/zeux+volk/repo}"
-VMA_GIT="${VMA_GIT:-$mirror/GPUOpen-LibrariesAndSDKs+VulkanMemoryAllocator/repo}"
+config="${XDG_CONFIG_HOME:-$HOME/.config}/llm-gateway/executorch-sources"
+if [ -f "$config" ]; then  # KEY=VALUE lines; the environment wins
+  while IFS='=' read -r k v; do
+    case "$k" in EXECUTORCH_SRC|EXECUTORCH_GIT|VOLK_GIT|VMA_GIT) [ -n "${!k:-}" ] || export "$k=$v" ;; esac
+  done < <(grep -E '^[A-Z_]+=' "$config")
+fi
+sources="${XDG_CACHE_HOME:-$HOME/.cache}/llm-gateway/sources"
 py="${PYTHON:-$root/.venv/bin/python}"
 CXXFLAGS_ET="${EXECUTORCH_VULKAN_CXXFLAGS:--O2}"
 
@@ -74,15 +81,28 @@ fi
 # The pinned sources, from a checkout or a git dir; anything else is a clear stop.
 work="$(mktemp -d)"; trap 'rm -rf "$work"' EXIT
 src="$work/src"; mkdir -p "$src/executorch" "$work/volk" "$work/vma"
+upstream() {  # name url commit -> a git dir holding the commit (fetched once), or "" when unreachable
+  local g="$sources/$1.git"
+  [ -d "$g" ] || git init -q --bare "$g"
+  if ! git --git-dir="$g" cat-file -e "$3^{commit}" 2>/dev/null; then
+    GIT_TERMINAL_PROMPT=0 timeout 300 git --git-dir="$g" fetch -q --depth 1 "$2" "$3" >&2 2>/dev/null || true
+  fi
+  git --git-dir="$g" cat-file -e "$3^{commit}" 2>/dev/null && echo "$g" || true
+}
 from_git() {  # git-dir commit dest paths...
   local g="$1" c="$2" d="$3"; shift 3
-  if ! git --git-dir="$g" cat-file -e "$c^{commit}" 2>/dev/null; then
-    echo "no source snapshot: $g does not hold commit $c" >&2
-    echo "the ExecuTorch Vulkan backend cannot be built here (its sources are in no package registry)" >&2
+  if [ -z "$g" ] || ! git --git-dir="$g" cat-file -e "$c^{commit}" 2>/dev/null; then
+    echo "no source of commit $c: ${g:-its upstream repository is not reachable from here}" >&2
+    echo "the ExecuTorch Vulkan backend cannot be built without its pinned sources (no package registry" \
+         "carries them): set EXECUTORCH_GIT, VOLK_GIT and VMA_GIT to git dirs holding them, here or in $config" >&2
     exit 3
   fi
   git --git-dir="$g" archive "$c" "$@" | tar x -C "$d"
 }
+mkdir -p "$sources"
+[ -n "${EXECUTORCH_SRC:-}${EXECUTORCH_GIT:-}" ] || EXECUTORCH_GIT="$(upstream executorch https://github.com/pytorch/executorch.git "$ET_COMMIT")"
+[ -n "${VOLK_GIT:-}" ] || VOLK_GIT="$(upstream volk https://github.com/zeux/volk.git "$VOLK_COMMIT")"
+[ -n "${VMA_GIT:-}" ] || VMA_GIT="$(upstream vma https://github.com/GPUOpen-LibrariesAndSDKs/VulkanMemoryAllocator.git "$VMA_COMMIT")"
 if [ -n "${EXECUTORCH_SRC:-}" ]; then
   got="$(git -C "$EXECUTORCH_SRC" rev-parse HEAD 2>/dev/null || true)"
   [ "$got" = "$ET_COMMIT" ] || { echo "EXECUTORCH_SRC is at '${got:-not a git checkout}', not $ET_COMMIT" >&2; exit 3; }

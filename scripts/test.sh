@@ -33,8 +33,9 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$lock_sum" ]; then
   echo "$lock_sum" > "$stamp"
 fi
 # ExecuTorch's Vulkan backend for the installed wheel (scripts/install-executorch.sh: ~5 min on 2
-# cores, then cached). Its sources are in no package registry: where the pinned snapshots are absent
-# it exits 3 and the Vulkan-delegate tests skip with that reason; any other failure stops here.
+# cores, then cached). Its sources are in no package registry: it fetches the pinned commits from
+# GitHub or takes local copies (EXECUTORCH_GIT, VOLK_GIT, VMA_GIT); with neither it exits 3 and the
+# Vulkan-delegate tests skip with that reason; any other failure stops here.
 rc=0; bash scripts/install-executorch.sh vulkan >/dev/null || rc=$?
 [ "$rc" = 0 ] || [ "$rc" = 3 ] || exit "$rc"
 .venv/bin/ruff check gateway engines tests
