@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Build llama-server (and the shared libllama/libggml next to it) from the llama.cpp that
 # llama-cpp-python vendors, so the gateway and llama-server are compared on the same code.
-# Cached by (version, backend, flags); never committed. Prints the bin directory.
+# Cached by (version, backend, flags, patches); never committed. Prints the bin directory.
 #
 # usage: benchmarks/build-llama-server.sh [cpu|cuda|vulkan]
 #   LLAMA_SRC=dir-or-sdist.tar.gz   use this source instead of downloading the sdist from PyPI
+#   LLAMA_PATCHES="file ..."        patches applied (-p1) to the sdist's tree, e.g.
+#                                   benchmarks/patches/ggml-cuda-green-contexts.patch; part of the cache key
 #   CUDA_ARCH=90                    CUDA architectures (default: native)
 set -euo pipefail
 backend="${1:-cpu}"
@@ -17,7 +19,16 @@ case "$backend" in
   vulkan) flags="$flags -DGGML_VULKAN=ON -DVulkan_INCLUDE_DIR=$(bash "$(dirname "$0")/../scripts/vulkan-headers.sh")" ;;
   *) echo "unknown backend $backend" >&2; exit 2 ;;
 esac
-key="$(printf '%s|%s|%s|%s' "$version" "$backend" "$flags" "$(uname -m)" | sha256sum | cut -c1-12)"
+root="$(cd "$(dirname "$0")/.." && pwd)"
+patches=()
+for p in ${LLAMA_PATCHES:-}; do
+  [ -f "$p" ] || p="$root/$p"
+  [ -f "$p" ] || { echo "LLAMA_PATCHES: no such file: $p" >&2; exit 2; }
+  patches+=("$(cd "$(dirname "$p")" && pwd)/$(basename "$p")")
+done
+key_in="$(printf '%s|%s|%s|%s' "$version" "$backend" "$flags" "$(uname -m)")"
+[ ${#patches[@]} -eq 0 ] || key_in="$key_in|$(cat "${patches[@]}" | sha256sum | cut -c1-16)"
+key="$(printf '%s' "$key_in" | sha256sum | cut -c1-12)"
 dir="$cache/$backend-$version-$key"
 if [ -x "$dir/build/bin/llama-server" ]; then echo "$dir/build/bin"; exit 0; fi
 mkdir -p "$dir"
@@ -28,7 +39,13 @@ if [ -z "$src" ]; then
 fi
 if [ -f "$src" ]; then
   rm -rf "$dir/src"; mkdir -p "$dir/src"; tar xzf "$src" -C "$dir/src" --strip-components=1; src="$dir/src"
+elif [ ${#patches[@]} -gt 0 ]; then
+  rm -rf "$dir/src"; cp -r "$src" "$dir/src"; src="$dir/src"  # patch a copy, not the given tree
 fi
+for p in "${patches[@]}"; do
+  echo "applying $(basename "$p")" >&2
+  patch -s -p1 -d "$src" < "$p"
+done
 echo "building llama-server ($backend) from $src into $dir/build" >&2
 # shellcheck disable=SC2086
 cmake -S "$src/vendor/llama.cpp" -B "$dir/build" $flags >&2

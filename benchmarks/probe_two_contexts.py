@@ -49,11 +49,11 @@ def main() -> int:
     ap.add_argument("--decode-steps", type=int, default=60)
     ap.add_argument("--priority", action="store_true",
                     help="CUDA: the serving context's streams at the highest priority, the second context's at the "
-                         "lowest (needs scripts/patches-h100/ggml-cuda-streams.patch in the build)")
+                         "lowest (needs benchmarks/patches/ggml-cuda-green-contexts.patch in the build)")
     ap.add_argument("--green-sms", default="",
                     help="CUDA: comma-separated SM counts; for each, one more second context whose streams are in a "
                          "green context of that many SMs (the rest stay the decoding streams'), measured alone and "
-                         "beside the streams (needs scripts/patches-h100/ggml-cuda-streams.patch in the build)")
+                         "beside the streams (needs benchmarks/patches/ggml-cuda-green-contexts.patch in the build)")
     ap.add_argument("--json", default="")
     a = ap.parse_args()
 

@@ -13,6 +13,11 @@
 # worker process (LLAMA_CPP_LIB_PATH).
 #
 # usage: scripts/install-llama-cpp.sh [cpu|vulkan|cuda|metal][,more...] [python]
+#   LLAMA_PATCHES="file ..."  more patches (-p1 on the sdist's tree) after scripts/patches/, e.g.
+#                             benchmarks/patches/ggml-cuda-green-contexts.patch; part of the cache key
+#   LLAMA_CPP_SDIST=file      a local copy of the sdist (checked against the pinned hash) instead of
+#                             downloading it; with PIP_NO_INDEX=1 PIP_FIND_LINKS=DIR (the wheels of
+#                             requirements/build.txt in DIR) nothing is fetched (scripts/offline-bundle.sh)
 set -euo pipefail
 
 backends="${1:-cpu}"
@@ -21,6 +26,12 @@ pinned_version=0.3.36
 pinned_sha256=832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
 version="${LLAMA_CPP_PYTHON_VERSION:-$pinned_version}"
 root="$(cd "$(dirname "$0")/.." && pwd)"
+extra_patches=()
+for p in ${LLAMA_PATCHES:-}; do
+  [ -f "$p" ] || p="$root/$p"
+  [ -f "$p" ] || { echo "LLAMA_PATCHES: no such file: $p" >&2; exit 2; }
+  extra_patches+=("$(cd "$(dirname "$p")" && pwd)/$(basename "$p")")
+done
 cache_root="${GATEWAY_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/llm-gateway/wheels}"
 
 build_one() {
@@ -63,7 +74,7 @@ build_one() {
   # A native build is for this CPU only: its key names the CPU. The patches are part of the key.
   cpu_sig=any
   case "$cmake_args" in *GGML_BACKEND_DL=ON*) ;; *) cpu_sig="$(grep -m1 -E '^flags' /proc/cpuinfo 2>/dev/null | md5sum | cut -c1-8 || echo any)" ;; esac
-  patch_sig="$(cat "$root/scripts/patches/llama-cpp-python-$version"/*.patch 2>/dev/null | sha256sum | cut -c1-8)"
+  patch_sig="$(cat "$root/scripts/patches/llama-cpp-python-$version"/*.patch ${extra_patches[@]+"${extra_patches[@]}"} 2>/dev/null | sha256sum | cut -c1-8)"
   key="$(printf '%s|%s|%s|%s|%s|%s|%s' "$version" "$backend" "$cmake_args" "$pyver" "$(uname -m)" "$cpu_sig" "$patch_sig" | sha256sum | cut -c1-16)"
   dir="$cache_root/$backend-$version-$key"
 
@@ -82,10 +93,18 @@ build_one() {
     "$python" -m pip install -q --require-hashes -r "$root/requirements/build.txt"
     # The sdist (hash-checked), unpacked, with our patches (scripts/patches/<package>-<version>/).
     hashes=""; [ "$version" = "$pinned_version" ] && hashes="--require-hashes"
-    "$python" -m pip download -q --no-deps --no-cache-dir --no-binary :all: $hashes -d "$tmp/sdist" -r "$req"
+    if [ -n "${LLAMA_CPP_SDIST:-}" ]; then
+      sum="$(sha256sum < "$LLAMA_CPP_SDIST" | cut -d' ' -f1)"
+      if [ -n "$hashes" ] && [ "$sum" != "$pinned_sha256" ]; then
+        echo "$LLAMA_CPP_SDIST: sha256 $sum, not the pinned $pinned_sha256" >&2; exit 2
+      fi
+      mkdir -p "$tmp/sdist" && cp "$LLAMA_CPP_SDIST" "$tmp/sdist/llama_cpp_python-$version.tar.gz"
+    else
+      "$python" -m pip download -q --no-deps --no-cache-dir --no-binary :all: $hashes -d "$tmp/sdist" -r "$req"
+    fi
     mkdir -p "$tmp/src"
     tar xzf "$tmp"/sdist/llama_cpp_python-*.tar.gz -C "$tmp/src" --strip-components=1
-    for p in "$root/scripts/patches/llama-cpp-python-$version"/*.patch; do
+    for p in "$root/scripts/patches/llama-cpp-python-$version"/*.patch ${extra_patches[@]+"${extra_patches[@]}"}; do
       [ -e "$p" ] || continue
       echo "applying $(basename "$p")" >&2
       patch -s -p1 -d "$tmp/src" < "$p"

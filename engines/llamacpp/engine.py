@@ -110,7 +110,7 @@ def long_prompt_settings() -> tuple[int, int]:
     tokens no sequence or host-cache entry holds, arriving while other requests decode, is
     prefilled (and then decoded) in a second llama_context beside them instead of in chunks
     inside their steps (0: off, the default); on a CUDA build patched with
-    scripts/patches-h100/ggml-cuda-streams.patch, that context's kernels keep to that many SMs
+    benchmarks/patches/ggml-cuda-green-contexts.patch, that context's kernels keep to that many SMs
     (0: all) and the decoding streams have the rest. Opt-in and for measuring (on an H100 and an H200:
     docs/benchmarks/history.md#green-contexts)."""
     return _env_count("GATEWAY_LONG_PROMPT_TOKENS"), _env_count("GATEWAY_LONG_PROMPT_SMS")
