@@ -178,7 +178,7 @@ def main() -> int:
                     help="also a gateway with these environment settings, e.g. 'no host cache:GATEWAY_PREFIX_CACHE=0'")
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", default=None, help="also write the table, the machine and every round's numbers here")
     args = ap.parse_args()
     conc = [int(c) for c in args.concurrency.split(",")]
     spec_conc = [int(c) for c in args.spec_concurrency.split(",")]
@@ -263,7 +263,8 @@ def main() -> int:
                                                 ("gateway, ngram", "llama-server, ngram")]), ""]
     print("\n".join(report))
     if args.json:
-        Path(args.json).write_text(json.dumps(everything, indent=2))
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"report": report, **everything}, indent=2))
     return 0
 
 

@@ -7,6 +7,7 @@
 #   LLAMA_SRC=dir-or-sdist.tar.gz   use this source instead of downloading the sdist from PyPI
 #   LLAMA_PATCHES="file ..."        patches applied (-p1) to the sdist's tree, e.g.
 #                                   benchmarks/patches/ggml-cuda-green-contexts.patch; part of the cache key
+#   LLAMA_TARGETS="llama-quantize"  more targets to build into the same bin directory
 #   CUDA_ARCH=90                    CUDA architectures (default: native)
 set -euo pipefail
 backend="${1:-cpu}"
@@ -30,7 +31,10 @@ key_in="$(printf '%s|%s|%s|%s' "$version" "$backend" "$flags" "$(uname -m)")"
 [ ${#patches[@]} -eq 0 ] || key_in="$key_in|$(cat "${patches[@]}" | sha256sum | cut -c1-16)"
 key="$(printf '%s' "$key_in" | sha256sum | cut -c1-12)"
 dir="$cache/$backend-$version-$key"
-if [ -x "$dir/build/bin/llama-server" ]; then echo "$dir/build/bin"; exit 0; fi
+targets="llama-server llama ${LLAMA_TARGETS:-}"
+built=1
+for t in $targets; do case "$t" in llama-*) [ -x "$dir/build/bin/$t" ] || built=0 ;; esac; done
+if [ "$built" = 1 ]; then echo "$dir/build/bin"; exit 0; fi
 mkdir -p "$dir"
 src="${LLAMA_SRC:-}"
 if [ -z "$src" ]; then
@@ -42,12 +46,13 @@ if [ -f "$src" ]; then
 elif [ ${#patches[@]} -gt 0 ]; then
   rm -rf "$dir/src"; cp -r "$src" "$dir/src"; src="$dir/src"  # patch a copy, not the given tree
 fi
-for p in "${patches[@]}"; do
+for p in ${patches[@]+"${patches[@]}"}; do
   echo "applying $(basename "$p")" >&2
   patch -s -p1 -d "$src" < "$p"
 done
 echo "building llama-server ($backend) from $src into $dir/build" >&2
 # shellcheck disable=SC2086
 cmake -S "$src/vendor/llama.cpp" -B "$dir/build" $flags >&2
-cmake --build "$dir/build" --target llama-server llama -j "${JOBS:-$(nproc)}" >&2
+# shellcheck disable=SC2086
+cmake --build "$dir/build" --target $targets -j "${JOBS:-$(nproc)}" >&2
 echo "$dir/build/bin"
