@@ -32,7 +32,13 @@ while [ $# -gt 0 ]; do
     --glibc) glibc="$2"; shift ;;
     --part-size) size="$2"; shift ;;
     --backend) backend="$2"; shift ;;
-    --model) models+=("$2"); shift ;;
+    --model)
+      m="$2"; if [[ "$m" == *.gguf ]]; then
+        f="${m#*=}"; n="${m%%=*}"; [ "$n" != "$m" ] || n="$(basename "$m" .gguf)"
+        [ -f "$f" ] || { echo "--model: no such file: $f" >&2; exit 2; }
+        m="$n=$(cd "$(dirname "$f")" && pwd)/$(basename "$f")"
+      fi
+      models+=("$m"); shift ;;
     --no-model) no_model=1 ;;
     --requirements) locks+=("$(cd "$(dirname "$2")" && pwd)/$(basename "$2")"); shift ;;
     --no-llama-src) llama_src=0 ;;
@@ -55,9 +61,7 @@ mkdir -p "$B/wheels" "$B/locks" "$B/src" "$B/models"
 py="${PYTHON:-$root/.venv/bin/python}"; [ -x "$py" ] || py=python3
 for m in ${models[@]+"${models[@]}"}; do
   if [[ "$m" == *.gguf ]]; then
-    file="${m#*=}"; name="${m%%=*}"; [ "$name" != "$m" ] || name="$(basename "$m" .gguf)"
-    [ -f "$file" ] || { echo "--model: no such file: $file" >&2; exit 2; }
-    found="file $name $(cd "$(dirname "$file")" && pwd)/$(basename "$file")"
+    found="file ${m%%=*} ${m#*=}"
   else
     found="$("$py" - "$m" <<'PY'
 import sys
