@@ -194,6 +194,8 @@ def main() -> int:
     version = subprocess.run([f"{bin_dir}/llama-server", "--version"], capture_output=True, text=True,
                              env={**os.environ, "LD_LIBRARY_PATH": bin_dir}).stderr.strip().splitlines()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    if not commit and (env := ROOT / "offline-bundle" / "bundle.env").exists():  # installed from an offline bundle
+        commit = next((v for k, _, v in (x.partition("=") for x in env.read_text().splitlines()) if k == "BUNDLE_COMMIT"), "")
     report = [f"machine: {platform.machine()} {os.cpu_count()} cores, {platform.platform()}; commit {commit}",
               f"gateway: {_build_id()}, --engine {args.backend}, workers on",
               f"llama-server: {bin_dir} ({'; '.join(v for v in version if 'version' in v or 'built' in v)})",

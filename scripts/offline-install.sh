@@ -86,4 +86,4 @@ if [ "$server" = 1 ] && [ "$build" = 1 ]; then
   bin="$(LLAMA_SRC="$sdist" bash benchmarks/build-llama-server.sh "$backend")"
 fi
 echo "installed in $dir. Serve: cd $dir && .venv/bin/gateway serve" >&2
-[ -z "$bin" ] || echo "Benchmark: cd $dir && .venv/bin/python benchmarks/bench_speed.py --backend $backend --server-bin $bin --json results/speed-$backend.json" >&2
+[ -z "$bin" ] || echo "Benchmark: cd $dir && .venv/bin/python benchmarks/bench_speed.py --backend $backend --server-bin $bin --json bench-results/speed-$backend.json" >&2
