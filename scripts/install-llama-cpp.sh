@@ -52,7 +52,10 @@ build_one() {
       fi
       vk_include="${VULKAN_INCLUDE_DIR:-$(bash "$(dirname "$0")/vulkan-headers.sh")}"
       flags="-DGGML_VULKAN=on -DVulkan_INCLUDE_DIR=$vk_include ${VULKAN_CMAKE_ARGS:-}" ;;
-    cuda)   flags="-DGGML_CUDA=on ${CUDA_CMAKE_ARGS:-}" ;;
+    # --exclude-libs: some CUDA toolchains link parts of libstdc++ statically into libggml-cuda;
+    # exported, they interpose on the system libstdc++ inside Python and the model load segfaults
+    # (seen with CUDA 13 on an H100 host, docs/benchmarks.md).
+    cuda)   flags="-DGGML_CUDA=on -DCMAKE_SHARED_LINKER_FLAGS=-Wl,--exclude-libs,ALL ${CUDA_CMAKE_ARGS:-}" ;;
     metal)  flags="-DGGML_METAL=on" ;;
     *) echo "unknown backend '$backend' (expected cpu, vulkan, cuda or metal)" >&2; exit 2 ;;
   esac
