@@ -143,7 +143,8 @@ def test_error_after_stream_started_is_sent_in_band(registry_file: Path) -> None
         assert lines[-1] == "data: [DONE]"
         err = json.loads(lines[-2][6:])
         assert err["error"]["code"] == "engine_error" and "crashed mid-stream" in err["error"]["message"]
-        assert json.loads(lines[0][6:])["choices"][0]["delta"]["content"] == "hello"
+        assert json.loads(lines[0][6:])["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        assert json.loads(lines[1][6:])["choices"][0]["delta"]["content"] == "hello"
     finally:
         server.stop()
 
