@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from engines import gcpause
@@ -80,6 +81,7 @@ def _serve(args: argparse.Namespace) -> int:
                 print(f"error: --cluster needs Ray Serve: pip install 'llm-gateway[cluster]' ({exc})", file=sys.stderr)
                 return 2
             return serve_on_ray(settings, registry, args.cluster)
+        assert host is not None
         where = f"{len(default.workers)} remote worker(s)" if default.workers else ""
         if not default.workers:
             the_plan = plan(default, host, Preference(settings.engine, settings.runtime, settings.device),
@@ -136,7 +138,7 @@ def _registry(config: str | None) -> Registry | None:
         return None
 
 
-def _print_table(rows: list[tuple[str, ...]]) -> None:
+def _print_table(rows: Sequence[Sequence[str]]) -> None:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 Role = Literal["system", "user", "assistant", "tool"]
+ToolKind = Literal["function", "custom"]  # custom: a freeform tool called with {"input": <text>}
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,7 @@ class ToolCall:
     id: str
     name: str
     arguments: str  # JSON text for function tools, free text for custom tools
-    kind: Literal["function", "custom"] = "function"
+    kind: ToolKind = "function"
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ class ToolSpec:
     name: str
     description: str = ""
     parameters: dict[str, Any] | None = None  # JSON schema of a function tool's arguments
-    kind: Literal["function", "custom"] = "function"
+    kind: ToolKind = "function"
 
 
 @dataclass(frozen=True)
@@ -134,7 +135,7 @@ class CallStarted:
     call: int  # the call's position in this answer
     id: str
     name: str
-    kind: Literal["function", "custom"] = "function"
+    kind: ToolKind = "function"
 
 
 @dataclass(frozen=True)

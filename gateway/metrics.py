@@ -151,7 +151,7 @@ class _EngineGauges(Collector):
         running = GaugeMetricFamily("gateway_requests_running", "Requests generating now.", labels=LABELS)
         waiting = GaugeMetricFamily("gateway_requests_waiting", "Requests waiting for a free sequence.", labels=LABELS)
         # The engines' host-memory prefix caches (llama.cpp): counters since the engine's process started.
-        pc = {
+        pc: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
             "hits": CounterMetricFamily("gateway_prefix_cache_hits", "Requests whose prompt prefix was restored from the host-memory prefix cache.", labels=LABELS),
             "misses": CounterMetricFamily("gateway_prefix_cache_misses", "Requests that looked in the host-memory prefix cache and found no prefix worth restoring.", labels=LABELS),
             "restored_tokens": CounterMetricFamily("gateway_prefix_cache_restored_tokens", "Prompt tokens restored from the host-memory prefix cache instead of prefilled.", labels=LABELS),
@@ -170,7 +170,7 @@ class _EngineGauges(Collector):
             "unpinned": CounterMetricFamily("gateway_prefix_cache_unpinned", "States that found no free page-locked range and were kept in pageable memory.", labels=LABELS),
         }
         # The engines' KV caches (llama.cpp): cells, what sequences hold, what a shared cache did.
-        kv = {
+        kv: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
             "cells": GaugeMetricFamily("gateway_kv_cells", "The KV cache's cells (tokens), every sequence's together.", labels=LABELS),
             "used": GaugeMetricFamily("gateway_kv_cells_used", "KV cells the sequences hold, running and idle.", labels=LABELS),
             "idle": GaugeMetricFamily("gateway_kv_cells_idle", "KV cells idle sequences hold (finished requests' KV, kept for a next turn).", labels=LABELS),

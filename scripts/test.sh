@@ -39,4 +39,5 @@ fi
 rc=0; bash scripts/install-executorch.sh vulkan >/dev/null || rc=$?
 [ "$rc" = 0 ] || [ "$rc" = 3 ] || exit "$rc"
 .venv/bin/ruff check gateway engines tests
+.venv/bin/mypy gateway engines  # strict (pyproject.toml): 0 errors
 exec .venv/bin/python -m pytest -q "$@"

@@ -1299,8 +1299,7 @@ def build_sampler(
     if bias:
         arr = (lc.llama_logit_bias * len(bias))()
         for i, (tok, b) in enumerate(bias):
-            arr[i].token = tok
-            arr[i].bias = b
+            arr[i] = lc.llama_logit_bias(token=tok, bias=b)
         lc.llama_sampler_chain_add(
             chain, lc.llama_sampler_init_logit_bias(n_vocab, len(bias), arr)
         )

@@ -185,7 +185,7 @@ def _route_native_logs(lc: Any) -> None:
         return
     last = [logging.DEBUG]
 
-    @lc.llama_log_callback  # type: ignore[misc]
+    @lc.llama_log_callback  # type: ignore[misc, untyped-decorator, unused-ignore]
     def callback(level: int, text: bytes, _user: Any) -> None:
         lvl = last[0] if level == 5 else _GGML_LEVELS.get(level, logging.DEBUG)
         last[0] = lvl

@@ -72,7 +72,7 @@ class Supervision:
         """The wait before restart `n` (1-based)."""
         if n <= len(self.backoff_s):
             return self.backoff_s[max(0, n - 1)]
-        return min(self.max_backoff_s, self.backoff_s[-1] * 2 ** (n - len(self.backoff_s)))
+        return min(self.max_backoff_s, self.backoff_s[-1] * 2.0 ** (n - len(self.backoff_s)))
 
 
 class Connection(Protocol):

@@ -141,8 +141,8 @@ ToWorker = Hello | Load | Generate | Cancel | Tokenize | Logits | Embed | Ping |
 ToGateway = Ready | Events | Error | Result | Pong
 
 _encoder = msgspec.msgpack.Encoder()
-worker_decoder = msgspec.msgpack.Decoder(ToWorker)
-gateway_decoder = msgspec.msgpack.Decoder(ToGateway)
+worker_decoder: msgspec.msgpack.Decoder[ToWorker] = msgspec.msgpack.Decoder(ToWorker)
+gateway_decoder: msgspec.msgpack.Decoder[ToGateway] = msgspec.msgpack.Decoder(ToGateway)
 
 
 class ProtocolError(Exception):

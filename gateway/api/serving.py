@@ -328,7 +328,7 @@ class Service:
         p.reasoning = rplan
         return p
 
-    async def conversation_events(self, p: Prepared) -> AsyncIterator[tuple[int, OutputEvent, TokenEvent]]:
+    async def conversation_events(self, p: Prepared) -> AsyncGenerator[tuple[int, OutputEvent, TokenEvent], None]:
         """The output as neutral events per choice (with the engine event that carried each: its
         logprobs and usage).
 

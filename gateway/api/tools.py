@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engines.base import HERMES_CLOSE, HERMES_OPEN, ChatMessage, ToolCallRecord, arguments_value
-from gateway.conversation import Conversation, ToolSpec
+from gateway.conversation import Conversation, ToolKind, ToolSpec
 
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 # A custom (freeform) tool is called with one string: its input text.
@@ -37,7 +37,7 @@ class Tool:
     name: str
     description: str
     parameters: dict[str, Any]
-    kind: str = "function"  # "custom": called with {"input": <text>}
+    kind: ToolKind = "function"  # "custom": called with {"input": <text>}
 
 
 @dataclass(frozen=True)

@@ -71,8 +71,9 @@ def model_deployment(spec: ModelSpec, registry: Registry, settings: Settings) ->
     r = replicas_of(spec, registry)
     extra: dict[str, Any] = {"max_replicas_per_node": r.max_per_node} if r.max_per_node else {}
     if r.affinity:
-        extra["request_router_config"] = RequestRouterConfig(request_router_class=AffinityRouter)
-    return serve.deployment(ModelReplica).options(
+        extra["request_router_config"] = RequestRouterConfig(
+            request_router_class=AffinityRouter)  # type: ignore[arg-type, unused-ignore]
+    return serve.deployment(ModelReplica).options(  # type: ignore[attr-defined, unused-ignore]
         name=deployment_name(spec.id),
         ray_actor_options=actor_options(spec, registry, settings),
         # Requests beyond a replica's sequences wait in the handle's router (counted by the
@@ -95,7 +96,7 @@ class Ingress:
     """The gateway's HTTP API, with every model's replicas behind it."""
 
     def __init__(self, settings: Settings, registry_file: RegistryFile, base_dir: str,
-                 models: dict[str, DeploymentHandle]) -> None:
+                 models: dict[str, DeploymentHandle[Any]]) -> None:
         self.settings = settings
         cache = Path(registry_file.cache_dir).expanduser() if registry_file.cache_dir else _default_cache()
         self.registry = Registry(registry_file, Path(base_dir), cache)
@@ -126,7 +127,7 @@ def build_application(settings: Settings, registry: Registry) -> Any:
     }
     # The ingress lives on the head node, beside the HTTP proxy (proxy_location HeadOnly) and the GCS:
     # losing any other node costs only the replicas on it.
-    ingress = serve.deployment(Ingress).options(
+    ingress = serve.deployment(Ingress).options(  # type: ignore[attr-defined, unused-ignore]
         name=INGRESS, num_replicas=1, max_ongoing_requests=10_000,
         ray_actor_options={"num_cpus": 0, "resources": {"node:__internal_head__": 0.001}})
     return ingress.bind(settings, registry.file, str(registry.base_dir), models)

@@ -57,7 +57,7 @@ def _where() -> ReplicaTag:
 
         replica = serve.get_replica_context().replica_id.unique_id
         node_id = ray.get_runtime_context().get_node_id()
-        node = f"{ray.util.get_node_ip_address()}/{node_id[:8]}"
+        node = f"{ray.util.get_node_ip_address()}/{node_id[:8]}"  # type: ignore[no-untyped-call, unused-ignore]
     except Exception:  # noqa: BLE001 - outside Serve (unit tests): name the process instead
         replica, node_id, node = f"pid{os.getpid()}", "", socket.gethostname()
     return ReplicaTag(replica, node, node_id)
@@ -66,7 +66,9 @@ def _where() -> ReplicaTag:
 class ModelReplica:
     """A Serve replica of one model (made a deployment in `gateway.cluster.app`)."""
 
-    async def __init__(self, model_id: str, registry_file: RegistryFile, base_dir: str, settings: Settings) -> None:
+    # Ray Serve awaits an async constructor (the engine loads in it).
+    async def __init__(self, model_id: str, registry_file: RegistryFile, base_dir: str,  # type: ignore[misc]
+                       settings: Settings) -> None:
         cache = Path(registry_file.cache_dir).expanduser() if registry_file.cache_dir else _default_cache()
         registry = Registry(registry_file, Path(base_dir), cache)
         spec = registry.get(model_id)

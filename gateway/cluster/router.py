@@ -21,7 +21,7 @@ ENTRIES = 4096  # conversations remembered (least recently used forgotten first)
 SLACK = 1  # requests more in the conversation's replica's queue than in the shortest other one
 
 
-class AffinityRouter(RequestRouter):  # type: ignore[misc]
+class AffinityRouter(RequestRouter):  # type: ignore[misc, unused-ignore]
     def initialize_state(self, **kwargs: Any) -> None:
         self._affinity: OrderedDict[str, ReplicaID] = OrderedDict()
         self.hits = 0
@@ -34,7 +34,7 @@ class AffinityRouter(RequestRouter):  # type: ignore[misc]
             return [candidate_replicas]
         mine = self._affinity.get(key)
         first = [r for r in candidate_replicas if r.replica_id == mine]
-        if not first:
+        if mine is None or not first:
             return [candidate_replicas]
         others = [r for r in candidate_replicas if r.replica_id != mine]
         # Its KV saves a prefill, but not a wait behind a longer queue: keep the conversation's

@@ -61,8 +61,9 @@ def connect(cluster: str) -> bool:
     if os.environ.get("RAY_AUTH_MODE", "disabled") != "token":
         log.warning("this Ray cluster runs without token authentication (RAY_AUTH_MODE=token on every node "
                     "turns it on): anyone who can reach its ports can run code on its nodes")
-    nodes = [n for n in ray.nodes() if n.get("Alive")]
-    log.info("Ray cluster: %d node(s), resources %s", len(nodes), ray.cluster_resources())
+    nodes = [n for n in ray.nodes() if n.get("Alive")]  # type: ignore[no-untyped-call, unused-ignore]
+    log.info("Ray cluster: %d node(s), resources %s", len(nodes),
+             ray.cluster_resources())  # type: ignore[no-untyped-call, unused-ignore]
     return started
 
 
@@ -89,6 +90,6 @@ def serve_on_ray(settings: Settings, registry: Registry, cluster: str) -> int:
         serve.delete(INGRESS_APP)
     finally:
         if started:
-            serve.shutdown()
-            ray.shutdown()
+            serve.shutdown()  # type: ignore[no-untyped-call, unused-ignore]
+            ray.shutdown()  # type: ignore[no-untyped-call, unused-ignore]
     return 0

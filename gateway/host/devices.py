@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.1f} GiB" if n else "-"
 
 
-def _table(rows: list[tuple[str, ...]], indent: str = "  ") -> list[str]:
+def _table(rows: Sequence[Sequence[str]], indent: str = "  ") -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return [indent + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
 
@@ -99,9 +100,9 @@ def render(host: HostCapabilities, plans: dict[str, Plan | str], checks: dict[st
     o = host.ort
     pk = ", ".join(f"{p} {v}" for p, v in o.packages) or "none"
     lines.append(f"ONNX Runtime packages: {pk}" + (f" ({o.error})" if o.error and o.packages else ""))
-    rows = [("", "EXECUTION PROVIDER", "OS", "GPU", "PACKAGE")]
-    rows += [("[x]" if ep in o.providers else "[ ]", ep, os_, gpu, pkg) for ep, os_, gpu, pkg in EP_MATRIX]
-    lines += _table(rows)
+    eps = [("", "EXECUTION PROVIDER", "OS", "GPU", "PACKAGE")]
+    eps += [("[x]" if ep in o.providers else "[ ]", ep, os_, gpu, pkg) for ep, os_, gpu, pkg in EP_MATRIX]
+    lines += _table(eps)
     for model_id, p in plans.items():
         lines.append(f"Plan for {model_id}:")
         if isinstance(p, str):

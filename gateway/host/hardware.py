@@ -316,7 +316,7 @@ def probe_ort() -> OrtBuild:
 
 
 def probe_cpu() -> CpuInfo:
-    model, flags, cores = "", set(), set()
+    model, flags, cores = "", set[str](), set[tuple[str, str]]()
     try:
         with open("/proc/cpuinfo") as f:
             phys = core = ""

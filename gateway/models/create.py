@@ -178,7 +178,7 @@ def _create(registry: Registry, recipe: Recipe) -> tuple[Path, list[str]]:
         entry = _from_parent(registry, recipe.parent, model_id)
         files = dict(recipe.parent.created.files) if recipe.parent.created is not None else {}
         steps.append(f"using model {recipe.parent.id}")
-        created = {"parent": recipe.parent.id, "files": files, "created_at": now}
+        created: dict[str, Any] = {"parent": recipe.parent.id, "files": files, "created_at": now}
         if qtype is not None:
             if "gguf" not in recipe.parent.formats:
                 raise CreateError(400, f"quantize: {recipe.parent.id} has no GGUF to quantize", "quantize")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import os
 import ssl
@@ -497,7 +498,7 @@ class ModelManager:
                 RemoteWorker(host, port, token, context),
                 EngineInfo("remote", "remote", w.url),
                 supervision(self.settings),
-                on_crash=lambda _why, url=w.url: self.metrics.worker_crashes.labels(spec.id, "remote", url).inc(),
+                on_crash=functools.partial(self._remote_crash, spec.id, w.url),
             ))
         group = WorkerGroup(members)
         t0 = time.perf_counter()
@@ -536,6 +537,9 @@ class ModelManager:
 
     def _config(self, spec: ModelSpec, cand: Candidate, path: str) -> EngineConfig:
         return engine_config(spec, cand, path, self.settings)
+
+    def _remote_crash(self, model_id: str, url: str, _why: str) -> None:
+        self.metrics.worker_crashes.labels(model_id, "remote", url).inc()
 
     def crashed_out(self, model_id: str, cand: Candidate, key: str, reason: str) -> None:
         """A serving engine crashed too often: the next request walks the ladder from the next rung.

@@ -170,7 +170,8 @@ def top_k_ids(logits: npt.ArrayLike, k: int) -> npt.NDArray[np.int64]:
 def nll(logits: npt.ArrayLike, targets: Sequence[int]) -> FloatArray:
     """Negative log-likelihood of `targets[i]` under row i."""
     lp = log_softmax(logits)
-    return -lp[np.arange(len(targets)), np.asarray(targets, dtype=np.int64)]
+    out: FloatArray = -lp[np.arange(len(targets)), np.asarray(targets, dtype=np.int64)]
+    return out
 
 
 @dataclass(frozen=True)

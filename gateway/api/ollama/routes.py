@@ -13,7 +13,7 @@ import json
 import logging
 import shutil
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -58,7 +58,8 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 def _spec(request: Request, name: str) -> ModelSpec:
     """Ollama names carry a tag (`model:latest`); the gateway's ids have none."""
     registry = request.app.state.manager.registry
-    found = registry.get(name) or (registry.get(name.removesuffix(":latest")) if name.endswith(":latest") else None)
+    found: ModelSpec | None = registry.get(name) or (
+        registry.get(name.removesuffix(":latest")) if name.endswith(":latest") else None)
     if found is None:
         return model_spec(registry, name)  # the 404
     if found.embedding_only and request.url.path in ("/api/chat", "/api/generate"):
@@ -131,7 +132,7 @@ async def _check_think(request: Request, spec: ModelSpec, body: ol.ChatRequest |
 
 
 async def _lines(service: Service, p: Prepared, name: str, key: str, timing: ol.Timing, answer: ol.Answer
-                 ) -> AsyncIterator[dict[str, Any]]:
+                 ) -> AsyncGenerator[dict[str, Any], None]:
     """The answer as Ollama's stream objects; `answer` holds the whole of it at the end."""
 
     def piece(text: str, thought: str = "") -> dict[str, Any]:
@@ -347,7 +348,7 @@ def _details(spec: ModelSpec) -> dict[str, Any]:
             return {"parent_model": parent, "format": "gguf", "family": arch, "families": [arch],
                     "parameter_size": parameter_size(params), "quantization_level": quant}
     quant = next((q for q in ("Q4_K_M", "Q4_1", "Q4_0", "Q5_K_M", "Q8_0", "F16") if q.lower() in
-                  json.dumps(spec.formats.get("gguf").model_dump() if spec.formats.get("gguf") else "").lower()), "")
+                  json.dumps(gguf.model_dump() if (gguf := spec.formats.get("gguf")) else "").lower()), "")
     return {"parent_model": parent, "format": "gguf", "family": spec.id.split("-")[0],
             "families": [spec.id.split("-")[0]], "parameter_size": "", "quantization_level": quant}
 
@@ -614,7 +615,10 @@ async def create_model(body: ol.CreateRequest, request: Request) -> Response:
     # Each step is streamed as it starts (a quantization may take minutes).
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[str] = asyncio.Queue()
-    recipe.progress = lambda step: loop.call_soon_threadsafe(queue.put_nowait, step)
+    def progress(step: str) -> None:
+        loop.call_soon_threadsafe(queue.put_nowait, step)
+
+    recipe.progress = progress
 
     async def lines() -> AsyncIterator[bytes]:
         if pulling is not None:

@@ -18,7 +18,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -276,7 +276,7 @@ def _choice(req: ResponseCreateRequest, tools: tuple[ToolSpec, ...] | None, note
     if isinstance(c, str):
         if c not in ("auto", "none", "required"):
             raise invalid("tool_choice must be auto, none, required or a tool", param="tool_choice")
-        return ToolChoice(c) if tools is not None else None
+        return ToolChoice(cast(Literal["auto", "none", "required"], c)) if tools is not None else None
     kind = c.get("type")
     if kind in ("function", "custom"):
         if not isinstance(c.get("name"), str):
@@ -544,11 +544,11 @@ class Assembler:
             if e.call in self._args:
                 c, args = self._args[e.call]
                 self._args[e.call] = (c, args + e.text)
-            item = self._calls.get(e.call)
-            if item is not None and item["type"] == "function_call":
-                item["arguments"] += e.text
-                out.append(self.event("response.function_call_arguments.delta", item_id=item["id"],
-                                      output_index=self.items.index(item), delta=e.text))
+            found = self._calls.get(e.call)
+            if found is not None and found["type"] == "function_call":
+                found["arguments"] += e.text
+                out.append(self.event("response.function_call_arguments.delta", item_id=found["id"],
+                                      output_index=self.items.index(found), delta=e.text))
         elif isinstance(e, Finished):
             self.finish = e.reason
             self.usage = ev.usage

@@ -10,6 +10,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from gateway.api.errors import APIError
+from gateway.api.notes import Notes
 from gateway.api.openai import responses as rs
 from gateway.api.openai.common import sampling
 from gateway.api.routes import error_responses
@@ -46,7 +47,7 @@ async def create_response(body: rs.ResponseCreateRequest, request: Request) -> R
     received = time.perf_counter()
     service: Service = request.app.state.chat
     store = _store(request)
-    notes = rs.Notes()
+    notes = Notes()
     earlier: tuple[Turn, ...] = ()
     if body.previous_response_id:
         found = await asyncio.to_thread(store.turns, body.previous_response_id) if store is not None else None
