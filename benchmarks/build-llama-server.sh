@@ -21,14 +21,9 @@ case "$backend" in
   *) echo "unknown backend $backend" >&2; exit 2 ;;
 esac
 root="$(cd "$(dirname "$0")/.." && pwd)"
-patches=()
-for p in ${LLAMA_PATCHES:-}; do
-  [ -f "$p" ] || p="$root/$p"
-  [ -f "$p" ] || { echo "LLAMA_PATCHES: no such file: $p" >&2; exit 2; }
-  patches+=("$(cd "$(dirname "$p")" && pwd)/$(basename "$p")")
-done
+. "$root/scripts/llama-patches.sh" "$root"
 key_in="$(printf '%s|%s|%s|%s' "$version" "$backend" "$flags" "$(uname -m)")"
-[ ${#patches[@]} -eq 0 ] || key_in="$key_in|$(cat "${patches[@]}" | sha256sum | cut -c1-16)"
+[ ${#extra_patches[@]} -eq 0 ] || key_in="$key_in|$(cat "${extra_patches[@]}" | sha256sum | cut -c1-16)"
 key="$(printf '%s' "$key_in" | sha256sum | cut -c1-12)"
 dir="$cache/$backend-$version-$key"
 targets="llama-server llama ${LLAMA_TARGETS:-}"
@@ -43,10 +38,10 @@ if [ -z "$src" ]; then
 fi
 if [ -f "$src" ]; then
   rm -rf "$dir/src"; mkdir -p "$dir/src"; tar xzf "$src" -C "$dir/src" --strip-components=1; src="$dir/src"
-elif [ ${#patches[@]} -gt 0 ]; then
+elif [ ${#extra_patches[@]} -gt 0 ]; then
   rm -rf "$dir/src"; cp -r "$src" "$dir/src"; src="$dir/src"  # patch a copy, not the given tree
 fi
-for p in ${patches[@]+"${patches[@]}"}; do
+for p in ${extra_patches[@]+"${extra_patches[@]}"}; do
   echo "applying $(basename "$p")" >&2
   patch -s -p1 -d "$src" < "$p"
 done

@@ -26,12 +26,7 @@ pinned_version=0.3.36
 pinned_sha256=832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
 version="${LLAMA_CPP_PYTHON_VERSION:-$pinned_version}"
 root="$(cd "$(dirname "$0")/.." && pwd)"
-extra_patches=()
-for p in ${LLAMA_PATCHES:-}; do
-  [ -f "$p" ] || p="$root/$p"
-  [ -f "$p" ] || { echo "LLAMA_PATCHES: no such file: $p" >&2; exit 2; }
-  extra_patches+=("$(cd "$(dirname "$p")" && pwd)/$(basename "$p")")
-done
+. "$root/scripts/llama-patches.sh" "$root"
 cache_root="${GATEWAY_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/llm-gateway/wheels}"
 
 build_one() {
