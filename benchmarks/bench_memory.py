@@ -7,6 +7,11 @@ memory there, from nvidia-smi) is set beside the estimate that residency decisio
 
 Models: those of models.yaml (or --config), plus any GGUF given with --gguf PATH (e.g. the random
 Llama-3-8B-shaped Q4_K_M of benchmarks/make_random_llama8b.py on the H100).
+
+The host prefix cache is part of the estimate: --prefix-cache MIB sizes it (default: the gateway's
+own default, a quarter of the free memory up to 8 GiB; 0: none), and the cache is filled with
+distinct prompts (until it holds 90% of its bound, or --fill-max prompts) before the worker is
+measured, so a cache that grows as it is used is measured full.
 """
 
 from __future__ import annotations
@@ -52,7 +57,41 @@ def gpu_used(pid: int) -> int | None:
     return 0
 
 
-def measure(model: dict[str, Any], ctx: int, parallel: int, engine: str, tmp: Path) -> dict[str, Any]:
+def cache_bytes(url: str, model: str) -> tuple[int, int]:
+    """(bytes held, bound) of the model's host prefix cache, from /metrics."""
+    held = bound = 0
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        if f'model="{model}"' not in line:
+            continue
+        if line.startswith("gateway_prefix_cache_bytes{"):
+            held = int(float(line.rsplit(" ", 1)[1]))
+        elif line.startswith("gateway_prefix_cache_limit_bytes{"):
+            bound = int(float(line.rsplit(" ", 1)[1]))
+    return held, bound
+
+
+def fill_cache(url: str, model: str, ctx: int, parallel: int, most: int) -> tuple[int, int, int]:
+    """Distinct prompts of about half the context, `parallel` at a time, until the cache holds 90%
+    of its bound (or `most` prompts): (prompts sent, bytes held, bound)."""
+    sent = 0
+    held, bound = cache_bytes(url, model)
+
+    def one(i: int) -> None:
+        words = " ".join(f"w{i}x{k}" for k in range(ctx // 8))
+        httpx.post(f"{url}/v1/chat/completions", timeout=600, json={
+            "model": model, "max_tokens": 4, "temperature": 0,
+            "messages": [{"role": "user", "content": words}]}).raise_for_status()
+
+    with ThreadPoolExecutor(parallel) as pool:
+        while bound and held < 0.9 * bound and sent < most:
+            list(pool.map(one, range(sent, sent + parallel)))
+            sent += parallel
+            held, bound = cache_bytes(url, model)
+    return sent, held, bound
+
+
+def measure(model: dict[str, Any], ctx: int, parallel: int, engine: str, tmp: Path,
+            prefix_cache: str | None = None, fill_max: int = 400) -> dict[str, Any]:
     spec = {**model, "context_length": ctx, "parallel": parallel}
     cfg = tmp / f"models-{ctx}-{parallel}.yaml"
     cfg.write_text(yaml.safe_dump({"default": spec["id"], "models": [spec]}, sort_keys=False))
@@ -60,7 +99,8 @@ def measure(model: dict[str, Any], ctx: int, parallel: int, engine: str, tmp: Pa
     url = f"http://127.0.0.1:{port}"
     log = (tmp / f"gateway-{port}.log").open("w")
     proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg), "--port", str(port),
-                             "--engine", engine, "--keep-alive", "-1", "--prefix-cache", "0"],
+                             "--engine", engine, "--keep-alive", "-1",
+                             *(["--prefix-cache", prefix_cache] if prefix_cache is not None else [])],
                             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 600
@@ -88,10 +128,12 @@ def measure(model: dict[str, Any], ctx: int, parallel: int, engine: str, tmp: Pa
             httpx.post(f"{url}/v1/chat/completions", timeout=600, json={
                 "model": spec["id"], "max_tokens": 16, "temperature": 0, **extra,
                 "messages": [{"role": "user", "content": words[: 4 * ctx // 2]}]}).raise_for_status()
+        sent, held, bound = fill_cache(url, spec["id"], ctx, parallel, fill_max)
         row = httpx.get(f"{url}/health", timeout=30).json()["models"][spec["id"]]
         est = row["memory"]["estimate"]
         pid = row["worker"]["pid"]
         return {"model": spec["id"], "context": ctx, "parallel": parallel, "engine": engine,
+                "cache_bound": bound, "cache_held": held, "fill_prompts": sent, "parts": est.get("parts_bytes"),
                 "estimate_ram": est["ram_bytes"], "estimate_gpu": est["gpu_bytes"],
                 "measured_ram": row["worker"]["rss_bytes"], "measured_gpu": gpu_used(pid) if engine == "cuda" else None}
     finally:
@@ -110,6 +152,9 @@ def main() -> None:
     ap.add_argument("--gguf", action="append", default=[], help="also measure this GGUF file")
     ap.add_argument("--engine", default="cpu")
     ap.add_argument("--configs", default=",".join(f"{c}x{p}" for c, p in CONFIGS), help="CONTEXTxSEQUENCES,...")
+    ap.add_argument("--prefix-cache", default=None, metavar="MIB",
+                    help="the host prefix cache's size (default: the gateway's default; 0: none)")
+    ap.add_argument("--fill-max", type=int, default=400, help="at most this many prompts to fill the cache")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     data = yaml.safe_load(Path(args.config).read_text())
@@ -122,7 +167,7 @@ def main() -> None:
         for m in models:
             for ctx, par in configs:
                 try:
-                    rows.append(measure(m, ctx, par, args.engine, Path(tmp)))
+                    rows.append(measure(m, ctx, par, args.engine, Path(tmp), args.prefix_cache, args.fill_max))
                 except Exception as exc:  # noqa: BLE001 - a config that cannot run is reported, not fatal
                     print(f"{m['id']} {ctx}x{par}: {exc}", file=sys.stderr)
                     continue
@@ -132,12 +177,13 @@ def main() -> None:
     cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                 if ln.startswith("model name")), platform.processor())
     print(f"Memory estimate vs measured, engine {args.engine}; {cpu}, {os.cpu_count()} threads; commit {commit}\n")
-    print("| model | context x seqs | estimate RAM | measured RAM (worker RSS) | error |"
+    print("| model | context x seqs | host cache held / bound | estimate RAM | measured RAM (worker RSS) | error |"
           + (" estimate GPU | measured GPU | error |" if args.engine == "cuda" else ""))
-    print("|---|---|---:|---:|---:|" + ("---:|---:|---:|" if args.engine == "cuda" else ""))
+    print("|---|---|---:|---:|---:|---:|" + ("---:|---:|---:|" if args.engine == "cuda" else ""))
     for r in rows:
         err = (r["estimate_ram"] - r["measured_ram"]) / r["measured_ram"] * 100
-        line = (f"| {r['model']} | {r['context']} x {r['parallel']} | {r['estimate_ram'] / MiB:.0f} MiB | "
+        line = (f"| {r['model']} | {r['context']} x {r['parallel']} | "
+                f"{r['cache_held'] / MiB:.0f} / {r['cache_bound'] / MiB:.0f} MiB | {r['estimate_ram'] / MiB:.0f} MiB | "
                 f"{r['measured_ram'] / MiB:.0f} MiB | {err:+.0f}% |")
         if args.engine == "cuda" and r["measured_gpu"]:
             gerr = (r["estimate_gpu"] - r["measured_gpu"]) / r["measured_gpu"] * 100
