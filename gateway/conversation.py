@@ -80,6 +80,28 @@ class Output:
 
 
 @dataclass(frozen=True)
+class Sampling:
+    """What a request asks of the sampler, in no protocol's words. None (or empty): the model's
+    default from models.yaml, else the gateway's (`gateway.api.sampling.resolve`)."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repeat_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    max_tokens: int | None = None  # None: until the model stops (the context bounds it)
+    stop: tuple[str, ...] = ()
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
+    ignore_eos: bool = False
+    logprobs: bool = False  # each generated token's log-probability
+    top_logprobs: int = 0  # and this many alternatives
+    prompt_logprobs: int | None = None  # the prompt's own tokens scored (this many alternatives)
+
+
+@dataclass(frozen=True)
 class Conversation:
     """What any protocol's request asks for, once validated by its adapter."""
 
@@ -89,6 +111,7 @@ class Conversation:
     parallel_tool_calls: bool = True
     output: Output | None = None
     thinking: bool | None = None  # reasoning models: None = the model's default, False = answer at once
+    sampling: Sampling = field(default_factory=Sampling)
     # Where the adapter's own names for these fields are, for error messages ("tools", "tool_choice.name").
     params: dict[str, str] = field(default_factory=dict)
 

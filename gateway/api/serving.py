@@ -13,7 +13,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from engines.base import (
@@ -25,7 +25,7 @@ from engines.base import (
     TokenLogprob,
     Usage,
 )
-from gateway.api import reasoning, tools
+from gateway.api import reasoning, sampling, tools
 from gateway.api.admission import Admission, Ticket
 from gateway.api.errors import APIError, ServerShutdown, invalid, record
 from gateway.api.failover import FailoverPolicy, resumable
@@ -36,8 +36,10 @@ from gateway.conversation import (
     CallStarted,
     Conversation,
     Finished,
+    Output,
     OutputEvent,
     ReasoningDelta,
+    Sampling,
     TextDelta,
     ToolCall,
     with_preamble,
@@ -269,11 +271,20 @@ class Service:
             p.stream = stream
         return p
 
-    async def prepare_conversation(self, spec: ModelSpec, conv: Conversation, sp: SamplingParams, n: int,
-                                   prefix: str, received: float) -> Prepared:
-        """Any protocol's request, as the conversation model: the tool plan, the prompt, the output
-        constraint; then a loaded engine and slots."""
+    async def prepare_prompts(self, spec: ModelSpec, prompts: Sequence[str | Sequence[int]], asked: Sampling, n: int,
+                              prefix: str, received: float, output: Output | None = None) -> Prepared:
+        """Raw prompts (text, or token ids), no chat template: `n` choices of each, in that order."""
+        sp = _constrained(sampling.resolve(asked, spec), output)
+        bases = [GenerationRequest(request_id="", sampling=sp, prompt=x) if isinstance(x, str) else
+                 GenerationRequest(request_id="", sampling=sp, prompt_ids=tuple(x)) for x in prompts]
+        return await self.prepare(spec, bases, n, prefix, received)
+
+    async def prepare_conversation(self, spec: ModelSpec, conv: Conversation, n: int, prefix: str,
+                                   received: float) -> Prepared:
+        """Any protocol's request, as the conversation model: the sampler's settings, the tool plan,
+        the prompt, the output constraint; then a loaded engine and slots."""
         check_limits(conv, self.manager.settings.max_messages, self.manager.settings.max_prompt_chars)
+        sp = sampling.resolve(conv.sampling, spec)
         conv = with_preamble(conv, spec.system, [(m.role, m.content) for m in spec.messages])
         skipped: tuple[str, ...] = ()
         if conv.tools and not spec.tools and (conv.tool_choice is None or conv.tool_choice.mode != "none"):
@@ -308,12 +319,7 @@ class Service:
                          tool_format=tool_plan.native or None, tool_mode=tool_plan.choice.mode,
                          max_tool_calls=tool_plan.max_calls)
         elif fmt is not None and fmt.type != "text":
-            schema = None
-            if fmt.type == "json_schema":
-                if fmt.schema is None:
-                    raise invalid("a json_schema format needs its schema", param=conv.param("output.schema"))
-                schema = json.dumps(fmt.schema)
-            sp = replace(sp, structured=fmt.type, json_schema=schema)
+            sp = _constrained(sp, fmt, conv.param("output.schema"))
         elif spec.grammar:
             sp = replace(sp, grammar=spec.grammar)
         # A grammar from the first token leaves no room to think (a native tool format starts lazily).
@@ -444,6 +450,15 @@ class Service:
                     if ev.usage is not None:
                         out.usages.append(ev.usage)
         return out
+
+
+def _constrained(sp: SamplingParams, fmt: Output | None, param: str = "format") -> SamplingParams:
+    """The sampler held to an output format (a JSON object, or a JSON schema), by grammar."""
+    if fmt is None or fmt.type == "text":
+        return sp
+    if fmt.type == "json_schema" and fmt.schema is None:
+        raise invalid("a json_schema format needs its schema", param=param)
+    return replace(sp, structured=fmt.type, json_schema=json.dumps(fmt.schema) if fmt.type == "json_schema" else None)
 
 
 def _call_id() -> str:

@@ -14,7 +14,6 @@ import contextlib
 import json
 import uuid
 from collections.abc import AsyncIterator
-from types import SimpleNamespace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -29,6 +28,7 @@ from gateway.conversation import (
     Finished,
     Output,
     ReasoningDelta,
+    Sampling,
     TextDelta,
     ToolCall,
     ToolChoice,
@@ -262,7 +262,7 @@ def conversation(req: MessagesRequest | CountTokensRequest, notes: Notes) -> Con
     if req.thinking is not None and req.thinking.get("budget_tokens") is not None:
         notes.ignored.add("thinking.budget_tokens")  # the model thinks as long as it does
     output = _output(getattr(req, "output_config", None), notes)
-    return Conversation(tuple(turns), tools, choice, parallel, output, thinking(req),
+    return Conversation(tuple(turns), tools, choice, parallel, output, thinking(req), _sampling(req),
                         params={"tools": "tools", "tool_choice": "tool_choice", "tool_choice.name": "tool_choice.name"})
 
 
@@ -279,11 +279,13 @@ def thinking(req: MessagesRequest | CountTokensRequest) -> bool | None:
     raise invalid(f"thinking.type must be enabled, adaptive or disabled, not {kind!r}", param="thinking.type")
 
 
-def sampling_fields(req: MessagesRequest) -> SimpleNamespace:
-    """The request's sampling settings, in the shape the shared sampler defaults expect."""
-    return SimpleNamespace(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=None,
-                           repeat_penalty=None, seed=None, presence_penalty=None, frequency_penalty=None,
-                           stop=req.stop_sequences, logit_bias=None, ignore_eos=False)
+def _sampling(req: MessagesRequest | CountTokensRequest) -> Sampling:
+    """The request's sampler settings; counting tokens is a one-token greedy generation (the prompt
+    it leaves in the KV cache speeds up the request that usually follows)."""
+    if isinstance(req, CountTokensRequest):
+        return Sampling(temperature=0.0, max_tokens=1)
+    return Sampling(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, max_tokens=req.max_tokens,
+                    stop=tuple(req.stop_sequences or ()))
 
 
 # --- output -> message ------------------------------------------------------------------------------

@@ -4,7 +4,6 @@ Errors on these paths use Anthropic's envelope (gateway.api.errors)."""
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -13,7 +12,6 @@ from pydantic import BaseModel, ConfigDict
 
 from gateway.api.anthropic import messages as am
 from gateway.api.notes import Notes
-from gateway.api.openai.common import sampling
 from gateway.api.serving import Service
 from gateway.api.sse import answer_events, until_disconnect
 
@@ -64,8 +62,7 @@ async def create_message(body: am.MessagesRequest, request: Request) -> Response
     service: Service = request.app.state.chat
     notes = Notes()
     spec, conv = service.spec(body.model), am.conversation(body, notes)
-    sp = sampling(am.sampling_fields(body), spec, body.max_tokens)
-    p = await until_disconnect(request, service.prepare_conversation(spec, conv, sp, 1, "msg", received))
+    p = await until_disconnect(request, service.prepare_conversation(spec, conv, 1, "msg", received))
     request.state.observer = p.observer
     notes.skipped_tools.update(p.skipped_tools)
     if conv.thinking and p.reasoning is None:  # the model does not think: nothing to enable
@@ -87,9 +84,7 @@ async def count_tokens(body: am.CountTokensRequest, request: Request) -> JSONRes
     service: Service = request.app.state.chat
     notes = Notes()
     spec, conv = service.spec(body.model), am.conversation(body, notes)
-    fields = am.sampling_fields(am.MessagesRequest(model=body.model, max_tokens=1, messages=body.messages))
-    sp = replace(sampling(fields, spec, 1), temperature=0.0)
-    p = await until_disconnect(request, service.prepare_conversation(spec, conv, sp, 1, "count", received))
+    p = await until_disconnect(request, service.prepare_conversation(spec, conv, 1, "count", received))
     request.state.observer = p.observer
     collected = await until_disconnect(request, service.collect(p))
     usage = collected.usages[0] if collected.usages else None

@@ -14,14 +14,13 @@ import math
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from types import SimpleNamespace
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.api.errors import invalid
 from gateway.api.notes import Notes
-from gateway.conversation import Conversation, Output, ToolCall, ToolSpec, Turn
+from gateway.conversation import Conversation, Output, Sampling, ToolCall, ToolSpec, Turn
 from gateway.models.create import Recipe
 from gateway.models.quantize import type_code
 from gateway.settings import parse_duration
@@ -169,7 +168,7 @@ def _no_images(m: dict[str, Any], param: str) -> None:
         raise invalid("images are not supported: the gateway serves no vision model yet", param=f"{param}.images")
 
 
-def chat_conversation(req: ChatRequest) -> Conversation:
+def chat_conversation(req: ChatRequest, notes: Notes) -> Conversation:
     """Ollama's messages carry no call ids: calls get ids in order, and each tool message answers the
     oldest unanswered call (of its `tool_name` when given)."""
     turns: list[Turn] = []
@@ -206,17 +205,17 @@ def chat_conversation(req: ChatRequest) -> Conversation:
         else:
             turns.append(Turn.of(role, content))
     return Conversation(tuple(turns), _tools(req.tools), None, True, _output(req.format), thinking(req),
-                        params={"tools": "tools", "output.schema": "format"})
+                        sampling(req.options, notes), params={"tools": "tools", "output.schema": "format"})
 
 
-def generate_conversation(req: GenerateRequest) -> Conversation:
+def generate_conversation(req: GenerateRequest, notes: Notes) -> Conversation:
     if req.images:
         raise invalid("images are not supported: the gateway serves no vision model yet", param="images")
     if req.suffix:
         raise invalid("suffix (fill-in-the-middle) is not supported", param="suffix")
     turns = ([Turn.of("system", req.system)] if req.system else []) + [Turn.of("user", req.prompt)]
     return Conversation(tuple(turns), None, None, True, _output(req.format), thinking(req),
-                        params={"output.schema": "format", "messages": "prompt"})
+                        sampling(req.options, notes), params={"output.schema": "format", "messages": "prompt"})
 
 
 def thinking(req: ChatRequest | GenerateRequest) -> bool | None:
@@ -229,10 +228,9 @@ def thinking(req: ChatRequest | GenerateRequest) -> bool | None:
     raise invalid(f"think must be true, false, \"high\", \"medium\" or \"low\", not {req.think!r}", param="think")
 
 
-def sampling_fields(options: dict[str, Any] | None, notes: Notes,
-                    where: str = "options") -> tuple[SimpleNamespace, int | None]:
-    """(sampling settings in the shape the shared defaults expect, max tokens or None for no limit).
-    `where` names the field in errors (`parameters` in /api/create)."""
+def sampling(options: dict[str, Any] | None, notes: Notes, where: str = "options") -> Sampling:
+    """The sampler settings of Ollama's `options`. `where` names the field in errors (`parameters`
+    in /api/create)."""
     o = dict(options or {})
     for key in sorted(set(o) - _OPTIONS):
         notes.ignored.add(f"{where}.{key}")
@@ -260,13 +258,11 @@ def sampling_fields(options: dict[str, Any] | None, notes: Notes,
     top_k = num("top_k", int)
     if top_k is not None and top_k < 0:
         raise invalid(f"{where}.top_k must not be negative", param=f"{where}.top_k")
-    fields = SimpleNamespace(temperature=temperature, top_p=top_p, top_k=top_k, min_p=num("min_p", float),
-                             repeat_penalty=num("repeat_penalty", float), seed=num("seed", int),
-                             presence_penalty=num("presence_penalty", float),
-                             frequency_penalty=num("frequency_penalty", float), stop=stop, logit_bias=None,
-                             ignore_eos=False)
-    # -1: until the model stops; -2: fill the context (both: no limit here, the context bounds it).
-    return fields, (predict if predict is not None and predict > 0 else None)
+    # num_predict -1: until the model stops; -2: fill the context (both: no limit here, the context bounds it).
+    return Sampling(temperature=temperature, top_p=top_p, top_k=top_k, min_p=num("min_p", float),
+                    repeat_penalty=num("repeat_penalty", float), seed=num("seed", int),
+                    presence_penalty=num("presence_penalty", float), frequency_penalty=num("frequency_penalty", float),
+                    stop=tuple(stop or ()), max_tokens=predict if predict is not None and predict > 0 else None)
 
 
 def recipe(body: CreateRequest, notes: Notes) -> Recipe:
@@ -293,16 +289,16 @@ def recipe(body: CreateRequest, notes: Notes) -> Recipe:
     params = dict(body.parameters or {})
     if isinstance(params.get("stop"), str):
         params["stop"] = [params["stop"]]
-    fields, predict = sampling_fields(params, notes, where="parameters")
+    asked = sampling(params, notes, where="parameters")
     notes.ignored.discard("parameters.num_ctx")
     num_ctx = params.get("num_ctx")
     if num_ctx is not None and (isinstance(num_ctx, bool) or not isinstance(num_ctx, int) or num_ctx < 16):
         raise invalid("parameters.num_ctx must be an integer of at least 16", param="parameters.num_ctx")
-    defaults: dict[str, Any] = {k: getattr(fields, k) for k in (
+    defaults: dict[str, Any] = {k: getattr(asked, k) for k in (
         "temperature", "top_p", "top_k", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty", "seed",
-        "stop") if getattr(fields, k) is not None}
-    if predict is not None:
-        defaults["max_tokens"] = predict
+        "max_tokens") if getattr(asked, k) is not None}
+    if asked.stop:
+        defaults["stop"] = list(asked.stop)
     messages = None
     if body.messages is not None:
         messages = []

@@ -14,7 +14,6 @@ import logging
 import shutil
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -23,12 +22,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from engines.base import GenerationRequest
 from gateway.api import reasoning
 from gateway.api.errors import APIError, invalid, to_api_error
 from gateway.api.notes import Notes
 from gateway.api.ollama import api as ol
-from gateway.api.openai.common import sampling
 from gateway.api.openai.protocol import EmbeddingRequest
 from gateway.api.serving import Prepared, Service, model_spec
 from gateway.api.sse import until_disconnect
@@ -232,13 +229,11 @@ async def chat(body: ol.ChatRequest, request: Request) -> Response:
     if not body.messages:
         return await _load_only(request, spec, body.model, keep, "message")
     notes = Notes()
-    conv = ol.chat_conversation(body)
+    conv = ol.chat_conversation(body, notes)
     await _check_think(request, spec, body)
-    fields, max_tokens = ol.sampling_fields(body.options, notes)
-    sp = sampling(fields, spec, max_tokens)
     timing = ol.Timing(received)
     was_loaded = service.manager.is_loaded(spec.id)
-    p = await until_disconnect(request, service.prepare_conversation(spec, conv, sp, 1, "ollama", received))
+    p = await until_disconnect(request, service.prepare_conversation(spec, conv, 1, "ollama", received))
     timing.started = time.perf_counter()
     timing.load_s = 0.0 if was_loaded else p.loaded.load_seconds
     request.state.observer = p.observer
@@ -260,20 +255,15 @@ async def generate(body: ol.GenerateRequest, request: Request) -> Response:
     for name in ("template", "context"):
         if getattr(body, name):
             notes.ignored.add(name)
-    conv = ol.generate_conversation(body)
+    conv = ol.generate_conversation(body, notes)
     await _check_think(request, spec, body)
-    fields, max_tokens = ol.sampling_fields(body.options, notes)
-    sp = sampling(fields, spec, max_tokens)
     timing = ol.Timing(received)
     was_loaded = service.manager.is_loaded(spec.id)
     if body.raw:  # the prompt as it is, no chat template
-        if conv.output is not None:
-            sp = replace(sp, structured=conv.output.type,
-                         json_schema=json.dumps(conv.output.schema) if conv.output.schema is not None else None)
-        base = GenerationRequest(request_id="", sampling=sp, prompt=body.prompt)
-        p = await until_disconnect(request, service.prepare(spec, base, 1, "ollama", received))
+        p = await until_disconnect(request, service.prepare_prompts(spec, [body.prompt], conv.sampling, 1, "ollama",
+                                                                    received, conv.output))
     else:
-        p = await until_disconnect(request, service.prepare_conversation(spec, conv, sp, 1, "ollama", received))
+        p = await until_disconnect(request, service.prepare_conversation(spec, conv, 1, "ollama", received))
     timing.started = time.perf_counter()
     timing.load_s = 0.0 if was_loaded else p.loaded.load_seconds
     request.state.observer = p.observer

@@ -10,9 +10,9 @@ from engines.base import TokenEvent, Usage
 from gateway.api.errors import invalid
 from gateway.api.openai.common import (
     TextChunk,
+    asked,
     chat_logprobs,
     check_stream_options,
-    sampling,
     usage_out,
     usage_so_far,
 )
@@ -67,7 +67,9 @@ def conversation(req: ChatCompletionRequest) -> Conversation:
         js = fmt.json_schema
         output = Output(fmt.type, js.schema_ if js is not None else None, js.name if js is not None else "response",
                         js.strict if js is not None else None)
-    return Conversation(turns, tools, choice, req.parallel_tool_calls is not False, output, thinking(req),
+    sampling = replace(asked(req, req.max_completion_tokens or req.max_tokens), logprobs=req.logprobs,
+                       top_logprobs=req.top_logprobs or 0)
+    return Conversation(turns, tools, choice, req.parallel_tool_calls is not False, output, thinking(req), sampling,
                         params={"tool_choice.name": "tool_choice.function.name", "output.schema": "response_format.json_schema"})
 
 
@@ -104,9 +106,7 @@ class ChatService(Service):
                 raise invalid("tool messages need tool_call_id", param=f"messages[{i}].tool_call_id")
             if m.tool_calls and m.role != "assistant":
                 raise invalid("only assistant messages carry tool_calls", param=f"messages[{i}].tool_calls")
-        sp = sampling(req, spec, req.max_completion_tokens or req.max_tokens)
-        sp = replace(sp, logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0)
-        return await self.prepare_conversation(spec, conv, sp, req.n, "chatcmpl", received)
+        return await self.prepare_conversation(spec, conv, req.n, "chatcmpl", received)
 
     async def complete(self, p: Prepared, model: str) -> ChatCompletion:
         """A whole answer: its text, or its calls (the complete ones, up to the first repeat)."""

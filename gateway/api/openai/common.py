@@ -1,13 +1,13 @@
-"""What the OpenAI adapters share: sampling settings from a request, usage and logprobs in OpenAI's
+"""What the OpenAI adapters share: the sampler's settings a request asks for, usage and logprobs in OpenAI's
 shapes, and the fast rendering of text chunks."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from engines.base import SamplingParams, TokenLogprob, Usage
+from engines.base import TokenLogprob, Usage
 from gateway.api.errors import invalid
 from gateway.api.openai.protocol import (
     ChatCompletionRequest,
@@ -18,17 +18,10 @@ from gateway.api.openai.protocol import (
     TopLogprobOut,
     UsageOut,
 )
-from gateway.models.registry import ModelSpec
+from gateway.conversation import Sampling
 
 if TYPE_CHECKING:
     from gateway.api.serving import Prepared
-
-# OpenAI has no top_k; like llama-server and Ollama we cut to the 40 likeliest tokens unless the
-# request or models.yaml says otherwise (top_k: 0 turns it off). Besides being their default, it
-# keeps top-p from sorting the whole vocabulary for every sequence at every step, which the
-# profile showed was most of a decode step on a GPU at 16 streams.
-DEFAULT_TOP_K = 40
-
 
 def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
     if stop is None:
@@ -46,21 +39,14 @@ def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
     return tuple(out)
 
 
-def sampling(req: Any, spec: ModelSpec, max_tokens: int | None) -> SamplingParams:
-    d = spec.defaults
-    return SamplingParams(
-        temperature=req.temperature if req.temperature is not None else (d.temperature if d.temperature is not None else 1.0),
-        top_p=req.top_p if req.top_p is not None else (d.top_p if d.top_p is not None else 1.0),
-        top_k=req.top_k if req.top_k is not None else (d.top_k if d.top_k is not None else DEFAULT_TOP_K),
-        min_p=req.min_p if req.min_p is not None else (d.min_p or 0.0),
-        repeat_penalty=req.repeat_penalty if req.repeat_penalty is not None else (d.repeat_penalty or 1.0),
-        seed=req.seed if req.seed is not None else d.seed,
-        presence_penalty=req.presence_penalty if req.presence_penalty is not None else (d.presence_penalty or 0.0),
-        frequency_penalty=req.frequency_penalty if req.frequency_penalty is not None else (d.frequency_penalty or 0.0),
-        max_tokens=max_tokens if max_tokens is not None else d.max_tokens,
-        stop=_stops(req.stop) or tuple(d.stop),
-        logit_bias=_logit_bias(req.logit_bias),
-        ignore_eos=req.ignore_eos,
+def asked(req: ChatCompletionRequest | CompletionRequest, max_tokens: int | None) -> Sampling:
+    """What a chat or completions request asks of the sampler (OpenAI has no top_k; the extensions
+    llama-server and vLLM take are read too)."""
+    return Sampling(
+        temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+        repeat_penalty=req.repeat_penalty, presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty, seed=req.seed, max_tokens=max_tokens, stop=_stops(req.stop),
+        logit_bias=_logit_bias(req.logit_bias), ignore_eos=req.ignore_eos,
     )
 
 

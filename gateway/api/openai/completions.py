@@ -8,9 +8,9 @@ import math
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
-from engines.base import GenerationRequest, TokenLogprob, Usage
+from engines.base import TokenLogprob, Usage
 from gateway.api.errors import invalid
-from gateway.api.openai.common import check_stream_options, sampling, usage_out, usage_so_far
+from gateway.api.openai.common import asked, check_stream_options, usage_out, usage_so_far
 from gateway.api.openai.protocol import (
     Completion,
     CompletionChoice,
@@ -49,15 +49,13 @@ class CompletionService(Service):
         if len(prompts) * req.n > MAX_CHOICES:
             raise invalid(f"{len(prompts)} prompts x n={req.n} ask for more than {MAX_CHOICES} choices", param="prompt")
         texts = [x for x in prompts if isinstance(x, str)]
-        sp = sampling(req, spec, req.max_tokens)
+        wanted = asked(req, req.max_tokens)
         if req.logprobs is not None:
-            sp = replace(sp, logprobs=True, top_logprobs=req.logprobs)
+            wanted = replace(wanted, logprobs=True, top_logprobs=req.logprobs)
         if req.echo and (req.logprobs is not None or not texts):
             # The echoed prompt's tokens come from the engine (their text, and logprobs when asked).
-            sp = replace(sp, prompt_logprobs=req.logprobs or 0)
-        bases = [GenerationRequest(request_id="", sampling=sp, prompt=x) if isinstance(x, str) else
-                 GenerationRequest(request_id="", sampling=sp, prompt_ids=tuple(x)) for x in prompts]
-        p = await self.prepare(spec, bases, req.n, "cmpl", received)
+            wanted = replace(wanted, prompt_logprobs=req.logprobs or 0)
+        p = await self.prepare_prompts(spec, prompts, wanted, req.n, "cmpl", received)
         if req.echo:
             p.echo = [x if isinstance(x, str) else None for x in prompts for _ in range(req.n)]
         return p

@@ -17,7 +17,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Annotated, Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -33,6 +32,7 @@ from gateway.conversation import (
     Finished,
     Output,
     ReasoningDelta,
+    Sampling,
     TextDelta,
     ToolCall,
     ToolChoice,
@@ -330,15 +330,10 @@ def conversation(req: ResponseCreateRequest, earlier: tuple[Turn, ...], notes: N
     _note_ignored(req, notes)
     effort = (req.reasoning or {}).get("effort")
     conv = Conversation(turns, tools, choice, req.parallel_tool_calls is not False, _output(req),
-                        thinking=False if effort == "none" else None, params={"output.schema": "text.format.schema", "messages": "input"})
+                        thinking=False if effort == "none" else None,
+                        sampling=Sampling(temperature=req.temperature, top_p=req.top_p, seed=req.seed,
+                                          max_tokens=req.max_output_tokens), params={"output.schema": "text.format.schema", "messages": "input"})
     return conv, history, listed
-
-
-def sampling_fields(req: ResponseCreateRequest) -> SimpleNamespace:
-    """The request's sampling settings, in the shape the shared sampler defaults expect."""
-    return SimpleNamespace(temperature=req.temperature, top_p=req.top_p, top_k=None, min_p=None, repeat_penalty=None,
-                           seed=req.seed, presence_penalty=None, frequency_penalty=None, stop=None, logit_bias=None,
-                           ignore_eos=False)
 
 
 # --- output -> response object -------------------------------------------------------------------

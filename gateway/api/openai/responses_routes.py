@@ -12,7 +12,6 @@ from fastapi.responses import JSONResponse, Response
 from gateway.api.errors import APIError
 from gateway.api.notes import Notes
 from gateway.api.openai import responses as rs
-from gateway.api.openai.common import sampling
 from gateway.api.routes import error_responses
 from gateway.api.serving import Service
 from gateway.api.sse import answer_events, until_disconnect
@@ -57,8 +56,7 @@ async def create_response(body: rs.ResponseCreateRequest, request: Request) -> R
         earlier = found
     spec = service.spec(body.model)
     conv, history, listed = rs.conversation(body, earlier, notes)
-    sp = sampling(rs.sampling_fields(body), spec, body.max_output_tokens)
-    p = await until_disconnect(request, service.prepare_conversation(spec, conv, sp, 1, "resp", received))
+    p = await until_disconnect(request, service.prepare_conversation(spec, conv, 1, "resp", received))
     request.state.observer = p.observer
     keep = store is not None and body.store is not False
     run = rs.Run(body, p, conv, history, listed, notes, store=keep, in_band=body.stream)
