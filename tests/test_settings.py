@@ -1,5 +1,5 @@
-"""Settings from one typed model: every variable name and default of before still works, and a
-malformed value is one line that names it."""
+"""Settings from one typed model: each setting's variable and flag give the same value, every
+variable and flag name of before still works, and a malformed value is one line that names it."""
 
 from __future__ import annotations
 
@@ -7,11 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from engines.envconfig import SettingError, knobs
+from engines.envconfig import Knob, SettingError, knobs
 from engines.tuning import EngineTuning, engine_tuning
+from gateway.cli import build_parser, main
 from gateway.settings import Settings
+from gateway.settings_flags import given_settings
 
-# The defaults and variable names these settings had as a hand-written dataclass and reader.
+# The defaults and names these settings had as a hand-written dataclass, argparse parser and reader.
 OLD_DEFAULTS = {
     "host": "127.0.0.1", "port": 8080, "model": None, "engine": "auto", "runtime": None, "device": None,
     "max_resident": 0, "memory_budget": None, "gpu_memory_budget": None, "memory_reserve": None,
@@ -29,6 +31,33 @@ OLD_DEFAULTS = {
     "responses_max_age_days": 30.0,
 }
 RENAMED_VARIABLES = {"max_resident": "GATEWAY_MAX_MODELS"}
+OLD_FLAGS = {
+    "--model": "model", "--engine": "engine", "--runtime": "runtime", "--device": "device",
+    "--rank-by-speed": "rank_by_speed", "--host": "host", "--port": "port", "--config": "config",
+    "--max-models": "max_resident", "--memory-budget": "memory_budget", "--gpu-memory-budget": "gpu_memory_budget",
+    "--memory-reserve": "memory_reserve", "--keep-alive": "keep_alive", "--unload-default": "keep_default",
+    "--parallel": "parallel", "--sequences": "sequences", "--threads": "threads", "--api-key": "api_key",
+    "--api-key-file": "api_key_file", "--metrics-api-key": "metrics_api_key", "--allowed-origins": "allowed_origins",
+    "--allowed-hosts": "allowed_hosts", "--max-queue": "max_queue", "--max-queue-wait": "max_queue_wait",
+    "--prefix-cache": "prefix_cache", "--prefill-budget": "prefill_budget", "--drain-timeout": "drain_timeout",
+    "--max-body": "max_body", "--parity-reference": "parity_reference", "--parity-sample": "parity_sample",
+    "--parity-window": "parity_window", "--parity-queue": "parity_queue", "--parity-enforce": "parity_enforce",
+}
+# A well-formed text of each kind of setting, and what it means.
+SAMPLES = {"int": "2", "float": "0.5", "size": "12G", "mib": "2G", "duration": "1h30m", "list": "a, b", "str": "x"}
+FLAG_KNOBS = [k for k in knobs(Settings).values() if k.flag is not None]
+
+
+def _sample(k: Knob) -> str:
+    if k.kind == "choice":
+        return k.choices[-1]
+    if k.kind == "switch":
+        return "0" if k.info.default else "1"
+    return SAMPLES[k.kind]
+
+
+def _from_flags(*argv: str) -> Settings:
+    return Settings.from_env(env={}, **given_settings(build_parser().parse_args(["serve", *argv]), Settings))
 
 
 def test_the_defaults_and_names_are_the_ones_of_before() -> None:
@@ -36,6 +65,15 @@ def test_the_defaults_and_names_are_the_ones_of_before() -> None:
     assert {name: getattr(s, name) for name in OLD_DEFAULTS} == OLD_DEFAULTS
     for name, k in knobs(Settings).items():
         assert k.env == RENAMED_VARIABLES.get(name, "GATEWAY_" + name.upper()), name
+    assert {k.flag: k.name for k in FLAG_KNOBS} == OLD_FLAGS
+
+
+@pytest.mark.parametrize("k", FLAG_KNOBS, ids=lambda k: k.flag)
+def test_a_variable_and_its_flag_give_the_same_value(k: Knob) -> None:
+    text = _sample(k)
+    from_env = getattr(Settings.from_env(env={k.env: text}), k.name)
+    from_flag = getattr(_from_flags(k.flag) if k.kind == "switch" else _from_flags(k.flag, text), k.name)
+    assert from_env == from_flag != getattr(Settings.from_env(env={}), k.name), (k.name, from_env, from_flag)
 
 
 @pytest.mark.parametrize(("env", "want"), [
@@ -55,6 +93,15 @@ def test_the_defaults_and_names_are_the_ones_of_before() -> None:
 def test_variables(env: dict[str, str], want: dict[str, object]) -> None:
     s = Settings.from_env(env=env)
     assert {name: getattr(s, name) for name in want} == want
+
+
+def test_a_flag_wins_over_its_variable_and_none_is_not_given() -> None:
+    env = {"GATEWAY_PORT": "9000", "GATEWAY_PARALLEL": "3"}
+    assert Settings.from_env(env=env, port=9100, parallel=None).port == 9100
+    assert Settings.from_env(env=env, port=9100, parallel=None).parallel == 3
+    s = Settings.from_env(env={"GATEWAY_PORT": "9000"}, **given_settings(
+        build_parser().parse_args(["serve", "--port", "9100", "--unload-default"]), Settings))
+    assert (s.port, s.keep_default) == (9100, False)
 
 
 @pytest.mark.parametrize(("env", "message"), [
@@ -80,6 +127,36 @@ def test_a_malformed_value_from_python_names_the_setting() -> None:
         Settings.from_env(env={}, sequences=0)
     with pytest.raises(SettingError, match="unknown setting 'paralel'"):
         Settings.from_env(env={}, paralel=2)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--port", "eighty"], "argument --port: must be a whole number 0-65535, not 'eighty'"),
+    (["--max-body", "4Q"], "argument --max-body: must be a size such as 4M, 512k or 2GiB, not '4Q'"),
+    (["--sequences", "0"], "argument --sequences: must be a whole number 1-256, not '0'"),
+    (["--engine", "gpu"], "argument --engine: must be auto, cpu, vulkan, cuda, metal, directml or coreml"),
+])
+def test_a_malformed_flag_is_named(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["serve", *argv])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize(("var", "value"), [("GATEWAY_PORT", "eighty"), ("GATEWAY_WARMUP", "sometimes")])
+def test_serve_says_a_malformed_variable_in_one_line(var: str, value: str, monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv(var, value)
+    assert main(["serve"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {var} must be ") and f"not {value!r}" in err and err.count("\n") == 1, err
+
+
+def test_other_commands_say_a_malformed_variable_in_one_line(monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("GATEWAY_MAX_BODY", "lots")
+    assert main(["models"]) == 2
+    assert capsys.readouterr().err.startswith("error: GATEWAY_MAX_BODY must be a size")
 
 
 def test_settings_are_frozen_and_copied_with_changes() -> None:
@@ -112,5 +189,3 @@ def test_engine_tuning(monkeypatch: pytest.MonkeyPatch) -> None:
     assert engine_tuning().warmup == "off"  # read from the environment of now, not cached
     with pytest.raises(SettingError, match="^GATEWAY_LONG_PROMPT_SMS must be a whole number >= 0, not '-2'$"):
         engine_tuning({"GATEWAY_LONG_PROMPT_SMS": "-2"})
-
-
