@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from engines import gcpause
+from engines.envconfig import knobs
 from engines.tuning import EngineTuning
 from gateway.host.functional_check import CheckCache
 from gateway.host.hardware import probe_host
@@ -407,6 +408,43 @@ def _worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def _settings(args: argparse.Namespace) -> int:
+    """The settings as the environment sets them, or the docs' tables generated from them."""
+    from gateway.settings_docs import tables, write_tables
+
+    serve = subcommand(build_parser(), "serve")
+    if args.write:
+        for name in args.write:
+            path = Path(name)
+            text = path.read_text()
+            new = write_tables(text, serve)
+            if new != text:
+                path.write_text(new)
+            print(f"{name}: {'updated' if new != text else 'up to date'}")
+        return 0
+    if args.markdown:
+        print(tables(serve)[args.markdown], end="")
+        return 0
+    rows = [("SETTING", "VARIABLE", "VALUE")]
+    for model in (Settings.from_env(), EngineTuning.from_env()):
+        for k in knobs(type(model)).values():
+            value = getattr(model, k.name)
+            shown = ("-" if value is None else "(set)" if not k.info.repr
+                     else ",".join(value) if isinstance(value, tuple) else str(value))
+            rows.append((k.name, k.env, shown))
+    _print_table(rows)
+    return 0
+
+
+def subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    """The parser of one subcommand (`serve`) of `build_parser()`."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            found: argparse.ArgumentParser = action.choices[name]
+            return found
+    raise KeyError(name)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gateway", description="OpenAI-compatible local LLM gateway")
     sub = p.add_subparsers(dest="command", required=True)
@@ -464,6 +502,12 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--tls-cert", default=None, help="serve TLS with this certificate (PEM)")
     w.add_argument("--tls-key", default=None, help="the certificate's private key (PEM)")
     w.set_defaults(func=_worker)
+    st = sub.add_parser("settings", help="the settings as the environment sets them (--markdown: the docs' tables)")
+    st.add_argument("--markdown", nargs="?", const="reference", default=None, choices=("reference", "readme"),
+                    help="print docs/configuration.md's tables (readme: the README's) as Markdown")
+    st.add_argument("--write", nargs="+", default=None, metavar="FILE",
+                    help="rewrite the generated tables in these Markdown files (README.md docs/configuration.md)")
+    st.set_defaults(func=_settings)
     from gateway.bench import add_parser as add_bench
     from gateway.host.devices import add_parser as add_devices
     from gateway.parity.cli import add_parser as add_parity

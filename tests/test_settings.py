@@ -189,3 +189,13 @@ def test_engine_tuning(monkeypatch: pytest.MonkeyPatch) -> None:
     assert engine_tuning().warmup == "off"  # read from the environment of now, not cached
     with pytest.raises(SettingError, match="^GATEWAY_LONG_PROMPT_SMS must be a whole number >= 0, not '-2'$"):
         engine_tuning({"GATEWAY_LONG_PROMPT_SMS": "-2"})
+
+
+def test_the_settings_command_lists_values_and_hides_keys(monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("GATEWAY_API_KEY", "s3cret")
+    monkeypatch.setenv("GATEWAY_MAX_MODELS", "4")
+    assert main(["settings"]) == 0
+    out = capsys.readouterr().out
+    assert "s3cret" not in out and "(set)" in out
+    assert any(line.split() == ["max_resident", "GATEWAY_MAX_MODELS", "4"] for line in out.splitlines())
