@@ -44,7 +44,9 @@ from engines.base import EngineConfig, ModelLoadError
 from engines.bridge import WorkerPool
 from engines.chat import ChatTemplate
 from engines.coreml import CoreMLEngine, _eos_ids
+from engines.envconfig import knob
 from engines.registry import register_runtime
+from engines.tuning import EngineTuning
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +67,7 @@ def executorch_available() -> tuple[bool, str, tuple[str, ...]]:
     return True, "", names
 
 
-VULKAN_LIB_ENV = "GATEWAY_EXECUTORCH_VULKAN_LIB"
+VULKAN_LIB_ENV = knob(EngineTuning, "executorch_vulkan_lib").env
 _vulkan_lock = threading.Lock()
 
 
@@ -79,7 +81,7 @@ def _executorch_version() -> str:
 def vulkan_backend_library() -> tuple[Path | None, str]:
     """The Vulkan backend built for the installed executorch (scripts/install-executorch.sh vulkan),
     or None and why.  $GATEWAY_EXECUTORCH_VULKAN_LIB names one explicitly."""
-    named = os.environ.get(VULKAN_LIB_ENV)
+    named = EngineTuning.read("executorch_vulkan_lib")
     if named:
         p = Path(named)
         return (p, "") if p.is_file() else (None, f"{VULKAN_LIB_ENV}={named} does not exist")

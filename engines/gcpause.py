@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import time
 from typing import Any
+
+from engines.tuning import EngineTuning
 
 log = logging.getLogger("gc")
 LONG_MS = 5.0
@@ -58,7 +59,7 @@ def settle() -> bool:
     """After start-up: collect once, then keep what is left out of later collections. Returns
     whether it froze (GATEWAY_GC_FREEZE=0: no)."""
     watch()
-    if os.environ.get("GATEWAY_GC_FREEZE", "1").strip().lower() in ("0", "off", "false", "no"):
+    if not EngineTuning.read("gc_freeze"):
         return False
     gc.collect()
     gc.freeze()

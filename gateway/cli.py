@@ -9,38 +9,25 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from engines import gcpause
+from engines.envconfig import knobs
+from engines.tuning import EngineTuning
 from gateway.host.functional_check import CheckCache
 from gateway.host.hardware import probe_host
 from gateway.host.selection import Preference, SelectionError, plan
 from gateway.models.gguf_info import parameter_size
 from gateway.models.registry import ModelSpec, Registry, RegistryError, load_registry, source_label
-from gateway.settings import ENGINE_CHOICES, Settings, parse_duration, parse_mib, parse_size, split_list
+from gateway.settings import SettingError, Settings
+from gateway.settings_flags import add_setting_options, given_settings
 
 log = logging.getLogger("gateway")
+# The settings `gateway worker` takes as options (the rest come from GATEWAY_* variables).
+WORKER_SETTINGS = ("engine", "runtime", "device", "parallel", "sequences", "threads", "config")
 
 
 def _serve_settings(args: argparse.Namespace) -> Settings:
     """`serve`'s settings: GATEWAY_* variables under its options (ValueError for a malformed one)."""
-    return Settings.from_env(
-        host=args.host, port=args.port, config=args.config, model=args.model, engine=args.engine,
-        runtime=args.runtime, device=args.device,
-        max_resident=args.max_models, parallel=args.parallel, sequences=args.sequences, threads=args.threads,
-        memory_budget=parse_size(args.memory_budget) if args.memory_budget else None,
-        gpu_memory_budget=parse_size(args.gpu_memory_budget) if args.gpu_memory_budget else None,
-        memory_reserve=parse_size(args.memory_reserve) if args.memory_reserve else None,
-        keep_alive=parse_duration(args.keep_alive) if args.keep_alive else None,
-        keep_default=False if args.unload_default else None,
-        api_key=args.api_key, api_key_file=args.api_key_file, metrics_api_key=args.metrics_api_key,
-        allowed_origins=split_list(args.allowed_origins) if args.allowed_origins is not None else None,
-        allowed_hosts=split_list(args.allowed_hosts) if args.allowed_hosts is not None else None,
-        max_queue=args.max_queue, max_queue_wait=args.max_queue_wait, drain_timeout=args.drain_timeout,
-        prefix_cache=parse_mib(args.prefix_cache) if args.prefix_cache else None,
-        prefill_budget=args.prefill_budget,
-        max_body=parse_size(args.max_body) if args.max_body else None, parity_reference=args.parity_reference, parity_sample=args.parity_sample,
-        parity_window=args.parity_window, parity_queue=args.parity_queue,
-        parity_enforce=True if args.parity_enforce else None,
-        rank_by_speed=True if args.rank_by_speed else None,
-    )
+    EngineTuning.from_env()  # the engines' knobs too: a malformed one is said now, not at a load
+    return Settings.from_env(**given_settings(args, Settings))
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -391,9 +378,7 @@ def _worker(args: argparse.Namespace) -> int:
         context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         context.load_cert_chain(args.tls_cert, args.tls_key)
     try:
-        settings = Settings.from_env(config=args.config, model=args.model, engine=args.engine, runtime=args.runtime,
-                                     device=args.device, parallel=args.parallel, sequences=args.sequences,
-                                     threads=args.threads, workers=False, isolate_check=False)
+        settings = Settings.from_env(**given_settings(args, Settings), workers=False, isolate_check=False)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -423,66 +408,52 @@ def _worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def _settings(args: argparse.Namespace) -> int:
+    """The settings as the environment sets them, or the docs' tables generated from them."""
+    from gateway.settings_docs import tables, write_tables
+
+    serve = subcommand(build_parser(), "serve")
+    if args.write:
+        for name in args.write:
+            path = Path(name)
+            text = path.read_text()
+            new = write_tables(text, serve)
+            if new != text:
+                path.write_text(new)
+            print(f"{name}: {'updated' if new != text else 'up to date'}")
+        return 0
+    if args.markdown:
+        print(tables(serve)[args.markdown], end="")
+        return 0
+    rows = [("SETTING", "VARIABLE", "VALUE")]
+    for model in (Settings.from_env(), EngineTuning.from_env()):
+        for k in knobs(type(model)).values():
+            value = getattr(model, k.name)
+            shown = ("-" if value is None else "(set)" if not k.info.repr
+                     else ",".join(value) if isinstance(value, tuple) else str(value))
+            rows.append((k.name, k.env, shown))
+    _print_table(rows)
+    return 0
+
+
+def subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    """The parser of one subcommand (`serve`) of `build_parser()`."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            found: argparse.ArgumentParser = action.choices[name]
+            return found
+    raise KeyError(name)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gateway", description="OpenAI-compatible local LLM gateway")
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="serve the OpenAI API")
-    s.add_argument("--model", help="default model id (models.yaml's default otherwise)")
-    s.add_argument("--engine", choices=ENGINE_CHOICES, default=None,
-                   help="where to run (default auto: the best engine that passes its functional check)")
-    s.add_argument("--runtime", default=None, help="pin a runtime: llamacpp, ortgenai, coreml, executorch")
-    s.add_argument("--device", default=None, help="GPU by index or part of its name (see `gateway devices`)")
-    s.add_argument("--recheck", action="store_true", help="forget cached functional-check results")
-    s.add_argument("--rank-by-speed", action="store_true",
-                   help="where several engines pass on one device, serve on the fastest (32-token decode, cached)")
+    add_setting_options(s, Settings)
+    s.add_argument("--recheck", action="store_true", help="forget cached functional-check results and check again")
     s.add_argument("--cluster", default=None, metavar="ray[://ADDRESS]",
                    help="serve on a Ray cluster (the `cluster` extra): `ray` joins this host's cluster or starts "
                         "one; ray://HOST:PORT connects to a remote head. Replicas per model: models.yaml `replicas`")
-    s.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
-    s.add_argument("--port", type=int, default=None, help="port (default 8080)")
-    s.add_argument("--config", default=None, help="models.yaml path")
-    s.add_argument("--max-models", type=int, default=None,
-                   help="models kept loaded at most (default: as many as the memory budgets allow)")
-    s.add_argument("--memory-budget", default=None,
-                   help="RAM the models may take, e.g. 12G (default: the machine's memory less --memory-reserve)")
-    s.add_argument("--gpu-memory-budget", default=None,
-                   help="memory the models may take on each GPU (default: its memory less 5%%, at least 512M)")
-    s.add_argument("--memory-reserve", default=None,
-                   help="memory left to the system and other programs (default: 10%% of RAM, at least 1G)")
-    s.add_argument("--keep-alive", default=None,
-                   help="how long an idle model stays loaded: 300, 5m, 1h; -1 = until evicted (default 5m)")
-    s.add_argument("--unload-default", action="store_true",
-                   help="let the default model unload after --keep-alive too (it stays loaded otherwise)")
-    s.add_argument("--parallel", type=int, default=None, help="sequences decoded together per model")
-    s.add_argument("--sequences", type=int, default=None, metavar="N",
-                   help="llama.cpp: run up to N requests at once per model in one KV cache shared by them (llama-server's layout) of context x --parallel tokens; more conversations keep their KV on the device (default: models.yaml's layout, one KV per sequence)")
-    s.add_argument("--threads", type=int, default=None, help="CPU threads per model (default: all cores)")
-    s.add_argument("--api-key", default=None,
-                   help="require this bearer token on /v1 (comma-separate several); /health stays open")
-    s.add_argument("--api-key-file", default=None, help="file with one accepted API key per line")
-    s.add_argument("--metrics-api-key", default=None, help="require this bearer token on /metrics too")
-    s.add_argument("--allowed-origins", default=None,
-                   help="browser origins allowed besides http(s)://localhost|127.0.0.1|[::1]:* (comma-separated; * = any)")
-    s.add_argument("--allowed-hosts", default=None,
-                   help="Host names accepted besides loopback names (the DNS-rebinding guard; * = any)")
-    s.add_argument("--max-queue", type=int, default=None, help="requests that may wait per model (default 64)")
-    s.add_argument("--max-queue-wait", type=float, default=None,
-                   help="seconds a request may wait for a slot; longer estimated waits get 429 at once (default 30)")
-    s.add_argument("--prefix-cache", default=None,
-                   help="llama.cpp: host memory per model for the KV of conversations that lost their slot, "
-                        "e.g. 2G (default: a quarter of the available memory, at most 8G; 0 = off)")
-    s.add_argument("--prefill-budget", type=int, default=None,
-                   help="llama.cpp: prompt tokens prefilled per step beside running streams "
-                        "(default per device: CPU 64, Vulkan 256, CUDA 512)")
-    s.add_argument("--drain-timeout", type=float, default=None,
-                   help="seconds running requests get to finish after SIGTERM/SIGINT (default 30)")
-    s.add_argument("--max-body", default=None, help="request body limit, e.g. 4M (default 4M)")
-    s.add_argument("--parity-reference", choices=ENGINE_CHOICES, default=None,
-                   help="shadow parity: re-score sampled requests on this reference engine")
-    s.add_argument("--parity-sample", type=float, default=None, help="share of requests re-scored (default 0.05)")
-    s.add_argument("--parity-window", type=int, default=None, help="samples judged together for drift (default 20)")
-    s.add_argument("--parity-queue", type=int, default=None, help="samples waiting to be scored (default 16)")
-    s.add_argument("--parity-enforce", action="store_true", help="fall back from an engine that drifts")
     s.set_defaults(func=_serve)
     m = sub.add_parser("models", help="list the registry and what is present locally")
     m.add_argument("--config", default=None)
@@ -527,17 +498,16 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--listen", required=True, metavar="HOST:PORT", help="address to listen on, e.g. 0.0.0.0:7070")
     w.add_argument("--token-file", required=True, help="file of accepted tokens, one per line (>= 16 characters)")
     w.add_argument("--model", help="model id (models.yaml's default otherwise)")
-    w.add_argument("--engine", choices=ENGINE_CHOICES, default=None, help="where to run (default auto)")
-    w.add_argument("--runtime", default=None, help="pin a runtime: llamacpp, ortgenai, coreml, executorch")
-    w.add_argument("--device", default=None, help="GPU by index or part of its name")
-    w.add_argument("--parallel", type=int, default=None, help="sequences decoded together")
-    w.add_argument("--sequences", type=int, default=None, metavar="N",
-                   help="llama.cpp: requests at once in one shared KV cache of context x --parallel tokens")
-    w.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
-    w.add_argument("--config", default=None, help="models.yaml path")
+    add_setting_options(w, Settings, WORKER_SETTINGS)
     w.add_argument("--tls-cert", default=None, help="serve TLS with this certificate (PEM)")
     w.add_argument("--tls-key", default=None, help="the certificate's private key (PEM)")
     w.set_defaults(func=_worker)
+    st = sub.add_parser("settings", help="the settings as the environment sets them (--markdown: the docs' tables)")
+    st.add_argument("--markdown", nargs="?", const="reference", default=None, choices=("reference", "readme"),
+                    help="print docs/configuration.md's tables (readme: the README's) as Markdown")
+    st.add_argument("--write", nargs="+", default=None, metavar="FILE",
+                    help="rewrite the generated tables in these Markdown files (README.md docs/configuration.md)")
+    st.set_defaults(func=_settings)
     from gateway.bench import add_parser as add_bench
     from gateway.host.devices import add_parser as add_devices
     from gateway.parity.cli import add_parser as add_parity
@@ -550,7 +520,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except SettingError as exc:  # a malformed GATEWAY_* variable: said as such, no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

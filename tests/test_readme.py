@@ -1,12 +1,10 @@
 """The documentation runs as written: every `gateway …` command in the fenced code blocks of
 README.md and docs/ names a real subcommand with options it accepts (checked against the CLI's own
-argparse parser, in-process), and the configuration tables list exactly the options of
-`gateway serve`, each with the environment variable that settings.py really reads."""
+argparse parser, in-process). The configuration tables are checked by test_settings_docs.py."""
 
 from __future__ import annotations
 
 import argparse
-import inspect
 import re
 import shlex
 from dataclasses import dataclass
@@ -15,11 +13,9 @@ from pathlib import Path
 import pytest
 
 from gateway.cli import build_parser
-from gateway.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
-CONFIG_DOC = ROOT / "docs" / "configuration.md"
 SHELL_LANGS = {"", "bash", "sh", "shell", "console"}
 FENCE = re.compile(r"^```([\w-]*)[^\n]*\n(.*?)^```", re.M | re.S)
 # A line that may call the command: `gateway`, `.venv/bin/gateway`, `$ gateway`, `X=1 gateway`.
@@ -127,59 +123,3 @@ def test_each_documented_command_parses(command: Command) -> None:
         parser.parse_args(list(command.args))
     except SystemExit as exc:
         raise AssertionError(f"{command.where}: `gateway {' '.join(command.args)}` does not parse") from exc
-
-
-def table_rows(path: Path, heading: str) -> list[list[str]]:
-    """The cells of the first Markdown table after `heading` (header and separator left out)."""
-    text = path.read_text()
-    start = text.index(heading)
-    rows: list[list[str]] = []
-    for line in text[start:].split("\n")[1:]:
-        if line.startswith("|"):
-            cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
-            rows.append(cells)
-        elif rows:
-            break
-    assert len(rows) > 2, f"{path.name}: no table under {heading!r}"
-    return rows[2:]
-
-
-def _flag_rows(rows: list[list[str]]) -> dict[str, str]:
-    """flag -> environment variable cell, for rows whose first cell is one `--option`."""
-    out: dict[str, str] = {}
-    for cells in rows:
-        m = re.fullmatch(r"`(--[a-z0-9-]+)`", cells[0])
-        assert m, f"not a flag cell: {cells[0]!r}"
-        assert m.group(1) not in out, f"{m.group(1)} listed twice"
-        out[m.group(1)] = cells[1]
-    return out
-
-
-def _serve_options() -> set[str]:
-    return {o for o in _options(_subparsers(build_parser())["serve"]) if o.startswith("--")}
-
-
-def test_the_configuration_table_lists_exactly_the_options_of_serve() -> None:
-    documented = set(_flag_rows(table_rows(CONFIG_DOC, "## `gateway serve`")))
-    actual = _serve_options()
-    assert not actual - documented, f"docs/configuration.md lacks {sorted(actual - documented)}"
-    extra = sorted(documented - actual)
-    assert not extra, f"docs/configuration.md lists options serve lacks: {extra}"
-
-
-def test_the_readme_table_is_part_of_the_full_one() -> None:
-    full = _flag_rows(table_rows(CONFIG_DOC, "## `gateway serve`"))
-    readme = _flag_rows(table_rows(ROOT / "README.md", "## Configuration"))
-    assert set(readme) <= _serve_options(), sorted(set(readme) - _serve_options())
-    for flag, env in readme.items():
-        assert env == full[flag], f"{flag}: README says {env}, docs/configuration.md {full[flag]}"
-
-
-def test_each_documented_variable_is_read_by_the_settings() -> None:
-    source = inspect.getsource(Settings.from_env)
-    for flag, env in _flag_rows(table_rows(CONFIG_DOC, "## `gateway serve`")).items():
-        if env == "—":
-            continue
-        m = re.fullmatch(r"`(GATEWAY_[A-Z0-9_]+)(=[^`]*)?`", env)
-        assert m, f"{flag}: {env!r} is not a GATEWAY_* variable"
-        assert f'"{m.group(1)}"' in source, f"{flag}: settings.py does not read {m.group(1)}"

@@ -11,7 +11,6 @@ import ctypes
 import functools
 import json
 import logging
-import math
 import os
 import re
 import threading
@@ -46,6 +45,7 @@ from engines.llamacpp.prefix_cache import HostPrefixCache, default_limit_bytes
 from engines.registry import register_runtime
 from engines.text import with_scored_prompt
 from engines.thinking import render_thinking, template_traits
+from engines.tuning import engine_tuning
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ def split_mixed(backend: str) -> bool:
     """Whether a step of the shared layout (kv_unified) runs its running streams' tokens and its
     prompt chunks as two passes (BatchScheduler._step says why): on the CPU, whose attention
     skips the masked tiles of a pass; GATEWAY_SPLIT_MIXED=on/off overrides it (for measuring)."""
-    choice = os.environ.get("GATEWAY_SPLIT_MIXED", "auto")
+    choice = engine_tuning().split_mixed
     return backend == "cpu" if choice == "auto" else choice == "on"
 
 
@@ -83,26 +83,8 @@ def trim_payback() -> float:
     side-by-side runs). A malformed value stops the load with a message that names it."""
     from engines.llamacpp.batch import TRIM_PAYBACK
 
-    raw = os.environ.get("GATEWAY_TRIM_PAYBACK", "").strip()
-    if not raw:
-        return TRIM_PAYBACK
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not value >= 0:  # also NaN
-        raise ValueError(f"GATEWAY_TRIM_PAYBACK must be a number >= 0 (e.g. 8, 0, 1e9), not {raw!r}")
-    return value
-
-
-def _env_count(name: str) -> int:
-    """A whole number >= 0 from the environment (0 when unset); a malformed one stops the load."""
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return 0
-    if not raw.isdigit():
-        raise ValueError(f"{name} must be a whole number >= 0, not {raw!r}")
-    return int(raw)
+    value = engine_tuning().trim_payback
+    return TRIM_PAYBACK if value is None else value
 
 
 def long_prompt_settings() -> tuple[int, int]:
@@ -113,7 +95,8 @@ def long_prompt_settings() -> tuple[int, int]:
     benchmarks/patches/ggml-cuda-green-contexts.patch, that context's kernels keep to that many SMs
     (0: all) and the decoding streams have the rest. Opt-in and for measuring (on an H100 and an H200:
     docs/benchmarks/history.md#green-contexts)."""
-    return _env_count("GATEWAY_LONG_PROMPT_TOKENS"), _env_count("GATEWAY_LONG_PROMPT_SMS")
+    tuning = engine_tuning()
+    return tuning.long_prompt_tokens, tuning.long_prompt_sms
 
 
 def warm_up_wanted(backend: str) -> bool:
@@ -121,7 +104,7 @@ def warm_up_wanted(backend: str) -> bool:
     of each new shape is slow (measured on the H100); GATEWAY_WARMUP=on/off overrides it. Not on
     Vulkan: its first passes were not measured to stall on a GPU, and on a software device
     (lavapipe, which ggml reports as a GPU) the passes took 200-250 s of every load, on 2 cores."""
-    choice = os.environ.get("GATEWAY_WARMUP", "auto")
+    choice = engine_tuning().warmup
     return backend in ("cuda", "rocm") if choice == "auto" else choice == "on"
 
 
@@ -266,6 +249,7 @@ class LlamaCppEngine:
         if not os.path.isfile(o.model_path):
             raise ModelLoadError(f"model file not found: {o.model_path}")
         try:
+            tuning = engine_tuning()  # a malformed knob stops the load, said as such
             payback = trim_payback()
             long_min, long_sms = long_prompt_settings()
         except ValueError as exc:
@@ -367,10 +351,10 @@ class LlamaCppEngine:
             n_swa=self._n_swa,
             # Requests sharing a prefix another is prefilling wait for it and copy it;
             # GATEWAY_PREFIX_FOLLOW=off prefills each on its own (for measuring).
-            follow=os.environ.get("GATEWAY_PREFIX_FOLLOW", "on") != "off",
+            follow=tuning.prefix_follow,
             # Off: a device sampler chain is attached before the request's first pass, its graph
             # re-reserve in the time to the first token (for A/B runs: benchmarks' --gateway-variant).
-            attach_defer=os.environ.get("GATEWAY_ATTACH_DEFER", "on") != "off",
+            attach_defer=tuning.attach_defer,
             # What idle KV must have cost before it leaves a shared cache, in its copies' time.
             trim_payback=payback,
         )

@@ -23,9 +23,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from engines.tuning import EngineTuning
+
 log = logging.getLogger(__name__)
 
-VARIANT_ENV = "GATEWAY_CPU_VARIANT"
 # Variants whose kernels are known to crash; `auto` passes over them.
 AMX_VARIANTS = frozenset({"sapphirerapids"})
 AVX512_VARIANTS = frozenset({"skylakex", "cannonlake", "cascadelake", "icelake", "cooperlake", "zen4",
@@ -183,7 +184,7 @@ def ensure_loaded(wanted: str | None = None) -> str:
         for p in paths:  # GPU backends: one module each (a failure is the device probe's to explain)
             if not lib.ggml_backend_load(str(p).encode()):
                 log.warning("ggml could not load the %s backend %s", backend, p)
-    choice = choose(variants(d), wanted or os.environ.get(VARIANT_ENV, "auto"))
+    choice = choose(variants(d), wanted or EngineTuning.read("cpu_variant") or "auto")
     if not lib.ggml_backend_load(choice.path.encode()):
         raise OSError(f"ggml could not load the CPU backend {choice.path}")
     _loaded = choice.name

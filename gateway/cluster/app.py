@@ -15,7 +15,6 @@ by `serve run` / `serve deploy` (deploy/ray/serve.yaml).
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -136,20 +135,10 @@ def build_application(settings: Settings, registry: Registry) -> Any:
 def app_builder(args: dict[str, Any]) -> Any:
     """`serve run gateway.cluster.app:app_builder config=models.yaml engine=auto` (or deploy/ray/serve.yaml).
 
-    `args` are Settings fields by name (strings are converted to the field's type); settings not
-    given come from the GATEWAY_* environment as for `gateway serve`."""
-    fields = {f.name: f for f in dataclasses.fields(Settings)}
-    unknown = sorted(set(args) - set(fields))
+    `args` are Settings fields by name (strings are parsed as their GATEWAY_* variables are);
+    settings not given come from the GATEWAY_* environment as for `gateway serve`."""
+    unknown = sorted(set(args) - set(Settings.model_fields))
     if unknown:
-        raise ValueError(f"unknown setting(s) {unknown}; known: {sorted(fields)}")
-    overrides: dict[str, Any] = {}
-    defaults = Settings()
-    for name, value in args.items():
-        current = getattr(defaults, name)
-        if isinstance(value, str) and isinstance(current, bool):
-            value = value.lower() in ("1", "true", "yes")
-        elif isinstance(value, str) and isinstance(current, int | float) and not isinstance(current, bool):
-            value = type(current)(value)
-        overrides[name] = value
-    settings = Settings.from_env(**overrides)
+        raise ValueError(f"unknown setting(s) {unknown}; known: {sorted(Settings.model_fields)}")
+    settings = Settings.from_env(**args)
     return build_application(settings, load_registry(settings.config))

@@ -14,7 +14,8 @@ from gateway.host.hardware import EP_MATRIX, HostCapabilities, probe_host, vulka
 from gateway.host.selection import Plan, Preference, SelectionError, plan
 from gateway.models.pool import describe, engine_config, fingerprint_parts, ladder, ladder_verdict
 from gateway.models.registry import RegistryError, load_registry
-from gateway.settings import ENGINE_CHOICES, Settings, parse_size
+from gateway.settings import Settings
+from gateway.settings_flags import add_setting_options, given_settings
 
 
 def _gib(n: int) -> str:
@@ -148,10 +149,7 @@ def cpu_variants_line(b: Any) -> str:
 
 
 def _devices(args: argparse.Namespace) -> int:
-    settings = Settings.from_env(
-        config=args.config, engine=args.engine, runtime=args.runtime, device=args.device,
-        memory_budget=parse_size(args.memory_budget) if args.memory_budget else None,
-        gpu_memory_budget=parse_size(args.gpu_memory_budget) if args.gpu_memory_budget else None)
+    settings = Settings.from_env(**given_settings(args, Settings))
     try:
         registry = load_registry(settings.config)
     except RegistryError as exc:
@@ -236,12 +234,7 @@ def add_parser(sub: Any) -> None:
     d = sub.add_parser("devices", help="show the host's devices, engine builds and the selection plan")
     d.add_argument("--json", action="store_true", help="machine-readable output")
     d.add_argument("--model", help="plan for this model (default: models.yaml's default)")
-    d.add_argument("--engine", choices=ENGINE_CHOICES, default=None, help="plan under this --engine (default auto)")
-    d.add_argument("--runtime", default=None, help="pin a runtime (llamacpp, ortgenai, coreml, executorch)")
-    d.add_argument("--device", default=None, help="GPU index or part of its name")
-    d.add_argument("--config", default=None, help="models.yaml path")
+    add_setting_options(d, Settings, ("engine", "runtime", "device", "config", "memory_budget", "gpu_memory_budget"))
     d.add_argument("--check", action="store_true", help="run the functional check for unchecked candidates now")
     d.add_argument("--recheck", action="store_true", help="forget cached check results and check again")
-    d.add_argument("--memory-budget", default=None, help="RAM the models may take (as `gateway serve`)")
-    d.add_argument("--gpu-memory-budget", default=None, help="memory the models may take on each GPU")
     d.set_defaults(func=_devices)

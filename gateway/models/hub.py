@@ -26,6 +26,7 @@ from typing import Any
 import yaml
 
 from gateway.models.gguf_info import GGUFError, read_gguf
+from gateway.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +145,7 @@ def _total(files: list[RemoteFile]) -> int:
 def user_models_dir() -> Path:
     """Where pulled models are registered: $GATEWAY_MODELS_DIR, else $XDG_DATA_HOME/llm-gateway/models.d
     (~/.local/share/llm-gateway/models.d)."""
-    if d := os.environ.get("GATEWAY_MODELS_DIR"):
+    if d := Settings.read("models_dir"):
         return Path(d).expanduser()
     data = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
     return Path(data) / "llm-gateway" / "models.d"

@@ -15,7 +15,7 @@ import asyncio
 import logging
 import random
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from engines.base import Engine
@@ -141,7 +141,7 @@ class ShadowParity:
             engine = self._refs.get(spec.id)
             if engine is None:
                 # One sequence is enough: the scorer sends one sample at a time.
-                settings = replace(self.settings, parallel=1)
+                settings = self.settings.model_copy(update={"parallel": 1})
                 engine = await open_engine(spec, self.manager.registry, settings, self.reference, host=self.manager.host)
                 self._refs[spec.id] = engine
                 log.info("shadow parity: reference %s loaded for %s", self.reference, spec.id)

@@ -1,0 +1,44 @@
+"""The engines' own settings, read from GATEWAY_* variables: worker processes inherit the gateway's
+environment, so these reach every engine without a field in EngineConfig. Most are for measuring
+side by side; the defaults are right for serving. `gateway serve` checks them at start, so a
+malformed one is said there (docs/configuration.md lists them, generated from this model)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Literal
+
+from engines.envconfig import EnvSettings, setting
+
+
+class EngineTuning(EnvSettings):
+    """Engine knobs (environment only)."""
+
+    gc_freeze: bool = setting(True, "move start-up objects out of Python's collector once serving (engines/gcpause.py)")
+    # Also the gateway's setting of the same name (Settings.cpu_variant): a process that loads
+    # llama.cpp's CPU backend without being told a variant (the device probe) reads it here.
+    cpu_variant: str | None = setting(None, "pin llama.cpp's CPU variant", shown="auto")
+    executorch_vulkan_lib: str | None = setting(None, "ExecuTorch's Vulkan backend library", shown="the cached build")
+    split_mixed: Literal["auto", "on", "off"] = setting(
+        "auto", "llama.cpp: mixed steps of the shared KV layout in two passes (auto: on the CPU)")
+    warmup: Literal["auto", "on", "off"] = setting(
+        "auto", "llama.cpp: one pass of each serving shape at load (auto: on CUDA and ROCm)")
+    trim_payback: float | None = setting(
+        None, "llama.cpp: idle KV leaves a shared cache once it has cost N× its copies' time", ge=0, shown="`8`")
+    prefix_follow: bool = setting(
+        True, "llama.cpp: requests sharing a prefix another is prefilling wait for it and copy it "
+        "(off: each prefills its own)")
+    attach_defer: bool = setting(
+        True, "llama.cpp: a device sampler chain is attached after the request's first pass (off: before it)")
+    long_prompt_tokens: int = setting(
+        0, "llama.cpp, experimental: prompts of at least N new tokens arriving while others decode are "
+        "prefilled in a second context beside them (0: off)", ge=0)
+    long_prompt_sms: int = setting(
+        0, "llama.cpp, experimental: that context's kernels keep to this many SMs on a CUDA build patched "
+        "for green contexts (0: all)", ge=0)
+
+
+def engine_tuning(env: Mapping[str, str] | None = None) -> EngineTuning:
+    """The engine knobs of the environment now (SettingError names a malformed one). Read when an
+    engine loads, not at import: tests and benchmarks set them per run."""
+    return EngineTuning.from_env(env)
