@@ -20,13 +20,14 @@ from gateway.api.anthropic.routes import router as anthropic_router
 from gateway.api.errors import install_error_handlers
 from gateway.api.guards import Drain, Guards, Policy, is_loopback_bind
 from gateway.api.health import router as health_router
+from gateway.api.ollama.manage import router as ollama_manage_router
 from gateway.api.ollama.routes import router as ollama_router
 from gateway.api.openai.chat import ChatService
 from gateway.api.openai.completions import CompletionService
 from gateway.api.openai.embeddings import EmbeddingService
 from gateway.api.openai.protocol import ChatCompletionChunk
-from gateway.api.openai.responses import ResponseStreamEvent
 from gateway.api.openai.responses_routes import router as responses_router
+from gateway.api.openai.responses_schema import ResponseStreamEvent
 from gateway.api.routes import openapi_schema, router
 from gateway.host.functional_check import CheckResult, run_isolated
 from gateway.host.hardware import HostCapabilities, probe_host, vulkan_visible_env
@@ -147,6 +148,7 @@ def create_app(
     app.include_router(responses_router)
     app.include_router(anthropic_router)
     app.include_router(ollama_router)
+    app.include_router(ollama_manage_router)
     install_web(app, resident)
     app.openapi = lambda: openapi_schema(app, (ChatCompletionChunk, ResponseStreamEvent, MessageStreamEvent))  # type: ignore[method-assign]
 

@@ -33,7 +33,7 @@ from schemathesis.config import SchemathesisConfig
 from gateway.api.anthropic.messages import MessageStreamEvent
 from gateway.api.errors import is_ollama
 from gateway.api.openai.protocol import ChatCompletionChunk, Completion, ErrorResponse
-from gateway.api.openai.responses import ResponseStreamEvent
+from gateway.api.openai.responses_schema import ResponseStreamEvent
 from tests.conftest import MODEL
 
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "120"))

@@ -74,27 +74,35 @@ async def resumable(request: GenerationRequest, engine: Engine, current: Callabl
             raise EngineCrashed(f"the engine was not back within {policy.wait_s:.0f} s of losing this stream") from None
         finally:
             await stream.aclose()  # type: ignore[attr-defined]
-        # An attempt that died before it produced a token may be what kills the engine (a prompt
-        # that takes a broken kernel; the worker client already re-sent it once): it is not
-        # carried to the next engine, as an unstarted request is not sent a third time. A kill
-        # from outside is no such sign, and does not use up the budget.
-        if not crashed.outside:
-            if counted >= policy.budget or len(produced) == before:
-                metrics.failovers.labels(model, "gave_up").inc()
-                raise crashed
-            counted += 1
+        counted += not crashed.outside
         failovers += 1
         paused_at = time.perf_counter()
-        try:
-            nxt = await asyncio.wait_for(current(), policy.wait_s)
-        except Exception as exc:  # noqa: BLE001 - nowhere to continue: the crash is the answer
-            metrics.failovers.labels(model, "gave_up").inc()
-            raise crashed from exc
-        if produced and nxt.info.extra.get("resume") != "1":  # it cannot continue a stream
-            metrics.failovers.labels(model, "gave_up").inc()
-            raise crashed
-        reason = "restarted" if nxt is engine else "next_engine"
-        metrics.failovers.labels(model, reason).inc()
-        log.warning("request %s: its engine died after %d tokens (%s); continuing on the %s engine",
-                    request.request_id, len(produced), crashed, "restarted" if nxt is engine else "next")
-        engine = nxt
+        engine = await _continue_on(crashed, engine, current, policy, model, metrics, request.request_id,
+                                    len(produced), len(produced) == before, counted)
+
+
+async def _continue_on(crashed: EngineCrashed, engine: Engine, current: Callable[[], Awaitable[Engine]],
+                       policy: FailoverPolicy, model: str, metrics: Metrics, rid: str, produced: int,
+                       barren: bool, counted: int) -> Engine:
+    """The engine a stream that lost its own continues on, or `crashed` raised where it may not.
+
+    An attempt that died before it produced a token (`barren`) may be what kills the engine (a
+    prompt that takes a broken kernel; the worker client already re-sent it once): it is not
+    carried to the next engine, as an unstarted request is not sent a third time. A kill from
+    outside is no such sign, and does not use up the budget (`counted`: this one included)."""
+    if not crashed.outside and (counted > policy.budget or barren):
+        metrics.failovers.labels(model, "gave_up").inc()
+        raise crashed
+    try:
+        nxt = await asyncio.wait_for(current(), policy.wait_s)
+    except Exception as exc:  # noqa: BLE001 - nowhere to continue: the crash is the answer
+        metrics.failovers.labels(model, "gave_up").inc()
+        raise crashed from exc
+    if produced and nxt.info.extra.get("resume") != "1":  # it cannot continue a stream
+        metrics.failovers.labels(model, "gave_up").inc()
+        raise crashed
+    reason = "restarted" if nxt is engine else "next_engine"
+    metrics.failovers.labels(model, reason).inc()
+    log.warning("request %s: its engine died after %d tokens (%s); continuing on the %s engine",
+                rid, produced, crashed, "restarted" if nxt is engine else "next")
+    return nxt

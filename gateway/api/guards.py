@@ -136,7 +136,6 @@ class Guards:
 
     async def _guarded(self, scope: Scope, receive: Receive, send: Send, headers: dict[str, str], rid: str) -> None:
         path: str = scope["path"]
-        method: str = scope["method"]
         origin = headers.get("origin")
         extra: list[tuple[bytes, bytes]] = [(b"x-request-id", rid.encode())] if self.policy.send_request_id else []
 
@@ -144,20 +143,33 @@ class Guards:
             self.metrics.count_error(("", "", ""), outcome_of(err), err.status)
             await _send_json(send, *err.answer(path), extra + (more or []) + _pairs(err.headers))
 
-        if not self.host_allowed(headers.get("host", "")):
-            await refuse(APIError(403, f"Host {headers.get('host', '')!r} is not allowed (DNS-rebinding guard); "
-                                       "add it with --allowed-hosts", type="permission_error", code="host_not_allowed"))
-            return
-        if origin is not None:
-            if not self.origin_allowed(origin, headers.get("host", "")):
-                await refuse(APIError(403, f"origin {origin!r} is not allowed; add it with --allowed-origins",
-                                      type="permission_error", code="origin_not_allowed"))
-                return
+        refusal = self._gate(headers)
+        if refusal is None and origin is not None:
             extra += [(b"access-control-allow-origin", origin.encode("latin-1")), (b"vary", b"Origin"),
                       (b"access-control-expose-headers", _EXPOSED_HEADERS.encode())]
-            if method == "OPTIONS" and "access-control-request-method" in headers:
+            if scope["method"] == "OPTIONS" and "access-control-request-method" in headers:
                 await self._preflight(send, headers, extra, refuse)
                 return
+        refusal = refusal or self._admit(path, headers)
+        if refusal is not None:
+            await refuse(*refusal)
+            return
+        await self._run(scope, receive, send, extra, refuse, rid)
+
+    def _gate(self, headers: dict[str, str]) -> tuple[APIError, list[tuple[bytes, bytes]]] | None:
+        """Who may ask at all: the Host header (DNS-rebinding guard) and a browser's origin."""
+        host = headers.get("host", "")
+        if not self.host_allowed(host):
+            return APIError(403, f"Host {host!r} is not allowed (DNS-rebinding guard); add it with --allowed-hosts",
+                            type="permission_error", code="host_not_allowed"), []
+        origin = headers.get("origin")
+        if origin is not None and not self.origin_allowed(origin, host):
+            return APIError(403, f"origin {origin!r} is not allowed; add it with --allowed-origins",
+                            type="permission_error", code="origin_not_allowed"), []
+        return None
+
+    def _admit(self, path: str, headers: dict[str, str]) -> tuple[APIError, list[tuple[bytes, bytes]]] | None:
+        """What this request may do: its key, the server not draining, its declared size."""
         api = path.startswith("/v1/")
         # /api/* is the web page's JSON (status, load/unload): the same keys as /v1.
         keyed = api or path.startswith("/api/")
@@ -165,24 +177,32 @@ class Guards:
         # Anthropic's clients send the key as x-api-key; everyone else as a bearer token.
         sent = _bearer(headers.get("authorization", "")) or headers.get("x-api-key", "")
         if keys and not key_matches(sent, keys):
-            await refuse(APIError(401, "invalid or missing API key (send Authorization: Bearer <key>, or x-api-key)",
-                                  type="authentication_error", code="invalid_api_key"),
-                         [(b"www-authenticate", b'Bearer realm="llm-gateway"')])
-            return
+            return (APIError(401, "invalid or missing API key (send Authorization: Bearer <key>, or x-api-key)",
+                             type="authentication_error", code="invalid_api_key"),
+                    [(b"www-authenticate", b'Bearer realm="llm-gateway"')])
         if api and self.drain.draining:
-            await refuse(APIError(503, "the server is shutting down; retry on another instance or later",
-                                  type="server_error", code="server_draining",
-                                  headers={"Retry-After": str(self.drain.retry_after)}))
-            return
+            return APIError(503, "the server is shutting down; retry on another instance or later",
+                            type="server_error", code="server_draining",
+                            headers={"Retry-After": str(self.drain.retry_after)}), []
         length = headers.get("content-length")
-        # Ollama's blob uploads are model files (gigabytes): their route checks the disk space instead.
-        limit = self.policy.max_body if not path.startswith("/api/blobs/") else 1 << 62
+        limit = self._body_limit(path)
         if length is not None and (not length.isdigit() or int(length) > limit):
-            await refuse(_too_large(limit))
-            return
+            return _too_large(limit), []
+        return None
 
-        started = False
-        refused = False
+    def _body_limit(self, path: str) -> int:
+        # Ollama's blob uploads are model files (gigabytes): their route checks the disk space instead.
+        return self.policy.max_body if not path.startswith("/api/blobs/") else 1 << 62
+
+    async def _run(self, scope: Scope, receive: Receive, send: Send, extra: list[tuple[bytes, bytes]],
+                   refuse: Callable[..., Awaitable[None]], rid: str) -> None:
+        """The app, with the response's extra headers, the body's size counted as it arrives, and
+        an error after all (never a bare 500 or a cut socket) in the protocol's envelope."""
+        path: str = scope["path"]
+        api = path.startswith("/v1/")
+        limit = self._body_limit(path)
+        started = refused = False
+        received = 0
 
         async def send_with_headers(message: Message) -> None:
             nonlocal started
@@ -193,8 +213,6 @@ class Guards:
                 message["headers"] = list(message.get("headers", [])) + extra
             await send(message)
 
-        received = 0
-
         async def counted_receive() -> Message:
             nonlocal received, refused
             message = await receive()
@@ -203,9 +221,7 @@ class Guards:
                 if received > limit and not refused:
                     await refuse(_too_large(limit))
                     refused = True
-            if refused:
-                return {"type": "http.disconnect"}
-            return message
+            return {"type": "http.disconnect"} if refused else message
 
         if api:
             self.drain.inflight += 1
@@ -214,15 +230,13 @@ class Guards:
             await self.app(scope, counted_receive, send_with_headers)
         except Exception as exc:  # noqa: BLE001 - the last resort: never a bare 500 or a cut socket
             err = to_api_error(exc)
-            if not started and not refused:
-                observer = scope.get("state", {}).get("observer")
-                if observer is not None:
-                    observer.finish(outcome_of(err), err.status)
-                    await _send_json(send, *err.answer(path), extra)
-                else:
-                    await refuse(err)
-            else:
+            if started or refused:
                 log.error("request %s failed after its response started (%.1fs in)", rid, time.perf_counter() - t0)
+            elif (observer := scope.get("state", {}).get("observer")) is not None:
+                observer.finish(outcome_of(err), err.status)
+                await _send_json(send, *err.answer(path), extra)
+            else:
+                await refuse(err)
         finally:
             if api:
                 self.drain.inflight -= 1

@@ -336,100 +336,12 @@ class Service:
 
     async def conversation_events(self, p: Prepared) -> AsyncGenerator[tuple[int, OutputEvent, TokenEvent], None]:
         """The output as neutral events per choice (with the engine event that carried each: its
-        logprobs and usage).
-
-        A tool answer is parsed into calls, and each call is released once it is complete (its
-        arguments still arrive as fragments that concatenate to the final text): so a call cut short
-        by max_tokens never reaches the client, and the calls completed before it are kept (finish
-        "tool_calls"). The answer ends at the first call that repeats an earlier one exactly (small
-        models repeat a call until max_tokens): the repeat is dropped, and the rest of the generation
-        is read without being shown so that the usage stays exact."""
-        parsers: dict[int, tools.StreamParser | tools.HermesParser] = {}
-        held: dict[int, list[OutputEvent]] = {}  # the call in progress, per choice
-        released: dict[int, int] = {}  # calls given out, per choice
-        ended: set[int] = set()  # choices whose answer ended at a repeat
-        ids: dict[tuple[int, int], str] = {}
-        kinds = {t.name: t.kind for t in p.tool_plan.tools} if p.tool_plan is not None else {}
-        rplan = p.reasoning
-        splitters: dict[int, reasoning.Splitter] = {}
-        thought_tokens: dict[int, int] = {}
-
-        def split(i: int, ev: TokenEvent) -> tuple[list[ReasoningDelta], str]:
-            """The engine event's text as reasoning, and the answer's text that follows it."""
-            if rplan is None or not rplan.split:
-                return [], ev.text
-            sp = splitters.get(i)
-            if sp is None:
-                sp = splitters[i] = reasoning.Splitter(rplan.opened)
-            parts = sp.feed(ev.text)
-            if sp.touched:
-                thought_tokens[i] = thought_tokens.get(i, 0) + len(ev.token_ids)
-            if ev.finish_reason is not None:
-                parts += sp.flush()
-            return ([ReasoningDelta(t) for k, t in parts if k == "reasoning"],
-                    "".join(t for k, t in parts if k == "text"))
-
-        def finished(i: int, reason: str | None, whole: bool) -> Finished:
-            parser = parsers[i]
-            calls = tuple(ToolCall(ids[(i, k)], n, a or "{}", kinds.get(n, "function"))
-                          for k, (n, a) in enumerate(parser.calls[:released.get(i, 0)]))
-            return Finished("tool_calls" if calls else (reason or "stop"), calls, whole, thought_tokens.get(i, 0))
-
-        def release(i: int) -> list[OutputEvent] | None:
-            """The held call is complete: its events, or None when it repeats an earlier call."""
-            parser, n = parsers[i], released.get(i, 0)
-            if _first_repeat(parser.calls[:n + 1]) is not None:
-                ended.add(i)
-                return None
-            released[i] = n + 1
-            out, held[i] = held.get(i, []), []
-            return out
-
+        logprobs and usage); `_Answers` says how."""
+        answers = _Answers(p)
         async with contextlib.aclosing(p.events()) as events:
             async for i, ev in events:
-                thought, text = split(i, ev)
-                for r in thought:
-                    yield i, r, ev
-                if p.tool_plan is None:
-                    if text or (ev.logprobs and not thought):
-                        yield i, TextDelta(text), ev
-                    if ev.finish_reason is not None:
-                        yield i, Finished(ev.finish_reason, reasoning_tokens=thought_tokens.get(i, 0)), ev
-                    continue
-                parser = parsers.get(i)
-                if parser is None:
-                    parser = parsers[i] = p.tool_plan.parser()
-                if i in ended:
-                    if ev.finish_reason is not None:
-                        yield i, finished(i, ev.finish_reason, True), ev
-                    continue
-                for e in parser.feed(text):
-                    if i in ended:
-                        break
-                    if isinstance(e, tools.CallStarted):
-                        if held.get(i):
-                            out = release(i)
-                            if out is None:
-                                break
-                            for x in out:
-                                yield i, x, ev
-                        ids[(i, e.index)] = _call_id()
-                        held[i] = [CallStarted(e.index, ids[(i, e.index)], e.name, kinds.get(e.name, "function"))]
-                    elif isinstance(e, tools.ArgumentsDelta):
-                        held.setdefault(i, []).append(ArgumentsDelta(e.index, e.text))
-                    else:
-                        yield i, TextDelta(e.text), ev
-                if i not in ended and parser.done and held.get(i):
-                    out = release(i)
-                    for x in out or ():
-                        yield i, x, ev
-                if ev.finish_reason is not None and i not in ended:
-                    for e in parser.flush():  # a partial tag held back is text after all
-                        if isinstance(e, tools.ContentDelta):
-                            yield i, TextDelta(e.text), ev
-                    yield i, finished(i, ev.finish_reason, parser.done), ev
-                elif ev.finish_reason is not None:
-                    yield i, finished(i, ev.finish_reason, True), ev
+                for e in answers.events(i, ev):
+                    yield i, e, ev
 
     async def collect(self, p: Prepared) -> _Collected:
         n = len(p.requests)
@@ -450,6 +362,103 @@ class Service:
                     if ev.usage is not None:
                         out.usages.append(ev.usage)
         return out
+
+
+class _Answers:
+    """Engine events -> the neutral events of each choice.
+
+    Reasoning is split from the answer (models that think). A tool answer is parsed into calls, and
+    each call is released once it is complete (its arguments still arrive as fragments that
+    concatenate to the final text): so a call cut short by max_tokens never reaches the client, and
+    the calls completed before it are kept (finish "tool_calls"). The answer ends at the first call
+    that repeats an earlier one exactly (small models repeat a call until max_tokens): the repeat is
+    dropped, and the rest of the generation is read without being shown so that the usage stays
+    exact."""
+
+    def __init__(self, p: Prepared) -> None:
+        self.plan = p.tool_plan
+        self.rplan = p.reasoning
+        self.parsers: dict[int, tools.StreamParser | tools.HermesParser] = {}
+        self.held: dict[int, list[OutputEvent]] = {}  # the call in progress, per choice
+        self.released: dict[int, int] = {}  # calls given out, per choice
+        self.ended: set[int] = set()  # choices whose answer ended at a repeat
+        self.ids: dict[tuple[int, int], str] = {}
+        self.kinds = {t.name: t.kind for t in p.tool_plan.tools} if p.tool_plan is not None else {}
+        self.splitters: dict[int, reasoning.Splitter] = {}
+        self.thought_tokens: dict[int, int] = {}
+
+    def events(self, i: int, ev: TokenEvent) -> list[OutputEvent]:
+        thought, text = self._split(i, ev)
+        out: list[OutputEvent] = list(thought)
+        if self.plan is not None:
+            return out + self._tool_answer(i, ev, text)
+        if text or (ev.logprobs and not thought):
+            out.append(TextDelta(text))
+        if ev.finish_reason is not None:
+            out.append(Finished(ev.finish_reason, reasoning_tokens=self.thought_tokens.get(i, 0)))
+        return out
+
+    def _split(self, i: int, ev: TokenEvent) -> tuple[list[ReasoningDelta], str]:
+        """The engine event's text as reasoning, and the answer's text that follows it."""
+        if self.rplan is None or not self.rplan.split:
+            return [], ev.text
+        sp = self.splitters.get(i)
+        if sp is None:
+            sp = self.splitters[i] = reasoning.Splitter(self.rplan.opened)
+        parts = sp.feed(ev.text)
+        if sp.touched:
+            self.thought_tokens[i] = self.thought_tokens.get(i, 0) + len(ev.token_ids)
+        if ev.finish_reason is not None:
+            parts += sp.flush()
+        return ([ReasoningDelta(t) for k, t in parts if k == "reasoning"],
+                "".join(t for k, t in parts if k == "text"))
+
+    def _finished(self, i: int, reason: str | None, whole: bool) -> Finished:
+        parser = self.parsers[i]
+        calls = tuple(ToolCall(self.ids[(i, k)], n, a or "{}", self.kinds.get(n, "function"))
+                      for k, (n, a) in enumerate(parser.calls[:self.released.get(i, 0)]))
+        return Finished("tool_calls" if calls else (reason or "stop"), calls, whole, self.thought_tokens.get(i, 0))
+
+    def _release(self, i: int) -> list[OutputEvent] | None:
+        """The held call is complete: its events, or None when it repeats an earlier call."""
+        parser, n = self.parsers[i], self.released.get(i, 0)
+        if _first_repeat(parser.calls[:n + 1]) is not None:
+            self.ended.add(i)
+            return None
+        self.released[i] = n + 1
+        out, self.held[i] = self.held.get(i, []), []
+        return out
+
+    def _tool_answer(self, i: int, ev: TokenEvent, text: str) -> list[OutputEvent]:
+        assert self.plan is not None
+        parser = self.parsers.get(i)
+        if parser is None:
+            parser = self.parsers[i] = self.plan.parser()
+        out: list[OutputEvent] = []
+        if i in self.ended:
+            return [self._finished(i, ev.finish_reason, True)] if ev.finish_reason is not None else []
+        for e in parser.feed(text):
+            if isinstance(e, tools.CallStarted):
+                if self.held.get(i):
+                    done = self._release(i)
+                    if done is None:
+                        break
+                    out += done
+                self.ids[(i, e.index)] = _call_id()
+                self.held[i] = [CallStarted(e.index, self.ids[(i, e.index)], e.name, self.kinds.get(e.name, "function"))]
+            elif isinstance(e, tools.ArgumentsDelta):
+                self.held.setdefault(i, []).append(ArgumentsDelta(e.index, e.text))
+            else:
+                out.append(TextDelta(e.text))
+        if i not in self.ended and parser.done and self.held.get(i):
+            out += self._release(i) or []
+        if ev.finish_reason is None:
+            return out
+        if i in self.ended:
+            return out + [self._finished(i, ev.finish_reason, True)]
+        # A partial tag held back is text after all.
+        out += [TextDelta(e.text) for e in parser.flush() if isinstance(e, tools.ContentDelta)]
+        return out + [self._finished(i, ev.finish_reason, parser.done)]
 
 
 def _constrained(sp: SamplingParams, fmt: Output | None, param: str = "format") -> SamplingParams:

@@ -12,6 +12,12 @@ from fastapi.responses import JSONResponse, Response
 from gateway.api.errors import APIError
 from gateway.api.notes import Notes
 from gateway.api.openai import responses as rs
+from gateway.api.openai.responses_schema import (
+    DeletedResponse,
+    InputItemList,
+    ResponseCreateRequest,
+    ResponseObject,
+)
 from gateway.api.routes import error_responses
 from gateway.api.serving import Service
 from gateway.api.sse import answer_events, until_disconnect
@@ -39,10 +45,10 @@ _STREAM = {"schema": {
 
 
 @router.post("/v1/responses", response_model=None, responses={
-    200: {"model": rs.ResponseObject, "description": "The response object (JSON), or its events (SSE) with `stream`",
+    200: {"model": ResponseObject, "description": "The response object (JSON), or its events (SSE) with `stream`",
           "content": {"text/event-stream": _STREAM}},
     **error_responses(400, 401, 403, 404, 413, 429, 500, 502, 503)})
-async def create_response(body: rs.ResponseCreateRequest, request: Request) -> Response:
+async def create_response(body: ResponseCreateRequest, request: Request) -> Response:
     received = time.perf_counter()
     service: Service = request.app.state.chat
     store = _store(request)
@@ -76,7 +82,7 @@ async def create_response(body: rs.ResponseCreateRequest, request: Request) -> R
     return await answer_events(request, events, body.stream, headers, p.release, lambda last: last["response"])
 
 
-@router.get("/v1/responses/{response_id}", response_model=rs.ResponseObject,
+@router.get("/v1/responses/{response_id}", response_model=ResponseObject,
             responses=error_responses(401, 403, 404))
 async def get_response(response_id: str, request: Request) -> JSONResponse:
     store = _store(request)
@@ -86,7 +92,7 @@ async def get_response(response_id: str, request: Request) -> JSONResponse:
     return JSONResponse(found)
 
 
-@router.delete("/v1/responses/{response_id}", response_model=rs.DeletedResponse,
+@router.delete("/v1/responses/{response_id}", response_model=DeletedResponse,
                responses=error_responses(401, 403, 404))
 async def delete_response(response_id: str, request: Request) -> JSONResponse:
     store = _store(request)
@@ -95,7 +101,7 @@ async def delete_response(response_id: str, request: Request) -> JSONResponse:
     return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
 
-@router.get("/v1/responses/{response_id}/input_items", response_model=rs.InputItemList,
+@router.get("/v1/responses/{response_id}/input_items", response_model=InputItemList,
             responses=error_responses(400, 401, 403, 404))
 async def list_input_items(response_id: str, request: Request, limit: int = 20, order: str = "desc",
                            after: str | None = None) -> JSONResponse:
