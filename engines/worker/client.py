@@ -482,6 +482,15 @@ class WorkerEngine:
         """Called from another event loop than the connection's (e.g. a test's loop, the server's in a thread)."""
         return self._loop is not None and asyncio.get_running_loop() is not self._loop
 
+    async def back(self) -> None:
+        """Returns once a worker serves (at once while one does): a stream that lost its worker
+        waits here for the restart, and not for the replay of the tokens it had already sent."""
+        if self._foreign():
+            assert self._loop is not None
+            await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._connected.wait(), self._loop))
+        else:
+            await self._connected.wait()
+
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
         stream = self._generate_foreign(request) if self._foreign() else self._generate(request)
         try:

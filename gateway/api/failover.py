@@ -44,6 +44,7 @@ async def resumable(request: GenerationRequest, engine: Engine, current: Callabl
     counted = 0  # of those, after crashes it may have caused (a kill from outside is not one)
     last_token = time.perf_counter()
     paused_at: float | None = None
+    deadline: float | None = None  # for the first event after a failover, where the engine cannot say it is back
     while True:
         req = request if failovers == 0 else replace(request, resume_ids=tuple(produced), resume_replay=policy.replay)
         stream = engine.generate(req).__aiter__()
@@ -51,17 +52,17 @@ async def resumable(request: GenerationRequest, engine: Engine, current: Callabl
         try:
             while True:
                 try:
-                    if paused_at is None:
+                    if deadline is None:
                         ev = await anext(stream)
                     else:  # the engine must be back in time
-                        ev = await asyncio.wait_for(anext(stream), max(0.0, paused_at + policy.wait_s - time.perf_counter()))
+                        ev = await asyncio.wait_for(anext(stream), max(0.0, deadline - time.perf_counter()))
                 except StopAsyncIteration:
                     return
                 if paused_at is not None:
                     metrics.failover_pause.labels(model).observe(time.perf_counter() - last_token)
                     if on_pause is not None:
                         on_pause(time.perf_counter() - last_token)
-                    paused_at = None
+                    paused_at = deadline = None
                 last_token = time.perf_counter()
                 produced.extend(ev.token_ids)
                 if failovers and ev.usage is not None:
@@ -79,6 +80,22 @@ async def resumable(request: GenerationRequest, engine: Engine, current: Callabl
         paused_at = time.perf_counter()
         engine = await _continue_on(crashed, engine, current, policy, model, metrics, request.request_id,
                                     len(produced), len(produced) == before, counted)
+        deadline = None if await _back(engine, paused_at + policy.wait_s, model, metrics) else paused_at + policy.wait_s
+
+
+async def _back(engine: Engine, deadline: float, model: str, metrics: Metrics) -> bool:
+    """Whether the engine said it is back (a worker restarted) before `deadline`; then the stream
+    has no deadline of its own: replaying the tokens already sent takes what it takes (the worker's
+    step watchdog still guards each step). False for an engine that cannot say."""
+    back = getattr(engine, "back", None)
+    if back is None:
+        return False
+    try:
+        await asyncio.wait_for(back(), max(0.0, deadline - time.perf_counter()))
+    except TimeoutError:
+        metrics.failovers.labels(model, "gave_up").inc()
+        raise EngineCrashed("the engine was not back in time after losing this stream") from None
+    return True
 
 
 async def _continue_on(crashed: EngineCrashed, engine: Engine, current: Callable[[], Awaitable[Engine]],
