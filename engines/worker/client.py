@@ -647,6 +647,8 @@ class WorkerEngine:
             except (ConnectionError, RuntimeError):
                 return
             await asyncio.sleep(s.heartbeat_s)
+            if self._writer is not writer or writer.is_closing():
+                return  # lost in the meantime (its reader saw the end first): one loss, one restart
             silent = time.monotonic() - self._last_pong
             why = ""
             # On probation (the functional check, itself bounded by the check's time limit) the
