@@ -39,7 +39,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from benchmarks.bench_vs_llama_server import _port, _wait  # noqa: E402
+from benchmarks.bench_vs_llama_server import _port, _stop, _wait  # noqa: E402
 
 PROMPT = "Tell a long story about a lighthouse keeper and the ships she saw."
 PROTOCOLS = ("openai", "responses", "anthropic", "ollama")
@@ -291,11 +291,7 @@ def main() -> int:
                 whole = sum(o.whole(args.max_tokens) for o in outs)
                 print(f"run {i + 1}: {whole}/{len(outs)} whole", file=sys.stderr, flush=True)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        _stop(proc)
     return _report(args, model, runs, log)
 
 

@@ -32,7 +32,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from benchmarks.bench_vs_llama_server import MODEL, _port, _wait  # noqa: E402
+from benchmarks.bench_vs_llama_server import MODEL, _port, _stop, _wait  # noqa: E402
 
 PROMPT = [{"role": "user", "content": "Tell a long story about a lighthouse keeper."}]
 
@@ -141,11 +141,7 @@ def main() -> int:
                   f"no error and {args.max_tokens} tokens: {row['clean']}, the uninterrupted text: {row['same_text']}",
                   file=sys.stderr)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        _stop(proc)
     gaps = sorted(r["gap_s"] for r in rows)
     p95 = gaps[min(len(gaps) - 1, round(0.95 * (len(gaps) - 1)))]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()

@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import socket
 import subprocess
 import sys
@@ -45,6 +46,15 @@ def _wait(url: str, proc: subprocess.Popen[bytes], timeout: float = 300) -> None
             pass
         time.sleep(0.2)
     raise RuntimeError(f"{url} not ready")
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM (the gateway drains), then SIGKILL after 60 s."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
 
 
 def _bench(url: str, c: int, args: argparse.Namespace, out: Path) -> dict[str, object]:

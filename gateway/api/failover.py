@@ -72,7 +72,7 @@ async def resumable(request: GenerationRequest, engine: Engine, current: Callabl
             crashed: EngineCrashed = exc
         except TimeoutError:
             metrics.failovers.labels(model, "gave_up").inc()
-            raise EngineCrashed(f"the engine was not back within {policy.wait_s:.0f} s of losing this stream") from None
+            raise _not_back(policy) from None
         finally:
             await stream.aclose()  # type: ignore[attr-defined]
         counted += not crashed.outside
@@ -80,10 +80,12 @@ async def resumable(request: GenerationRequest, engine: Engine, current: Callabl
         paused_at = time.perf_counter()
         engine = await _continue_on(crashed, engine, current, policy, model, metrics, request.request_id,
                                     len(produced), len(produced) == before, counted)
-        deadline = None if await _back(engine, paused_at + policy.wait_s, model, metrics) else paused_at + policy.wait_s
+        deadline = paused_at + policy.wait_s
+        if await _back(engine, deadline, policy, model, metrics):
+            deadline = None
 
 
-async def _back(engine: Engine, deadline: float, model: str, metrics: Metrics) -> bool:
+async def _back(engine: Engine, deadline: float, policy: FailoverPolicy, model: str, metrics: Metrics) -> bool:
     """Whether the engine said it is back (a worker restarted) before `deadline`; then the stream
     has no deadline of its own: replaying the tokens already sent takes what it takes (the worker's
     step watchdog still guards each step). False for an engine that cannot say."""
@@ -94,8 +96,12 @@ async def _back(engine: Engine, deadline: float, model: str, metrics: Metrics) -
         await asyncio.wait_for(back(), max(0.0, deadline - time.perf_counter()))
     except TimeoutError:
         metrics.failovers.labels(model, "gave_up").inc()
-        raise EngineCrashed("the engine was not back in time after losing this stream") from None
+        raise _not_back(policy) from None
     return True
+
+
+def _not_back(policy: FailoverPolicy) -> EngineCrashed:
+    return EngineCrashed(f"the engine was not back within {policy.wait_s:.0f} s of losing this stream")
 
 
 async def _continue_on(crashed: EngineCrashed, engine: Engine, current: Callable[[], Awaitable[Engine]],
