@@ -418,6 +418,11 @@ class EngineCrashed(EngineFailure):
         self.outside = outside
 
 
+# A request in flight at this many crashes in a row (none from outside) is not sent again: it may be
+# what crashes the worker (a prompt that takes a broken kernel), and an only engine never gives up.
+POISON_CRASHES = 2
+
+
 def token_prompt(ids: tuple[int, ...], n_vocab: int) -> list[int]:
     """A prompt given as token ids, checked against the model's vocabulary."""
     bad = next((t for t in ids if not 0 <= t < n_vocab), None)

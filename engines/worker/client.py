@@ -39,6 +39,7 @@ import numpy as np
 import numpy.typing as npt
 
 from engines.base import (
+    POISON_CRASHES,
     EngineClosed,
     EngineConfig,
     EngineCrashed,
@@ -345,11 +346,6 @@ class _Pending:
     sent: bool = False
     frame: bytes = b""
     crashes: int = 0  # worker crashes while it was in flight: at POISON_CRASHES it is not resent
-
-
-# A request in flight at this many worker crashes fails instead of being sent again: it may be what
-# crashes the worker (a prompt that takes a broken kernel), and an only engine never gives up.
-POISON_CRASHES = 2
 
 
 class WorkerEngine:

@@ -20,7 +20,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 
-from engines.base import Engine, EngineCrashed, GenerationRequest, TokenEvent
+from engines.base import POISON_CRASHES, Engine, EngineCrashed, GenerationRequest, TokenEvent
 from gateway.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -42,6 +42,7 @@ async def resumable(request: GenerationRequest, engine: Engine, current: Callabl
     produced: list[int] = []
     failovers = 0  # the times it continued on an engine
     counted = 0  # of those, after crashes it may have caused (a kill from outside is not one)
+    barren = 0  # crashes in a row, not from outside, whose attempt produced no token
     last_token = time.perf_counter()
     paused_at: float | None = None
     deadline: float | None = None  # for the first event after a failover, where the engine cannot say it is back
@@ -76,10 +77,12 @@ async def resumable(request: GenerationRequest, engine: Engine, current: Callabl
         finally:
             await stream.aclose()  # type: ignore[attr-defined]
         counted += not crashed.outside
+        if not crashed.outside:
+            barren = barren + 1 if len(produced) == before else 0
         failovers += 1
         paused_at = time.perf_counter()
         engine = await _continue_on(crashed, engine, current, policy, model, metrics, request.request_id,
-                                    len(produced), len(produced) == before, counted)
+                                    len(produced), barren, counted)
         deadline = paused_at + policy.wait_s
         if await _back(engine, deadline, policy, model, metrics):
             deadline = None
@@ -106,14 +109,15 @@ def _not_back(policy: FailoverPolicy) -> EngineCrashed:
 
 async def _continue_on(crashed: EngineCrashed, engine: Engine, current: Callable[[], Awaitable[Engine]],
                        policy: FailoverPolicy, model: str, metrics: Metrics, rid: str, produced: int,
-                       barren: bool, counted: int) -> Engine:
+                       barren: int, counted: int) -> Engine:
     """The engine a stream that lost its own continues on, or `crashed` raised where it may not.
 
-    An attempt that died before it produced a token (`barren`) may be what kills the engine (a
-    prompt that takes a broken kernel; the worker client already re-sent it once): it is not
-    carried to the next engine, as an unstarted request is not sent a third time. A kill from
-    outside is no such sign, and does not use up the budget (`counted`: this one included)."""
-    if not crashed.outside and (counted > policy.budget or barren):
+    Attempts that died before they produced a token, `barren` times in a row, may be what kills the
+    engine (a prompt that takes a broken kernel): after POISON_CRASHES of them the stream is not
+    carried on, as an unstarted request is not sent a third time. One such crash is no sign: a
+    stream still replaying its tokens dies with whichever request did crash the worker. A kill from
+    outside is neither, and does not use up the budget (`counted`: this one included)."""
+    if not crashed.outside and (counted > policy.budget or barren >= POISON_CRASHES):
         metrics.failovers.labels(model, "gave_up").inc()
         raise crashed
     try:
