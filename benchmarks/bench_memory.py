@@ -91,13 +91,19 @@ def fill_cache(url: str, model: str, ctx: int, parallel: int, most: int) -> tupl
 
 
 def measure(model: dict[str, Any], ctx: int, parallel: int, engine: str, tmp: Path,
-            prefix_cache: str | None = None, fill_max: int = 400) -> dict[str, Any]:
+            prefix_cache: str | None = None, fill_max: int = 400, logs: Path | None = None) -> dict[str, Any]:
     spec = {**model, "context_length": ctx, "parallel": parallel}
     cfg = tmp / f"models-{ctx}-{parallel}.yaml"
     cfg.write_text(yaml.safe_dump({"default": spec["id"], "models": [spec]}, sort_keys=False))
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    log = (tmp / f"gateway-{port}.log").open("w")
+    log_path = (logs or tmp) / f"gateway-{spec['id']}-{ctx}x{parallel}.log"
+    log = log_path.open("w")
+    began = time.monotonic()
+
+    def phase(what: str) -> None:
+        print(f"{spec['id']} {ctx}x{parallel}: {what} at {time.monotonic() - began:.0f} s", file=sys.stderr, flush=True)
+
     proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg), "--port", str(port),
                              "--engine", engine, "--keep-alive", "-1",
                              *(["--prefix-cache", prefix_cache] if prefix_cache is not None else [])],
@@ -111,8 +117,9 @@ def measure(model: dict[str, Any], ctx: int, parallel: int, engine: str, tmp: Pa
             except httpx.HTTPError:
                 pass
             if proc.poll() is not None:
-                raise RuntimeError((tmp / f"gateway-{port}.log").read_text()[-3000:])
+                raise RuntimeError(log_path.read_text()[-3000:])
             time.sleep(0.5)
+        phase("ready")
         words = " ".join(f"item{i}" for i in range(min(ctx // 4, 1500)))
 
         def one(i: int) -> None:
@@ -128,7 +135,9 @@ def measure(model: dict[str, Any], ctx: int, parallel: int, engine: str, tmp: Pa
             httpx.post(f"{url}/v1/chat/completions", timeout=600, json={
                 "model": spec["id"], "max_tokens": 16, "temperature": 0, **extra,
                 "messages": [{"role": "user", "content": words[: 4 * ctx // 2]}]}).raise_for_status()
+        phase("loaded every sequence")
         sent, held, bound = fill_cache(url, spec["id"], ctx, parallel, fill_max)
+        phase(f"cache filled ({sent} prompts, {held / MiB:.0f} of {bound / MiB:.0f} MiB)")
         row = httpx.get(f"{url}/health", timeout=30).json()["models"][spec["id"]]
         est = row["memory"]["estimate"]
         pid = row["worker"]["pid"]
@@ -156,7 +165,10 @@ def main() -> None:
                     help="the host prefix cache's size (default: the gateway's default; 0: none)")
     ap.add_argument("--fill-max", type=int, default=400, help="at most this many prompts to fill the cache")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--logs", default=None, metavar="DIR", help="keep each gateway's log in DIR (default: discarded)")
     args = ap.parse_args()
+    if args.logs:
+        Path(args.logs).mkdir(parents=True, exist_ok=True)
     data = yaml.safe_load(Path(args.config).read_text())
     by_id = {m["id"]: m for m in data["models"]}
     models = [by_id[m] for m in args.models.split(",") if m]
@@ -167,7 +179,8 @@ def main() -> None:
         for m in models:
             for ctx, par in configs:
                 try:
-                    rows.append(measure(m, ctx, par, args.engine, Path(tmp), args.prefix_cache, args.fill_max))
+                    rows.append(measure(m, ctx, par, args.engine, Path(tmp), args.prefix_cache, args.fill_max,
+                                        Path(args.logs) if args.logs else None))
                 except Exception as exc:  # noqa: BLE001 - a config that cannot run is reported, not fatal
                     print(f"{m['id']} {ctx}x{par}: {exc}", file=sys.stderr)
                     continue
