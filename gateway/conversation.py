@@ -167,12 +167,56 @@ class ArgumentsDelta:
     text: str
 
 
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """What one choice cost, in tokens, once it finished."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0  # of the prompt's, those served from a cache
+    # Speculative decoding: draft tokens proposed, and how many of them were accepted.
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
+    failovers: int = 0  # times the choice continued on another engine after its engine died
+
+
+@dataclass(frozen=True, slots=True)
+class Alternative:
+    """One of the likeliest tokens at a position, with its log-probability."""
+
+    token: str
+    logprob: float
+    bytes: bytes  # the token's own bytes (its text can be a replacement character)
+
+
+@dataclass(frozen=True, slots=True)
+class Logprob:
+    """A generated (or, echoed, a prompt) token with its log-probability (NaN: a prompt's first
+    token, which nothing comes before) and the likeliest alternatives at its position."""
+
+    token: str
+    logprob: float
+    bytes: bytes
+    top: tuple[Alternative, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Scored:
+    """The log-probabilities of the tokens behind the events that follow it (up to the next
+    `Scored` or `Finished` of its choice), sent only when the request asked for them. One group of
+    tokens can make several events (reasoning, then text), so the scores travel apart from them."""
+
+    tokens: tuple[Logprob, ...]
+
+
 @dataclass(frozen=True)
 class Finished:
     reason: str  # stop | length | tool_calls | content_filter
     calls: tuple[ToolCall, ...] = ()  # every complete call of the answer
     whole: bool = True  # False: a constrained (tool) answer cut short before it closed
     reasoning_tokens: int = 0  # of the generated tokens, those of the reasoning (models that think)
+    usage: Usage | None = None  # None: the engine did not count it
+    stop_sequence: str | None = None  # the request's stop string that ended the answer
 
 
-OutputEvent = TextDelta | ReasoningDelta | CallStarted | ArgumentsDelta | Finished
+OutputEvent = TextDelta | ReasoningDelta | CallStarted | ArgumentsDelta | Scored | Finished
