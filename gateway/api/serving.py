@@ -150,6 +150,21 @@ class Prepared:
             out["X-Failover"] = str(self.failovers)
         return out
 
+    @property
+    def wants_logprobs(self) -> bool:
+        """Whether the request asked for each generated token's log-probability (its choices alike)."""
+        return self.requests[0].sampling.logprobs
+
+    @property
+    def temperature(self) -> float:
+        """The temperature it samples at: the request's, else the model's default, else the gateway's."""
+        return self.requests[0].sampling.temperature
+
+    @property
+    def top_p(self) -> float:
+        """Its top_p, chosen as the temperature is."""
+        return self.requests[0].sampling.top_p
+
     def release(self) -> None:
         """Give the request's slots back (idempotent)."""
         if self.ticket is not None:

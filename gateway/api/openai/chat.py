@@ -113,7 +113,7 @@ class ChatService(Service):
     async def complete(self, p: Prepared, model: str) -> ChatCompletion:
         """A whole answer: its text, or its calls (the complete ones, up to the first repeat)."""
         c = await self.collect(p)
-        want_lp = p.requests[0].sampling.logprobs
+        want_lp = p.wants_logprobs
         native = p.tool_plan is not None and p.tool_plan.native
         choices = []
         for i in range(len(p.requests)):
@@ -137,7 +137,7 @@ class ChatService(Service):
         `continuous_usage`: each choice's chunk carries its usage so far."""
         started: set[int] = set()
         usages: list[Usage] = []
-        want_lp = p.requests[0].sampling.logprobs
+        want_lp = p.wants_logprobs
         scored: tuple[Logprob, ...] = ()  # the logprobs of the tokens behind the next delta
 
         def chunk(choices: list[ChunkChoice], usage: UsageOut | None = None) -> str:

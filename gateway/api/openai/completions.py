@@ -61,7 +61,7 @@ class CompletionService(Service):
 
     async def complete(self, p: Prepared, model: str) -> Completion:
         c = await self.collect(p)
-        want_lp = p.requests[0].sampling.logprobs
+        want_lp = p.wants_logprobs
         choices = []
         for i in range(len(p.requests)):
             echo, echoed = _echo(p, i)
@@ -75,7 +75,7 @@ class CompletionService(Service):
     async def stream(self, p: Prepared, model: str, include_usage: bool,
                      continuous_usage: bool = False) -> AsyncIterator[str]:
         usages: list[Usage] = []
-        want_lp = p.requests[0].sampling.logprobs
+        want_lp = p.wants_logprobs
         offsets = [0] * len(p.requests)
         started: set[int] = set()
         scored: tuple[Logprob, ...] = ()  # the logprobs of the tokens behind the next event
@@ -121,7 +121,7 @@ def _echo(p: Prepared, i: int) -> tuple[str, list[Logprob]]:
     text = p.echo[i]
     if text is None:
         text = b"".join(t.bytes for t in scored).decode("utf-8", errors="replace")
-    return text, scored if p.requests[i].sampling.logprobs else []
+    return text, scored if p.wants_logprobs else []
 
 
 def _usage(p: Prepared, usages: list[Usage]) -> UsageOut:

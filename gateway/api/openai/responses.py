@@ -317,10 +317,10 @@ class Run:
             "reasoning": {"effort": (r.reasoning or {}).get("effort"), "summary": None},
             "safety_identifier": r.safety_identifier,
             "service_tier": "default", "store": self.store,
-            "temperature": self.prepared.requests[0].sampling.temperature,
+            "temperature": self.prepared.temperature,
             "text": {"format": fmt, "verbosity": (r.text.verbosity if r.text else None) or "medium"},
             "tool_choice": tool_choice, "tools": r.tools or [], "top_logprobs": r.top_logprobs or 0,
-            "top_p": self.prepared.requests[0].sampling.top_p, "truncation": r.truncation or "disabled",
+            "top_p": self.prepared.top_p, "truncation": r.truncation or "disabled",
             "usage": usage_obj(usage, reasoning_tokens) if status in ("completed", "incomplete") else None,
             "user": r.user, "metadata": r.metadata or {},
         }
