@@ -8,9 +8,10 @@ types only (`gateway.api.tools`), so a new protocol is one module that translate
 
 from __future__ import annotations
 
+import builtins
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 Role = Literal["system", "user", "assistant", "tool"]
 ToolKind = Literal["function", "custom"]  # custom: a freeform tool called with {"input": <text>}
@@ -180,24 +181,28 @@ class Usage:
     failovers: int = 0  # times the choice continued on another engine after its engine died
 
 
-@dataclass(frozen=True, slots=True)
-class Alternative:
-    """One of the likeliest tokens at a position, with its log-probability."""
+class Alternative(Protocol):
+    """One of the likeliest tokens at a position, with its log-probability.
 
-    token: str
-    logprob: float
-    bytes: bytes  # the token's own bytes (its text can be a replacement character)
+    A shape, not a class: the tokens an engine scores have it already and travel as they are, so
+    a stream that asks for logprobs copies nothing per token."""
+
+    @property
+    def token(self) -> str: ...
+
+    @property
+    def logprob(self) -> float: ...
+
+    @property
+    def bytes(self) -> builtins.bytes: ...  # the token's own bytes (its text can be a replacement character)
 
 
-@dataclass(frozen=True, slots=True)
-class Logprob:
+class Logprob(Alternative, Protocol):
     """A generated (or, echoed, a prompt) token with its log-probability (NaN: a prompt's first
     token, which nothing comes before) and the likeliest alternatives at its position."""
 
-    token: str
-    logprob: float
-    bytes: bytes
-    top: tuple[Alternative, ...] = ()
+    @property
+    def top(self) -> tuple[Alternative, ...]: ...
 
 
 @dataclass(frozen=True, slots=True)

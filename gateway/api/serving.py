@@ -17,7 +17,7 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from engines.base import ChatMessage, Engine, GenerationRequest, SamplingParams, TokenEvent, TokenLogprob
+from engines.base import ChatMessage, Engine, GenerationRequest, SamplingParams, TokenEvent
 from engines.base import Usage as EngineUsage
 from gateway.api import reasoning, sampling, tools
 from gateway.api.admission import Admission, Ticket
@@ -26,7 +26,6 @@ from gateway.api.failover import FailoverPolicy, resumable
 from gateway.api.guards import Drain
 from gateway.api.notes import header_value
 from gateway.conversation import (
-    Alternative,
     ArgumentsDelta,
     CallStarted,
     Conversation,
@@ -92,18 +91,13 @@ async def _merge(streams: list[AsyncIterator[TokenEvent]]) -> AsyncIterator[tupl
 
 
 # --- the engine's output -> the neutral types the adapters read (made here only) -------------------
+# The engine's scored tokens already have the neutral `Logprob` shape: they pass as they are.
 
 
 def usage_of(u: EngineUsage) -> Usage:
     """A choice's usage, as the protocols report it."""
     return Usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens, u.draft_tokens, u.accepted_draft_tokens,
                  u.failovers)
-
-
-def logprobs_of(items: tuple[TokenLogprob, ...]) -> tuple[Logprob, ...]:
-    """Scored tokens (made only when a request asked for logprobs: the engine sends none otherwise)."""
-    return tuple(Logprob(t.token, t.logprob, t.bytes, tuple(Alternative(x.token, x.logprob, x.bytes) for x in t.top))
-                 for t in items)
 
 
 # Called once a request finished normally: (engine it ran on, prompt ids, choice 0's generated ids).
@@ -191,7 +185,7 @@ class Prepared:
                 elif ev.prompt_tokens and not self.prompt_tokens:
                     self.prompt_tokens, self.cached_tokens = ev.prompt_tokens, ev.cached_tokens
                 if ev.prompt_logprobs and i not in self.prompt_logprobs:
-                    self.prompt_logprobs[i] = logprobs_of(ev.prompt_logprobs)
+                    self.prompt_logprobs[i] = ev.prompt_logprobs
                 if finish is None and ev.finish_reason is not None:
                     finish = ev.finish_reason
                 if i == 0 and self.on_complete is not None:
@@ -432,7 +426,7 @@ class _Answers:
             if ev.finish_reason is not None:
                 out.append(self._finished(i, ev, ev.finish_reason))
         if ev.logprobs and out:
-            out.insert(0, Scored(logprobs_of(ev.logprobs)))
+            out.insert(0, Scored(ev.logprobs))
         return out
 
     def _split(self, i: int, ev: TokenEvent) -> tuple[list[ReasoningDelta], str]:
