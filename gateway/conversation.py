@@ -8,9 +8,10 @@ types only (`gateway.api.tools`), so a new protocol is one module that translate
 
 from __future__ import annotations
 
+import builtins
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 Role = Literal["system", "user", "assistant", "tool"]
 ToolKind = Literal["function", "custom"]  # custom: a freeform tool called with {"input": <text>}
@@ -167,12 +168,60 @@ class ArgumentsDelta:
     text: str
 
 
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """What one choice cost, in tokens, once it finished."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0  # of the prompt's, those served from a cache
+    # Speculative decoding: draft tokens proposed, and how many of them were accepted.
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
+    failovers: int = 0  # times the choice continued on another engine after its engine died
+
+
+class Alternative(Protocol):
+    """One of the likeliest tokens at a position, with its log-probability.
+
+    A shape, not a class: the tokens an engine scores have it already and travel as they are, so
+    a stream that asks for logprobs copies nothing per token."""
+
+    @property
+    def token(self) -> str: ...
+
+    @property
+    def logprob(self) -> float: ...
+
+    @property
+    def bytes(self) -> builtins.bytes: ...  # the token's own bytes (its text can be a replacement character)
+
+
+class Logprob(Alternative, Protocol):
+    """A generated (or, echoed, a prompt) token with its log-probability (NaN: a prompt's first
+    token, which nothing comes before) and the likeliest alternatives at its position."""
+
+    @property
+    def top(self) -> tuple[Alternative, ...]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Scored:
+    """The log-probabilities of the tokens behind the events that follow it (up to the next
+    `Scored` or `Finished` of its choice), sent only when the request asked for them. One group of
+    tokens can make several events (reasoning, then text), so the scores travel apart from them."""
+
+    tokens: tuple[Logprob, ...]
+
+
 @dataclass(frozen=True)
 class Finished:
     reason: str  # stop | length | tool_calls | content_filter
     calls: tuple[ToolCall, ...] = ()  # every complete call of the answer
     whole: bool = True  # False: a constrained (tool) answer cut short before it closed
     reasoning_tokens: int = 0  # of the generated tokens, those of the reasoning (models that think)
+    usage: Usage | None = None  # None: the engine did not count it
+    stop_sequence: str | None = None  # the request's stop string that ended the answer
 
 
-OutputEvent = TextDelta | ReasoningDelta | CallStarted | ArgumentsDelta | Finished
+OutputEvent = TextDelta | ReasoningDelta | CallStarted | ArgumentsDelta | Scored | Finished

@@ -33,3 +33,35 @@ def test_the_check_sees_a_long_function() -> None:
     body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION))
     node = ast.parse(f"def f():\n{body}\n").body[0]
     assert isinstance(node, ast.FunctionDef) and (node.end_lineno or 0) - node.lineno + 1 > MAX_FUNCTION
+
+
+ADAPTERS = ("openai", "anthropic", "ollama")
+
+
+def _engine_imports(source: str) -> list[str]:
+    """The modules of the `engines` package a module's source imports (at any depth of its code)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        found += [n for n in names if n == "engines" or n.startswith("engines.")][:1]
+    return found
+
+
+def test_no_protocol_adapter_imports_the_engines() -> None:
+    """Adapters read the neutral events and types of gateway.conversation; serving.py alone makes
+    them from the engine's output."""
+    found = {str(p.relative_to(API)): hit for a in ADAPTERS for p in sorted((API / a).rglob("*.py"))
+             if (hit := _engine_imports(p.read_text()))}
+    assert not found, found
+
+
+def test_the_check_sees_an_engine_import() -> None:
+    for source in ("from engines.base import Usage\n", "import engines.base\n", "from engines import base\n",
+                   "def f():\n    from engines.base import TokenEvent\n"):
+        assert _engine_imports(source), source
+    assert not _engine_imports("from gateway.conversation import Usage\nimport enginesque\n")

@@ -277,17 +277,15 @@ def test_a_responses_stream_that_fails_after_its_start_ends_with_response_failed
 def test_responses_stream_closes_each_call_before_the_next_is_added() -> None:
     """Codex and the SDK read items in order: a call's arguments.done and output_item.done come
     before the next item's output_item.added (found with a model that made two calls at once)."""
-    from engines.base import TokenEvent, Usage
     from gateway.api.openai.responses import Assembler
-    from gateway.conversation import ArgumentsDelta, CallStarted, Finished, ToolCall
+    from gateway.conversation import ArgumentsDelta, CallStarted, Finished, ToolCall, Usage
 
     asm = Assembler(None)  # type: ignore[arg-type]
-    step = TokenEvent("")
     calls = (ToolCall("call_a", "f", '{"x": 1}'), ToolCall("call_b", "g", '{"y": 2}'))
     neutral = [CallStarted(0, "call_a", "f"), ArgumentsDelta(0, '{"x": '), ArgumentsDelta(0, "1}"),
                CallStarted(1, "call_b", "g"), ArgumentsDelta(1, '{"y": 2}')]
-    out = [kind_data for e in neutral for kind_data in asm.feed(e, step)]
-    out += asm.feed(Finished("tool_calls", calls), TokenEvent("", finish_reason="stop", usage=Usage(3, 2)))
+    out = [kind_data for e in neutral for kind_data in asm.feed(e)]
+    out += asm.feed(Finished("tool_calls", calls, usage=Usage(3, 2)))
     order = [(kind, data.get("output_index")) for kind, data in out]
     assert order == [
         ("response.output_item.added", 0), ("response.function_call_arguments.delta", 0),

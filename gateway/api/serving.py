@@ -2,8 +2,9 @@
 prompt and the output constraint -> a loaded engine with slots (`Prepared`), and its output as
 neutral events (`Service.conversation_events`, `Service.collect`).
 
-Each protocol is an adapter over `Service` (gateway/api/openai/: chat, completions, responses,
-embeddings); engines only ever see `GenerationRequest`.
+Each protocol is an adapter over `Service` (gateway/api/openai/, anthropic/, ollama/); engines only
+ever see `GenerationRequest`, and adapters only the neutral types of gateway.conversation: the
+engine's output is converted to them in this module.
 """
 
 from __future__ import annotations
@@ -16,15 +17,8 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from engines.base import (
-    ChatMessage,
-    Engine,
-    GenerationRequest,
-    SamplingParams,
-    TokenEvent,
-    TokenLogprob,
-    Usage,
-)
+from engines.base import ChatMessage, Engine, GenerationRequest, SamplingParams, TokenEvent
+from engines.base import Usage as EngineUsage
 from gateway.api import reasoning, sampling, tools
 from gateway.api.admission import Admission, Ticket
 from gateway.api.errors import APIError, ServerShutdown, invalid, record
@@ -36,12 +30,15 @@ from gateway.conversation import (
     CallStarted,
     Conversation,
     Finished,
+    Logprob,
     Output,
     OutputEvent,
     ReasoningDelta,
     Sampling,
+    Scored,
     TextDelta,
     ToolCall,
+    Usage,
     with_preamble,
 )
 from gateway.metrics import Metrics, RequestObserver
@@ -93,6 +90,16 @@ async def _merge(streams: list[AsyncIterator[TokenEvent]]) -> AsyncIterator[tupl
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+# --- the engine's output -> the neutral types the adapters read (made here only) -------------------
+# The engine's scored tokens already have the neutral `Logprob` shape: they pass as they are.
+
+
+def usage_of(u: EngineUsage) -> Usage:
+    """A choice's usage, as the protocols report it."""
+    return Usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens, u.draft_tokens, u.accepted_draft_tokens,
+                 u.failovers)
+
+
 # Called once a request finished normally: (engine it ran on, prompt ids, choice 0's generated ids).
 CompletionHook = Callable[[Loaded, tuple[int, ...], tuple[int, ...]], object]
 
@@ -119,8 +126,8 @@ class Prepared:
     generated: dict[int, int] = field(default_factory=dict)  # tokens so far, per choice
     prompt_tokens: int = 0  # the prompt's tokens, once an engine said (its first or last event)
     cached_tokens: int = 0  # of those, served from a cache (once an engine said)
-    # Each choice's prompt tokens with their logprobs (SamplingParams.prompt_logprobs), as its engine sent them.
-    prompt_logprobs: dict[int, tuple[TokenLogprob, ...]] = field(default_factory=dict)
+    # Each choice's prompt tokens with their logprobs (SamplingParams.prompt_logprobs), as its engine scored them.
+    prompt_logprobs: dict[int, tuple[Logprob, ...]] = field(default_factory=dict)
     usages: dict[int, Usage] = field(default_factory=dict)  # each choice's, once it finished
     n: int = 1  # choices per prompt (requests[k * n: (k + 1) * n] share a prompt)
     echo: list[str | None] | None = None  # completions' echo: each choice's prompt text (None: its tokens' text)
@@ -136,6 +143,21 @@ class Prepared:
         if self.failovers:
             out["X-Failover"] = str(self.failovers)
         return out
+
+    @property
+    def wants_logprobs(self) -> bool:
+        """Whether the request asked for each generated token's log-probability (its choices alike)."""
+        return self.requests[0].sampling.logprobs
+
+    @property
+    def temperature(self) -> float:
+        """The temperature it samples at: the request's, else the model's default, else the gateway's."""
+        return self.requests[0].sampling.temperature
+
+    @property
+    def top_p(self) -> float:
+        """Its top_p, chosen as the temperature is."""
+        return self.requests[0].sampling.top_p
 
     def release(self) -> None:
         """Give the request's slots back (idempotent)."""
@@ -158,7 +180,7 @@ class Prepared:
                 self.observer.on_event(i, ev)
                 self.generated[i] = self.generated.get(i, 0) + len(ev.token_ids)
                 if ev.usage is not None:
-                    self.usages[i] = ev.usage
+                    self.usages[i] = usage_of(ev.usage)
                     self.prompt_tokens, self.cached_tokens = ev.usage.prompt_tokens, ev.usage.cached_tokens
                 elif ev.prompt_tokens and not self.prompt_tokens:
                     self.prompt_tokens, self.cached_tokens = ev.prompt_tokens, ev.cached_tokens
@@ -192,7 +214,7 @@ class _Collected:
     texts: list[str]  # the answer's text (a tool answer's response, or text beside native calls)
     reasoning: list[str]  # what a model that thinks wrote before its answer
     raw: list[str]  # what the model wrote (a tool answer cut short is returned as it is)
-    tokens: list[list[TokenLogprob]]
+    tokens: list[list[Logprob]]
     finish: list[str | None]
     calls: list[tuple[ToolCall, ...]]
     whole: list[bool]
@@ -334,38 +356,42 @@ class Service:
         p.reasoning = rplan
         return p
 
-    async def conversation_events(self, p: Prepared) -> AsyncGenerator[tuple[int, OutputEvent, TokenEvent], None]:
-        """The output as neutral events per choice (with the engine event that carried each: its
-        logprobs and usage); `_Answers` says how."""
+    async def conversation_events(self, p: Prepared) -> AsyncGenerator[tuple[int, OutputEvent], None]:
+        """The output as neutral events, with the index of the choice each belongs to; `_Answers`
+        says how they are made."""
         answers = _Answers(p)
         async with contextlib.aclosing(p.events()) as events:
             async for i, ev in events:
                 for e in answers.events(i, ev):
-                    yield i, e, ev
+                    yield i, e
 
     async def collect(self, p: Prepared) -> _Collected:
+        """The whole answer of each choice, from the same neutral events a stream sends."""
         n = len(p.requests)
         out = _Collected([""] * n, [""] * n, [""] * n, [[] for _ in range(n)], [None] * n, [()] * n, [True] * n, [])
-        last: dict[int, TokenEvent] = {}
-        async with contextlib.aclosing(self.conversation_events(p)) as events:
-            async for i, e, ev in events:
-                if last.get(i) is not ev:  # one engine event can carry several output events
-                    last[i] = ev
+        answers = _Answers(p)
+        async with contextlib.aclosing(p.events()) as events:
+            async for i, ev in events:
+                made = answers.events(i, ev)
+                if made:  # the text of the steps that made events
                     out.raw[i] += ev.text
-                    out.tokens[i] += ev.logprobs
-                if isinstance(e, TextDelta):
-                    out.texts[i] += e.text
-                elif isinstance(e, ReasoningDelta):
-                    out.reasoning[i] += e.text
-                elif isinstance(e, Finished):
-                    out.finish[i], out.calls[i], out.whole[i] = e.reason, e.calls, e.whole
-                    if ev.usage is not None:
-                        out.usages.append(ev.usage)
+                for e in made:
+                    if isinstance(e, TextDelta):
+                        out.texts[i] += e.text
+                    elif isinstance(e, ReasoningDelta):
+                        out.reasoning[i] += e.text
+                    elif isinstance(e, Scored):
+                        out.tokens[i] += e.tokens
+                    elif isinstance(e, Finished):
+                        out.finish[i], out.calls[i], out.whole[i] = e.reason, e.calls, e.whole
+                        if e.usage is not None:
+                            out.usages.append(e.usage)
         return out
 
 
 class _Answers:
-    """Engine events -> the neutral events of each choice.
+    """Engine events -> the neutral events of each choice: what adapters read of the engine's
+    output (logprobs, usage, the stop sequence) is converted here, once per engine event.
 
     Reasoning is split from the answer (models that think). A tool answer is parsed into calls, and
     each call is released once it is complete (its arguments still arrive as fragments that
@@ -376,6 +402,7 @@ class _Answers:
     exact."""
 
     def __init__(self, p: Prepared) -> None:
+        self.usages = p.usages  # each choice's, converted as its last event passed
         self.plan = p.tool_plan
         self.rplan = p.reasoning
         self.parsers: dict[int, tools.StreamParser | tools.HermesParser] = {}
@@ -388,14 +415,18 @@ class _Answers:
         self.thought_tokens: dict[int, int] = {}
 
     def events(self, i: int, ev: TokenEvent) -> list[OutputEvent]:
+        """The events one engine event makes; its tokens' logprobs lead them, when it has any."""
         thought, text = self._split(i, ev)
         out: list[OutputEvent] = list(thought)
         if self.plan is not None:
-            return out + self._tool_answer(i, ev, text)
-        if text or (ev.logprobs and not thought):
-            out.append(TextDelta(text))
-        if ev.finish_reason is not None:
-            out.append(Finished(ev.finish_reason, reasoning_tokens=self.thought_tokens.get(i, 0)))
+            out += self._tool_answer(i, ev, text)
+        else:
+            if text or (ev.logprobs and not thought):
+                out.append(TextDelta(text))
+            if ev.finish_reason is not None:
+                out.append(self._finished(i, ev, ev.finish_reason))
+        if ev.logprobs and out:
+            out.insert(0, Scored(ev.logprobs))
         return out
 
     def _split(self, i: int, ev: TokenEvent) -> tuple[list[ReasoningDelta], str]:
@@ -413,11 +444,17 @@ class _Answers:
         return ([ReasoningDelta(t) for k, t in parts if k == "reasoning"],
                 "".join(t for k, t in parts if k == "text"))
 
-    def _finished(self, i: int, reason: str | None, whole: bool) -> Finished:
+    def _finished(self, i: int, ev: TokenEvent, reason: str, calls: tuple[ToolCall, ...] = (),
+                  whole: bool = True) -> Finished:
+        """The choice's end, with what the engine said of it on its last event."""
+        return Finished(reason, calls, whole, self.thought_tokens.get(i, 0),
+                        self.usages.get(i) if ev.usage is not None else None, ev.stop_sequence)
+
+    def _tool_finished(self, i: int, ev: TokenEvent, whole: bool) -> Finished:
         parser = self.parsers[i]
         calls = tuple(ToolCall(self.ids[(i, k)], n, a or "{}", self.kinds.get(n, "function"))
                       for k, (n, a) in enumerate(parser.calls[:self.released.get(i, 0)]))
-        return Finished("tool_calls" if calls else (reason or "stop"), calls, whole, self.thought_tokens.get(i, 0))
+        return self._finished(i, ev, "tool_calls" if calls else (ev.finish_reason or "stop"), calls, whole)
 
     def _release(self, i: int) -> list[OutputEvent] | None:
         """The held call is complete: its events, or None when it repeats an earlier call."""
@@ -436,7 +473,7 @@ class _Answers:
             parser = self.parsers[i] = self.plan.parser()
         out: list[OutputEvent] = []
         if i in self.ended:
-            return [self._finished(i, ev.finish_reason, True)] if ev.finish_reason is not None else []
+            return [self._tool_finished(i, ev, True)] if ev.finish_reason is not None else []
         for e in parser.feed(text):
             if isinstance(e, tools.CallStarted):
                 if self.held.get(i):
@@ -455,10 +492,10 @@ class _Answers:
         if ev.finish_reason is None:
             return out
         if i in self.ended:
-            return out + [self._finished(i, ev.finish_reason, True)]
+            return out + [self._tool_finished(i, ev, True)]
         # A partial tag held back is text after all.
         out += [TextDelta(e.text) for e in parser.flush() if isinstance(e, tools.ContentDelta)]
-        return out + [self._finished(i, ev.finish_reason, parser.done)]
+        return out + [self._tool_finished(i, ev, parser.done)]
 
 
 def _constrained(sp: SamplingParams, fmt: Output | None, param: str = "format") -> SamplingParams:

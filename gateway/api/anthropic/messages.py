@@ -18,7 +18,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engines.base import TokenEvent, Usage
 from gateway.api.errors import invalid, to_api_error
 from gateway.api.notes import Notes
 from gateway.conversation import (
@@ -34,6 +33,7 @@ from gateway.conversation import (
     ToolChoice,
     ToolSpec,
     Turn,
+    Usage,
 )
 
 # Fields the gateway reads; any other field is accepted and named in X-Ignored-Fields.
@@ -298,13 +298,13 @@ def usage_obj(usage: Usage | None) -> dict[str, Any]:
             "cache_read_input_tokens": u.cached_tokens, "cache_creation_input_tokens": 0}
 
 
-def stop_reason(e: Finished, ev: TokenEvent) -> tuple[str, str | None]:
+def stop_reason(e: Finished) -> tuple[str, str | None]:
     if e.calls:
         return "tool_use", None
     if e.reason == "length":
         return "max_tokens", None
-    if ev.stop_sequence:
-        return "stop_sequence", ev.stop_sequence
+    if e.stop_sequence:
+        return "stop_sequence", e.stop_sequence
     return "end_turn", None
 
 
@@ -369,7 +369,7 @@ class Assembler:
                                             "content_block": shown}))
         return out
 
-    def feed(self, e: Any, ev: TokenEvent) -> list[tuple[str, dict[str, Any]]]:
+    def feed(self, e: Any) -> list[tuple[str, dict[str, Any]]]:
         out: list[tuple[str, dict[str, Any]]] = []
         if isinstance(e, ReasoningDelta):
             if not e.text:
@@ -408,8 +408,8 @@ class Assembler:
                                                                   "partial_json": call.arguments}}))
                     out += self._close()
             # A tool answer's text beside native calls is kept; a cut-short answer's JSON is not text.
-            self.stop = stop_reason(e, ev)
-            self.usage = ev.usage
+            self.stop = stop_reason(e)
+            self.usage = e.usage
         return out
 
 
@@ -436,11 +436,11 @@ async def generate(service: Any, prepared: Any, asm: Assembler, in_band: bool
     yield "ping", {"type": "ping"}
     try:
         if first is not None:
-            for out in asm.feed(first[1], first[2]):
+            for out in asm.feed(first[1]):
                 yield out
             async with contextlib.aclosing(events) as rest:
-                async for _i, e, ev in rest:
-                    for out in asm.feed(e, ev):
+                async for _i, e in rest:
+                    for out in asm.feed(e):
                         yield out
     except Exception as exc:
         if not in_band:

@@ -137,8 +137,8 @@ async def _lines(service: Service, p: Prepared, name: str, key: str, timing: ol.
                 "done": False}
 
     async with contextlib.aclosing(service.conversation_events(p)) as events:
-        async for _i, e, ev in events:
-            if not timing.first and (ev.text or ev.token_ids):
+        async for _i, e in events:
+            if not timing.first and not isinstance(e, Finished):
                 timing.first = time.perf_counter()
             if isinstance(e, TextDelta):
                 if e.text:
@@ -153,7 +153,7 @@ async def _lines(service: Service, p: Prepared, name: str, key: str, timing: ol.
             elif isinstance(e, Finished):
                 answer.calls = e.calls
                 answer.done_reason = ol.done_reason(e.reason)
-                u = ev.usage
+                u = e.usage
                 answer.fields = timing.done_fields(u.prompt_tokens if u else 0, u.cached_tokens if u else 0,
                                                    u.completion_tokens if u else 0)
                 if e.calls:

@@ -6,7 +6,6 @@ import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
-from engines.base import TokenEvent, Usage
 from gateway.api.errors import invalid
 from gateway.api.openai.common import (
     TextChunk,
@@ -36,13 +35,16 @@ from gateway.conversation import (
     CallStarted,
     Conversation,
     Finished,
+    Logprob,
     Output,
     ReasoningDelta,
+    Scored,
     TextDelta,
     ToolCall,
     ToolChoice,
     ToolSpec,
     Turn,
+    Usage,
 )
 
 
@@ -111,7 +113,7 @@ class ChatService(Service):
     async def complete(self, p: Prepared, model: str) -> ChatCompletion:
         """A whole answer: its text, or its calls (the complete ones, up to the first repeat)."""
         c = await self.collect(p)
-        want_lp = p.requests[0].sampling.logprobs
+        want_lp = p.wants_logprobs
         native = p.tool_plan is not None and p.tool_plan.native
         choices = []
         for i in range(len(p.requests)):
@@ -125,7 +127,7 @@ class ChatService(Service):
             if p.reasoning is not None and p.reasoning.split:
                 message.reasoning_content = c.reasoning[i] or None
             choices.append(ChatChoice(index=i, message=message, finish_reason=c.finish[i],
-                                      logprobs=ChoiceLogprobs(content=chat_logprobs(tuple(c.tokens[i]))) if want_lp else None))
+                                      logprobs=ChoiceLogprobs(content=chat_logprobs(c.tokens[i])) if want_lp else None))
         return ChatCompletion(id=p.response_id, created=p.created, model=model, choices=choices, usage=usage_out(c.usages))
 
     async def stream(self, p: Prepared, model: str, include_usage: bool,
@@ -135,8 +137,8 @@ class ChatService(Service):
         `continuous_usage`: each choice's chunk carries its usage so far."""
         started: set[int] = set()
         usages: list[Usage] = []
-        want_lp = p.requests[0].sampling.logprobs
-        last: dict[int, TokenEvent] = {}
+        want_lp = p.wants_logprobs
+        scored: tuple[Logprob, ...] = ()  # the logprobs of the tokens behind the next delta
 
         def chunk(choices: list[ChunkChoice], usage: UsageOut | None = None) -> str:
             if usage is None and continuous_usage and choices:
@@ -155,20 +157,23 @@ class ChatService(Service):
             return t(text)
 
         async with contextlib.aclosing(self.conversation_events(p)) as events:
-            async for i, e, ev in events:
+            async for i, e in events:
                 if i not in started:
                     # OpenAI's first chunk of a choice names the role alone; the text follows.
                     started.add(i)
                     yield chunk([ChunkChoice(index=i, delta=Delta(role="assistant", content=""))])
+                if isinstance(e, Scored):
+                    scored = e.tokens
+                    continue
                 if isinstance(e, Finished):
-                    if ev.usage is not None:
-                        usages.append(ev.usage)
+                    scored = ()  # a last step with no delta of its own: its logprobs are not streamed
+                    if e.usage is not None:
+                        usages.append(e.usage)
                     yield chunk([ChunkChoice(index=i, delta=Delta(), finish_reason=e.reason)])
                     continue
-                lp = None
-                if want_lp and ev.logprobs and last.get(i) is not ev:  # an engine event's logprobs once
-                    lp = ChoiceLogprobs(content=chat_logprobs(ev.logprobs))
-                last[i] = ev
+                # A step's logprobs go with the first delta its tokens made.
+                lp = ChoiceLogprobs(content=chat_logprobs(scored)) if want_lp and scored else None
+                scored = ()
                 if isinstance(e, TextDelta):
                     if lp is None and not continuous_usage:
                         if e.text:

@@ -7,7 +7,6 @@ import json
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from engines.base import TokenLogprob, Usage
 from gateway.api.errors import invalid
 from gateway.api.openai.protocol import (
     ChatCompletionRequest,
@@ -18,7 +17,7 @@ from gateway.api.openai.protocol import (
     TopLogprobOut,
     UsageOut,
 )
-from gateway.conversation import Sampling
+from gateway.conversation import Logprob, Sampling, Usage
 
 if TYPE_CHECKING:
     from gateway.api.serving import Prepared
@@ -54,7 +53,7 @@ def _bytes(b: bytes) -> list[int]:
     return list(b)
 
 
-def chat_logprobs(items: tuple[TokenLogprob, ...]) -> list[TokenLogprobOut]:
+def chat_logprobs(items: tuple[Logprob, ...] | list[Logprob]) -> list[TokenLogprobOut]:
     return [
         TokenLogprobOut(
             token=t.token,

@@ -8,7 +8,6 @@ import math
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
-from engines.base import TokenLogprob, Usage
 from gateway.api.errors import invalid
 from gateway.api.openai.common import asked, check_stream_options, usage_out, usage_so_far
 from gateway.api.openai.protocol import (
@@ -20,7 +19,7 @@ from gateway.api.openai.protocol import (
     UsageOut,
 )
 from gateway.api.serving import Prepared, Service
-from gateway.conversation import Finished, TextDelta
+from gateway.conversation import Finished, Logprob, Scored, TextDelta, Usage
 
 # Choices one request may ask for (prompts x n), as engines queue what their slots cannot run at once.
 MAX_CHOICES = 128
@@ -62,7 +61,7 @@ class CompletionService(Service):
 
     async def complete(self, p: Prepared, model: str) -> Completion:
         c = await self.collect(p)
-        want_lp = p.requests[0].sampling.logprobs
+        want_lp = p.wants_logprobs
         choices = []
         for i in range(len(p.requests)):
             echo, echoed = _echo(p, i)
@@ -76,9 +75,10 @@ class CompletionService(Service):
     async def stream(self, p: Prepared, model: str, include_usage: bool,
                      continuous_usage: bool = False) -> AsyncIterator[str]:
         usages: list[Usage] = []
-        want_lp = p.requests[0].sampling.logprobs
+        want_lp = p.wants_logprobs
         offsets = [0] * len(p.requests)
         started: set[int] = set()
+        scored: tuple[Logprob, ...] = ()  # the logprobs of the tokens behind the next event
 
         def chunk(choices: list[CompletionChoice], usage: UsageOut | None = None) -> str:
             if usage is None and continuous_usage and choices:
@@ -87,15 +87,18 @@ class CompletionService(Service):
             return c.model_dump_json(exclude=None if include_usage else {"usage"})
 
         async with contextlib.aclosing(self.conversation_events(p)) as events:
-            async for i, e, ev in events:
-                head, items = "", list(ev.logprobs)
+            async for i, e in events:
+                if isinstance(e, Scored):
+                    scored = e.tokens
+                    continue
+                head, items, scored = "", list(scored), ()
                 if i not in started:  # the echoed prompt leads the choice's first chunk
                     started.add(i)
                     head, echoed = _echo(p, i)
                     items = echoed + items
                 if isinstance(e, Finished):
-                    if ev.usage is not None:
-                        usages.append(ev.usage)
+                    if e.usage is not None:
+                        usages.append(e.usage)
                     if head:
                         lp = _completion_logprobs(items, offsets[i]) if want_lp and items else None
                         yield chunk([CompletionChoice(index=i, text=head, logprobs=lp, finish_reason=None)])
@@ -109,7 +112,7 @@ class CompletionService(Service):
             yield chunk([], _usage(p, usages))
 
 
-def _echo(p: Prepared, i: int) -> tuple[str, list[TokenLogprob]]:
+def _echo(p: Prepared, i: int) -> tuple[str, list[Logprob]]:
     """Choice `i`'s echoed prompt: its text, and its tokens with their logprobs when the engine
     scored it (the text of a token prompt is its tokens' text)."""
     if p.echo is None:
@@ -118,7 +121,7 @@ def _echo(p: Prepared, i: int) -> tuple[str, list[TokenLogprob]]:
     text = p.echo[i]
     if text is None:
         text = b"".join(t.bytes for t in scored).decode("utf-8", errors="replace")
-    return text, scored if p.requests[i].sampling.logprobs else []
+    return text, scored if p.wants_logprobs else []
 
 
 def _usage(p: Prepared, usages: list[Usage]) -> UsageOut:
@@ -132,7 +135,7 @@ def _usage(p: Prepared, usages: list[Usage]) -> UsageOut:
     return out
 
 
-def _completion_logprobs(items: list[TokenLogprob], start: int) -> CompletionLogprobs:
+def _completion_logprobs(items: list[Logprob], start: int) -> CompletionLogprobs:
     offsets = []
     pos = start
     for t in items:

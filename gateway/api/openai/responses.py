@@ -19,7 +19,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
-from engines.base import TokenEvent, Usage
 from gateway.api.errors import APIError, invalid, to_api_error
 from gateway.api.notes import Notes
 from gateway.api.openai.responses_schema import (
@@ -38,6 +37,7 @@ from gateway.conversation import (
     ToolChoice,
     ToolSpec,
     Turn,
+    Usage,
 )
 
 # Built-in tools OpenAI runs on its side; the gateway has none of them.
@@ -317,10 +317,10 @@ class Run:
             "reasoning": {"effort": (r.reasoning or {}).get("effort"), "summary": None},
             "safety_identifier": r.safety_identifier,
             "service_tier": "default", "store": self.store,
-            "temperature": self.prepared.requests[0].sampling.temperature,
+            "temperature": self.prepared.temperature,
             "text": {"format": fmt, "verbosity": (r.text.verbosity if r.text else None) or "medium"},
             "tool_choice": tool_choice, "tools": r.tools or [], "top_logprobs": r.top_logprobs or 0,
-            "top_p": self.prepared.requests[0].sampling.top_p, "truncation": r.truncation or "disabled",
+            "top_p": self.prepared.top_p, "truncation": r.truncation or "disabled",
             "usage": usage_obj(usage, reasoning_tokens) if status in ("completed", "incomplete") else None,
             "user": r.user, "metadata": r.metadata or {},
         }
@@ -406,7 +406,7 @@ class Assembler:
                               part=part))
         return opened
 
-    def feed(self, e: Any, ev: TokenEvent) -> list[tuple[str, dict[str, Any]]]:
+    def feed(self, e: Any) -> list[tuple[str, dict[str, Any]]]:
         out: list[tuple[str, dict[str, Any]]] = []
         if isinstance(e, ReasoningDelta):
             if not e.text:
@@ -453,7 +453,7 @@ class Assembler:
                                       output_index=self.items.index(found), delta=e.text))
         elif isinstance(e, Finished):
             self.finish = e.reason
-            self.usage = ev.usage
+            self.usage = e.usage
             self.reasoning_tokens = e.reasoning_tokens
             self.calls = list(e.calls)
             out += self._close_message()
@@ -494,11 +494,11 @@ async def generate(service: Any, run: Run) -> AsyncIterator[tuple[str, dict[str,
     yield asm.event("response.in_progress", response=run.response("in_progress", []))
     try:
         if first is not None:
-            for out in asm.feed(first[1], first[2]):
+            for out in asm.feed(first[1]):
                 yield out
             async with contextlib.aclosing(events) as rest:
-                async for _i, e, ev in rest:
-                    for out in asm.feed(e, ev):
+                async for _i, e in rest:
+                    for out in asm.feed(e):
                         yield out
     except Exception as exc:
         if not run.in_band:
