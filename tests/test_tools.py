@@ -283,3 +283,15 @@ def test_an_answer_cut_short_keeps_its_complete_calls(client: openai.OpenAI) -> 
             _valid(c.message.tool_calls)
             cut.append(m)
     assert cut, "no max_tokens between 16 and 88 cut the answer after a complete call"
+
+
+def test_an_answer_cut_short_before_any_call_is_the_text_the_model_wrote(client: openai.OpenAI) -> None:
+    """max_tokens that ends a tool answer inside its first call: no call, finish "length", and the
+    content is what the model wrote from its first token (the whole partial call, not its tail)."""
+    r = create(client, tool_choice="required", max_tokens=6)
+    c = r.choices[0]
+    assert c.finish_reason == "length" and not c.message.tool_calls, c
+    assert r.usage.completion_tokens == 6
+    text = c.message.content or ""
+    # The answer's opening (the constrained envelope, or a native call's tag), not a fragment of it.
+    assert text.lstrip().startswith(("{", "<tool_call>")), text

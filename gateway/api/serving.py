@@ -372,10 +372,7 @@ class Service:
         answers = _Answers(p)
         async with contextlib.aclosing(p.events()) as events:
             async for i, ev in events:
-                made = answers.events(i, ev)
-                if made:  # the text of the steps that made events
-                    out.raw[i] += ev.text
-                for e in made:
+                for e in answers.events(i, ev):
                     if isinstance(e, TextDelta):
                         out.texts[i] += e.text
                     elif isinstance(e, ReasoningDelta):
@@ -386,6 +383,7 @@ class Service:
                         out.finish[i], out.calls[i], out.whole[i] = e.reason, e.calls, e.whole
                         if e.usage is not None:
                             out.usages.append(e.usage)
+        out.raw = ["".join(answers.raw.get(i, ())) for i in range(n)]
         return out
 
 
@@ -413,12 +411,14 @@ class _Answers:
         self.kinds = {t.name: t.kind for t in p.tool_plan.tools} if p.tool_plan is not None else {}
         self.splitters: dict[int, reasoning.Splitter] = {}
         self.thought_tokens: dict[int, int] = {}
+        self.raw: dict[int, list[str]] = {}  # a tool answer's text as the model wrote it, per choice
 
     def events(self, i: int, ev: TokenEvent) -> list[OutputEvent]:
         """The events one engine event makes; its tokens' logprobs lead them, when it has any."""
         thought, text = self._split(i, ev)
         out: list[OutputEvent] = list(thought)
         if self.plan is not None:
+            self.raw.setdefault(i, []).append(text)  # what a call cut short is answered with
             out += self._tool_answer(i, ev, text)
         else:
             if text or (ev.logprobs and not thought):
