@@ -411,11 +411,14 @@ class EngineFailure(EngineError):
 class EngineCrashed(EngineFailure):
     """The process hosting the engine died or hung (a native crash, an OOM kill, a stuck step).
     `outside`: it was killed from outside (a SIGKILL that neither the gateway nor the kernel's OOM
-    killer sent): nothing the requests did, so none of them is blamed for it."""
+    killer sent): nothing the requests did, so none of them is blamed for it. `blamed`: the request
+    was in flight, not started, at POISON_CRASHES crashes in a row: it is taken for the cause and
+    not sent again, by its engine or by a failover."""
 
-    def __init__(self, message: str = "", outside: bool = False) -> None:
+    def __init__(self, message: str = "", outside: bool = False, blamed: bool = False) -> None:
         super().__init__(message)
         self.outside = outside
+        self.blamed = blamed
 
 
 # A request in flight at this many crashes in a row (none from outside) is not sent again: it may be

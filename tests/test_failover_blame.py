@@ -20,9 +20,10 @@ class Scripted:
 
     info = EngineInfo("fake", "cpu", "cpu", extra={"resume": "1"})
 
-    def __init__(self, script: list[tuple[int, ...] | None]) -> None:
+    def __init__(self, script: list[tuple[int, ...] | None], blamed: bool = False) -> None:
         self.script = list(script)
         self.attempts = 0
+        self.blamed = blamed  # the engine's own verdict: the request is the cause
 
     async def back(self) -> None:
         return None
@@ -35,7 +36,7 @@ class Scripted:
             return
         for t in step:
             yield TokenEvent(f"t{t} ", (t,))
-        raise EngineCrashed("the local worker was killed by SIGSEGV")
+        raise EngineCrashed("the local worker was killed by SIGSEGV", blamed=self.blamed and not step)
 
 
 async def _run(engine: Scripted) -> list[TokenEvent]:
@@ -67,3 +68,19 @@ async def test_progress_between_barren_crashes_resets_the_count() -> None:
     engine = Scripted([(1,), (), (2,), (), None])
     events = await _run(engine)
     assert engine.attempts == 5 and events[-1].finish_reason == "length"
+
+
+async def test_a_request_its_engine_took_for_the_cause_is_not_carried_on() -> None:
+    # It was going, then the worker client sent its continuation twice, unstarted, and both times
+    # the worker crashed: the client says so, and the failover does not send it again.
+    engine = Scripted([(1,), (), None], blamed=True)
+    with pytest.raises(EngineCrashed, match="SIGSEGV"):
+        await _run(engine)
+    assert engine.attempts == 2
+
+
+async def test_a_request_that_never_produced_a_token_is_dropped_at_its_first_barren_crash() -> None:
+    engine = Scripted([(), None])
+    with pytest.raises(EngineCrashed, match="SIGSEGV"):
+        await _run(engine)
+    assert engine.attempts == 1

@@ -754,7 +754,7 @@ class WorkerEngine:
                 err = exc
                 if not (everything or p.started):
                     err = EngineCrashed(f"{exc}; this request was in flight at {p.crashes} crashes in a row, "
-                                        "so it is not sent again")
+                                        "so it is not sent again", blamed=True)
                 if p.queue is not None:
                     p.queue.put_nowait(err)
                 elif p.future is not None and not p.future.done():

@@ -112,12 +112,15 @@ async def _continue_on(crashed: EngineCrashed, engine: Engine, current: Callable
                        barren: int, counted: int) -> Engine:
     """The engine a stream that lost its own continues on, or `crashed` raised where it may not.
 
-    Attempts that died before they produced a token, `barren` times in a row, may be what kills the
-    engine (a prompt that takes a broken kernel): after POISON_CRASHES of them the stream is not
-    carried on, as an unstarted request is not sent a third time. One such crash is no sign: a
-    stream still replaying its tokens dies with whichever request did crash the worker. A kill from
-    outside is neither, and does not use up the budget (`counted`: this one included)."""
-    if not crashed.outside and (counted > policy.budget or barren >= POISON_CRASHES):
+    A request its engine already took for the cause of its crashes (`blamed`: in flight, not
+    started, at POISON_CRASHES crashes in a row) is not carried on. Nor is one whose attempt died
+    before it produced a token (`barren` crashes in a row) when it never produced one at all (a
+    prompt that takes a broken kernel), or POISON_CRASHES times in a row after it did: one such
+    crash of a stream that was already going is no sign, since a stream still replaying its tokens
+    dies with whichever request did crash the worker. A kill from outside is none of these, and does
+    not use up the budget (`counted`: this one included)."""
+    poison = crashed.blamed or (barren > 0 and (produced == 0 or barren >= POISON_CRASHES))
+    if not crashed.outside and (poison or counted > policy.budget):
         metrics.failovers.labels(model, "gave_up").inc()
         raise crashed
     try:
