@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/bench_speed.py [--backend cpu|cuda|vulkan] [--rounds 4]
         [--concurrency 1,8,16] [--server-bin DIR] [--speculative 3:16] [--json out.json]
-        [--gateway-variant 'no host cache:GATEWAY_PREFIX_CACHE=0' ...]
+        [--gateway-variant 'no host cache:GATEWAY_PREFIX_CACHE=0' ...] [--baseline REV]
 
 Same llama.cpp (llama-server is built from the sdist of the installed llama-cpp-python,
 benchmarks/build-llama-server.sh, or taken from --server-bin), same model, same parallel sequences
@@ -16,6 +16,10 @@ Servers:
   llama-server            its defaults
   llama-server -bs        its backend sampling (experimental, off by default)
 
+With --baseline REV the gateway at git revision REV (a worktree made for the run, sharing this
+virtualenv) serves next to the current tree in the same rounds: a change's before and after on one
+machine in one run.
+
 With --speculative N:M a second table compares prompt-lookup speculative decoding on prompts whose
 answers copy from them (the repository's own source files, "reformat this code"): the gateway
 with models.yaml `speculative: {ngram: N, max_draft: M}` and llama-server with
@@ -27,6 +31,7 @@ the llama.cpp build.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import platform
@@ -83,14 +88,16 @@ class Servers:
         self.procs: dict[str, tuple[subprocess.Popen[bytes], int]] = {}
         self.threads = str(os.cpu_count() or 1)
 
-    def gateway(self, name: str, env: dict[str, str], config: Path | None = None) -> None:
+    def gateway(self, name: str, env: dict[str, str], config: Path | None = None, tree: Path = ROOT) -> None:
         port = _port()
         full = {**os.environ, "GATEWAY_LOG_LEVEL": "warning", **env}
         if config is not None:
             full["GATEWAY_CONFIG"] = str(config)
+        if tree != ROOT:  # its own code, in the gateway and in the engines' workers
+            full["PYTHONPATH"] = str(tree)
         self.procs[name] = (subprocess.Popen(
             [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--parallel", str(self.args.np),
-             "--engine", self.args.backend], cwd=ROOT, env=full), port)
+             "--engine", self.args.backend], cwd=tree, env=full), port)
 
     def llama_server(self, name: str, bin_dir: str, extra: list[str]) -> None:
         port = _port()
@@ -116,6 +123,16 @@ class Servers:
                 proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+
+def _worktree(rev: str, work: Path) -> Path:
+    """A checkout of `rev` for a baseline gateway (removed from git's list at exit; files stay in `work`)."""
+    tree = work / "baseline"
+    subprocess.run(["git", "worktree", "add", "--detach", str(tree), rev], cwd=ROOT, check=True,
+                   capture_output=True)
+    atexit.register(subprocess.run, ["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT,
+                    capture_output=True)
+    return tree
 
 
 def _rounds(servers: Servers, names: list[str], conc: list[int], args: argparse.Namespace, tag: str,
@@ -176,6 +193,8 @@ def main() -> int:
     ap.add_argument("--spec-concurrency", default="1,4")
     ap.add_argument("--gateway-variant", action="append", default=[], metavar="NAME:VAR=VALUE[,VAR=VALUE]",
                     help="also a gateway with these environment settings, e.g. 'no host cache:GATEWAY_PREFIX_CACHE=0'")
+    ap.add_argument("--baseline", default=None, metavar="REV",
+                    help="also serve the gateway at this git revision (before/after a change, one run)")
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="also write the table, the machine and every round's numbers here")
@@ -212,6 +231,10 @@ def main() -> int:
         if not args.no_other_sampling:
             servers.gateway(other, {"GATEWAY_DEVICE_SAMPLING": "on" if args.backend == "cpu" else "off"})
             names.append(other)
+        if args.baseline:
+            base = f"gateway @{args.baseline}"
+            servers.gateway(base, {}, config=ROOT / "models.yaml", tree=_worktree(args.baseline, work))
+            names.append(base)
         for variant in args.gateway_variant:
             label, _, settings = variant.partition(":")
             name = f"gateway, {label}"
@@ -228,7 +251,7 @@ def main() -> int:
         finally:
             servers.stop()
         everything["throughput"] = results
-        ratios = [("gateway", "llama-server")] + [("gateway", n) for n in names if n.startswith("gateway, ") and n != other]
+        ratios = [("gateway", "llama-server")] + [("gateway", n) for n in names if n.startswith(("gateway, ", "gateway @")) and n != other]
         if other in names:
             ratios.append(("gateway", other))
         if "llama-server -bs" in names:

@@ -14,14 +14,18 @@ from typing import Any
 from fastapi import FastAPI
 
 from engines.base import EngineConfig, EngineHealth
+from gateway.api.adapter import Protocols
 from gateway.api.admission import Admission
+from gateway.api.anthropic.adapter import ANTHROPIC
 from gateway.api.anthropic.messages import MessageStreamEvent
 from gateway.api.anthropic.routes import router as anthropic_router
 from gateway.api.errors import install_error_handlers
 from gateway.api.guards import Drain, Guards, Policy, is_loopback_bind
 from gateway.api.health import router as health_router
+from gateway.api.ollama.adapter import OLLAMA
 from gateway.api.ollama.manage import router as ollama_manage_router
 from gateway.api.ollama.routes import router as ollama_router
+from gateway.api.openai.adapters import OPENAI, RESPONSES
 from gateway.api.openai.chat import ChatService
 from gateway.api.openai.completions import CompletionService
 from gateway.api.openai.embeddings import EmbeddingService
@@ -142,6 +146,7 @@ def create_app(
     app.state.responses_store = (ResponseStore(Path(settings.responses_db or Path(registry.cache_dir) / "responses.sqlite3"),
                                                settings.responses_max, settings.responses_max_age_days * 86400)
                                  if settings.responses_store else None)
+    app.state.protocols = protocols = Protocols(OPENAI, RESPONSES, ANTHROPIC, OLLAMA)
     install_error_handlers(app)
     app.include_router(router)
     app.include_router(health_router)
@@ -154,7 +159,7 @@ def create_app(
 
     # Behind Ray Serve's proxy (a cluster ingress) the proxy answers with the request's id itself.
     the_policy = dataclasses.replace(policy(settings), send_request_id=cluster is None)
-    app.add_middleware(Guards, policy=the_policy, drain=drain, metrics=metrics)
+    app.add_middleware(Guards, policy=the_policy, drain=drain, metrics=metrics, protocols=protocols)
     return app
 
 

@@ -31,7 +31,7 @@ from schemathesis.checks import (
 from schemathesis.config import SchemathesisConfig
 
 from gateway.api.anthropic.messages import MessageStreamEvent
-from gateway.api.errors import is_ollama
+from gateway.api.ollama.adapter import owns as is_ollama
 from gateway.api.openai.protocol import ChatCompletionChunk, Completion, ErrorResponse
 from gateway.api.openai.responses_schema import ResponseStreamEvent
 from tests.conftest import MODEL

@@ -1,10 +1,11 @@
-"""Every error the gateway returns, mapped to an HTTP status and the envelope of the protocol the
-client speaks (OpenAI's by default; Anthropic's on /v1/messages; Ollama's on its /api/ routes)."""
+"""Every error the gateway returns, mapped to an HTTP status; the envelope is the protocol's own
+(`gateway.api.adapter`: the app's protocols know which one a path belongs to)."""
 
 from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Mapping
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
@@ -62,18 +63,7 @@ class APIError(Exception):
         err = ErrorBody(message=self.message, type=self.type, param=self.param, code=self.code)
         return ErrorResponse(error=err).model_dump()
 
-    def answer(self, path: str) -> tuple[int, dict[str, Any]]:
-        """(status, body) in the envelope of the protocol `path` belongs to, its fields named as
-        that protocol names them."""
-        if is_anthropic(path):
-            return anthropic_error(self.named(_FIELD_NAMES["anthropic"]))
-        if is_ollama(path):
-            return self.status, {"error": self.named(_FIELD_NAMES[path if path in _FIELD_NAMES else "ollama"]).message}
-        if path == "/v1/responses" or path.startswith("/v1/responses/"):
-            return self.status, self.named(_FIELD_NAMES["responses"]).body()
-        return self.status, self.body()
-
-    def named(self, names: dict[str, str]) -> APIError:
+    def named(self, names: Mapping[str, str]) -> APIError:
         """This error with a field named in the neutral (OpenAI chat) terms renamed, in `param` and
         in the message."""
         if self.param is None:
@@ -85,44 +75,6 @@ class APIError(Exception):
         old = self.param if self.param in names else head
         message = re.sub(rf"(?<![\w.]){re.escape(old)}(?![\w])", names.get(old, new), self.message)
         return APIError(self.status, message, self.type, new, self.code, self.headers)
-
-
-# Request fields that engines and the neutral service name as OpenAI's chat does, as the other
-# protocols call them (a client is never told about a field its protocol does not have).
-_FIELD_NAMES: dict[str, dict[str, str]] = {
-    "responses": {"messages": "input", "response_format": "text.format", "response_format.json_schema":
-                  "text.format.schema", "max_tokens": "max_output_tokens"},
-    "anthropic": {"response_format": "output_config.format", "response_format.json_schema":
-                  "output_config.format.schema", "prompt": "messages"},
-    "ollama": {"response_format": "format", "response_format.json_schema": "format", "max_tokens":
-               "options.num_predict", "presence_penalty": "options.presence_penalty", "frequency_penalty":
-               "options.frequency_penalty", "min_p": "options.min_p", "logit_bias": "options.logit_bias"},
-}
-_FIELD_NAMES["/api/generate"] = {**_FIELD_NAMES["ollama"], "messages": "prompt"}
-
-
-OLLAMA_PATHS = frozenset({"/api/chat", "/api/generate", "/api/embed", "/api/embeddings", "/api/tags", "/api/show",
-                          "/api/ps", "/api/version", "/api/pull", "/api/delete", "/api/create", "/api/copy"})
-
-
-def is_ollama(path: str) -> bool:
-    return path in OLLAMA_PATHS or path.startswith("/api/blobs/")
-
-
-def is_anthropic(path: str) -> bool:
-    return path == "/v1/messages" or path.startswith("/v1/messages/")
-
-
-# Anthropic's error types by status; it answers "overloaded" with its own 529.
-_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 529: "overloaded_error"}
-
-
-def anthropic_error(err: APIError) -> tuple[int, dict[str, Any]]:
-    status = 529 if err.status == 503 else err.status
-    kind = _ANTHROPIC_TYPES.get(status, "invalid_request_error" if 400 <= status < 500 else "api_error")
-    message = f"{err.param}: {err.message}" if err.param and err.param not in err.message else err.message
-    return status, {"type": "error", "error": {"type": kind, "message": message}}
 
 
 class ClientDisconnected(Exception):
@@ -239,7 +191,7 @@ def install_error_handlers(app: FastAPI) -> None:
             observer.finish(outcome, err.status)  # once per request: a no-op if already recorded
         elif request.url.path.startswith("/v1/") and not err.counted:
             request.app.state.metrics.count_error(("", "", ""), outcome, err.status)
-        status, body = err.answer(request.url.path)
+        status, body = request.app.state.protocols.answer(err, request.url.path)
         if 400 <= err.status < 500 and err.status != 499:  # the client's mistake, said once in the log
             log.info("request %s: %d %s (param %s)", REQUEST_ID.get(), err.status, err.message, err.param)
         return JSONResponse(body, status_code=status, headers={**err.headers, **(headers or {})})

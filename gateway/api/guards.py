@@ -2,7 +2,8 @@
 beyond one call): request ids, the Host check against DNS rebinding, CORS, API keys, refusal
 while draining, the request-body limit, and the last-resort 500 for anything unexpected.
 
-Every refusal is an OpenAI error envelope, counted in `gateway_requests_total`.
+Every refusal is in the envelope of the protocol the path belongs to, counted in
+`gateway_requests_total`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.api.errors import OLLAMA_PATHS, REQUEST_ID, APIError, outcome_of, to_api_error
+from gateway.api.adapter import Protocols
+from gateway.api.errors import REQUEST_ID, APIError, outcome_of, to_api_error
 from gateway.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -84,22 +86,23 @@ def key_matches(presented: str, keys: tuple[str, ...]) -> bool:
 UNVERSIONED = ("/chat/completions", "/completions", "/embeddings", "/models", "/responses")
 
 
-def normalized(scope: Scope) -> Scope:
+def normalized(scope: Scope, protocols: Protocols) -> Scope:
     """The scope as the routes expect it: an unversioned OpenAI alias rewritten to its /v1 path, and
-    an Ollama request's body read as JSON whatever its Content-Type says (as Ollama does: LiteLLM's
-    `ollama_chat` provider sends none)."""
+    the body read as JSON whatever its Content-Type says where the protocol does so (Ollama:
+    LiteLLM's `ollama_chat` provider sends none)."""
     path: str = scope["path"]
     if any(path == a or path.startswith(a + "/") for a in UNVERSIONED):
         return {**scope, "path": "/v1" + path, "raw_path": b"/v1" + scope.get("raw_path", path.encode())}
-    if path in OLLAMA_PATHS and scope["method"] == "POST":
+    if scope["method"] == "POST" and protocols.for_path(path).json_any_content_type:
         headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-type"]
         return {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
     return scope
 
 
 class Guards:
-    def __init__(self, app: ASGIApp, policy: Policy, drain: Drain, metrics: Metrics) -> None:
+    def __init__(self, app: ASGIApp, policy: Policy, drain: Drain, metrics: Metrics, protocols: Protocols) -> None:
         self.app = app
+        self.protocols = protocols
         self.policy = policy
         self.drain = drain
         self.metrics = metrics
@@ -123,7 +126,7 @@ class Guards:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        scope = normalized(scope)
+        scope = normalized(scope, self.protocols)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         given = headers.get("x-request-id", "")
         rid = given if _REQUEST_ID_OK.match(given) else f"req-{uuid.uuid4().hex[:20]}"
@@ -141,7 +144,7 @@ class Guards:
 
         async def refuse(err: APIError, more: list[tuple[bytes, bytes]] | None = None) -> None:
             self.metrics.count_error(("", "", ""), outcome_of(err), err.status)
-            await _send_json(send, *err.answer(path), extra + (more or []) + _pairs(err.headers))
+            await _send_json(send, *self.protocols.answer(err, path), extra + (more or []) + _pairs(err.headers))
 
         refusal = self._gate(headers)
         if refusal is None and origin is not None:
@@ -234,7 +237,7 @@ class Guards:
                 log.error("request %s failed after its response started (%.1fs in)", rid, time.perf_counter() - t0)
             elif (observer := scope.get("state", {}).get("observer")) is not None:
                 observer.finish(outcome_of(err), err.status)
-                await _send_json(send, *err.answer(path), extra)
+                await _send_json(send, *self.protocols.answer(err, path), extra)
             else:
                 await refuse(err)
         finally:

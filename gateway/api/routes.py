@@ -10,6 +10,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from gateway.api.adapter import respond
+from gateway.api.openai.adapters import OPENAI
 from gateway.api.openai.chat import ChatService
 from gateway.api.openai.completions import CompletionService
 from gateway.api.openai.protocol import (
@@ -26,7 +28,7 @@ from gateway.api.openai.protocol import (
     StreamOptions,
 )
 from gateway.api.serving import Prepared, model_spec
-from gateway.api.sse import sse_response, until_disconnect
+from gateway.api.sse import until_disconnect
 
 router = APIRouter()
 
@@ -119,20 +121,11 @@ async def _respond(
     request: Request, service: ChatService | CompletionService, p: Prepared, model: str, stream: bool,
     options: StreamOptions | None,
 ) -> Response:
-    try:
-        if not stream:
-            body = await until_disconnect(request, service.complete(p, model))
-            return Response(body.model_dump_json(), media_type="application/json", headers=p.headers)
-        # vLLM's continuous_usage_stats counts only with include_usage.
-        include = bool(options and options.include_usage)
-        frames = service.stream(p, model, include, include and bool(options and options.continuous_usage_stats))
-        # Wait for the first token before sending headers: errors found before it (context too long,
-        # queue full) still get a proper status, and clients measure an honest time to first token.
-        first = await until_disconnect(request, anext(frames))
-    except BaseException:
-        p.release()
-        raise
-    return sse_response(first, frames, p.headers)
+    # vLLM's continuous_usage_stats counts only with include_usage.
+    include = bool(options and options.include_usage)
+    continuous = include and bool(options and options.continuous_usage_stats)
+    return await respond(request, OPENAI, stream=stream, frames=lambda: service.stream(p, model, include, continuous),
+                         whole=lambda: service.complete(p, model), headers=p.headers, release=p.release)
 
 
 @router.post("/v1/chat/completions", response_model=None,

@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from gateway.api.anthropic.adapter import ANTHROPIC
 from gateway.api.errors import invalid, to_api_error
 from gateway.api.notes import Notes
 from gateway.conversation import (
@@ -445,8 +446,7 @@ async def generate(service: Any, prepared: Any, asm: Assembler, in_band: bool
     except Exception as exc:
         if not in_band:
             raise
-        _status, body = to_api_error(exc).answer("/v1/messages")
-        yield "error", body
+        yield ANTHROPIC.in_band(to_api_error(exc))
         return
     yield "message_delta", {"type": "message_delta",
                             "delta": {"stop_reason": asm.stop[0], "stop_sequence": asm.stop[1]},

@@ -10,10 +10,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
 
+from gateway.api.adapter import drain, respond
 from gateway.api.anthropic import messages as am
+from gateway.api.anthropic.adapter import ANTHROPIC
 from gateway.api.notes import Notes
 from gateway.api.serving import Service
-from gateway.api.sse import answer_events, until_disconnect
+from gateway.api.sse import until_disconnect
 
 router = APIRouter(tags=["anthropic"])
 
@@ -70,8 +72,13 @@ async def create_message(body: am.MessagesRequest, request: Request) -> Response
         notes.ignored.add("thinking")
     headers = {**p.headers, **notes.headers()}
     asm = am.Assembler(am.message_id(), body.model)
-    events = am.generate(service, p, asm, in_band=body.stream)
-    return await answer_events(request, events, body.stream, headers, p.release, lambda _last: asm.message())
+
+    async def whole() -> dict[str, Any]:
+        await drain(am.generate(service, p, asm, in_band=False))
+        return asm.message()
+
+    return await respond(request, ANTHROPIC, stream=body.stream, frames=lambda: am.generate(service, p, asm, in_band=True),
+                         whole=whole, headers=headers, release=p.release)
 
 
 @router.post("/v1/messages/count_tokens", response_model=am.TokenCount,

@@ -18,13 +18,15 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
 from gateway.api import reasoning
-from gateway.api.errors import APIError, invalid, to_api_error
+from gateway.api.adapter import drain, respond
+from gateway.api.errors import APIError, invalid
 from gateway.api.notes import Notes
 from gateway.api.ollama import api as ol
+from gateway.api.ollama.adapter import OLLAMA
 from gateway.api.openai.protocol import EmbeddingRequest
 from gateway.api.serving import Prepared, Service, model_spec
 from gateway.api.sse import until_disconnect
@@ -179,36 +181,19 @@ async def _answer(request: Request, p: Prepared, name: str, key: str, stream: bo
                   headers: dict[str, str], spec: ModelSpec, keep: float | None) -> Response:
     service: Service = request.app.state.chat
     answer = ol.Answer()
-    lines = _lines(service, p, name, key, timing, answer)
-    ka = _keep_alive(request)
-    try:
-        if not stream:
-            async def drain() -> None:
-                async for _ in lines:
-                    pass
 
-            await until_disconnect(request, drain())
-            ka.set(spec.id, keep)
-            return JSONResponse(_final(name, key, answer, True), headers=headers)
-        first = await until_disconnect(request, anext(lines, None))
-    except BaseException:
-        p.release()
-        raise
+    async def lines() -> AsyncIterator[dict[str, Any]]:
+        async with contextlib.aclosing(_lines(service, p, name, key, timing, answer)) as each:
+            async for obj in each:
+                yield obj
+        yield _final(name, key, answer, False)
 
-    async def ndjson() -> AsyncIterator[bytes]:
-        try:
-            if first is not None:
-                yield (json.dumps(first) + "\n").encode()
-            async for obj in lines:
-                yield (json.dumps(obj) + "\n").encode()
-            yield (json.dumps(_final(name, key, answer, False)) + "\n").encode()
-        except Exception as exc:  # noqa: BLE001 - after the first line, errors travel in-band
-            yield (json.dumps(to_api_error(exc).answer(request.url.path)[1]) + "\n").encode()
-        finally:
-            await lines.aclose()
-            ka.set(spec.id, keep)
+    async def whole() -> dict[str, Any]:
+        await drain(_lines(service, p, name, key, timing, answer))
+        return _final(name, key, answer, True)
 
-    return StreamingResponse(ndjson(), media_type="application/x-ndjson", headers=headers)
+    return await respond(request, OLLAMA, stream=stream, frames=lines, whole=whole, headers=headers,
+                         release=p.release, finish=lambda: _keep_alive(request).set(spec.id, keep))
 
 
 NDJSON = {"application/x-ndjson": {"schema": {"type": "string", "description": "one JSON object per line"}}}

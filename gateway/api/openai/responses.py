@@ -21,6 +21,7 @@ from typing import Any, Literal, cast
 
 from gateway.api.errors import APIError, invalid, to_api_error
 from gateway.api.notes import Notes
+from gateway.api.openai.adapters import RESPONSES
 from gateway.api.openai.responses_schema import (
     ResponseCreateRequest,
 )
@@ -503,7 +504,7 @@ async def generate(service: Any, run: Run) -> AsyncIterator[tuple[str, dict[str,
     except Exception as exc:
         if not run.in_band:
             raise
-        body = to_api_error(exc).answer("/v1/responses")[1]["error"]
+        body = RESPONSES.answer(to_api_error(exc))[1]["error"]
         yield asm.event("response.failed", response=run.response(
             "failed", asm.items, error={"code": body.get("code") or "server_error", "message": body["message"]}))
         return

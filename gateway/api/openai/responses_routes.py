@@ -9,9 +9,11 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from gateway.api.adapter import drain, respond
 from gateway.api.errors import APIError
 from gateway.api.notes import Notes
 from gateway.api.openai import responses as rs
+from gateway.api.openai.adapters import RESPONSES
 from gateway.api.openai.responses_schema import (
     DeletedResponse,
     InputItemList,
@@ -20,7 +22,7 @@ from gateway.api.openai.responses_schema import (
 )
 from gateway.api.routes import error_responses
 from gateway.api.serving import Service
-from gateway.api.sse import answer_events, until_disconnect
+from gateway.api.sse import until_disconnect
 from gateway.conversation import Turn
 from gateway.store import ResponseStore
 
@@ -78,8 +80,14 @@ async def create_response(body: ResponseCreateRequest, request: Request) -> Resp
         notes.ignored.discard("reasoning.summary")
         notes.ignored.add("reasoning")
     headers = {**p.headers, **notes.headers()}
-    events = rs.generate(service, run)
-    return await answer_events(request, events, body.stream, headers, p.release, lambda last: last["response"])
+
+    async def whole() -> Any:
+        last = await drain(rs.generate(service, run))
+        assert last is not None  # the generator always ends with the response's final event
+        return last[1]["response"]
+
+    return await respond(request, RESPONSES, stream=body.stream, frames=lambda: rs.generate(service, run),
+                         whole=whole, headers=headers, release=p.release)
 
 
 @router.get("/v1/responses/{response_id}", response_model=ResponseObject,
