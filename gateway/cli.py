@@ -237,6 +237,8 @@ def _ls(args: argparse.Namespace) -> int:
 def _create(args: argparse.Namespace) -> int:
     """`ollama create NAME -f Modelfile`, here: FROM a model or a local GGUF (copied into the blob
     store), with SYSTEM, PARAMETER, MESSAGE, LICENSE."""
+    from pydantic import ValidationError
+
     from gateway.api.errors import APIError
     from gateway.api.notes import Notes
     from gateway.api.ollama.api import CreateRequest, recipe
@@ -266,6 +268,11 @@ def _create(args: argparse.Namespace) -> int:
         return 2
     except APIError as exc:
         print(f"error: {path}: {exc.message}", file=sys.stderr)
+        return 2
+    except ValidationError as exc:  # a PARAMETER or MESSAGE of the wrong type
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        print(f"error: {path}: {where}: {first['msg']}", file=sys.stderr)
         return 2
     if files is None:
         parent = registry.get(mf.from_) or registry.get(mf.from_.removesuffix(":latest"))

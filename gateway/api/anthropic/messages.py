@@ -3,9 +3,10 @@
 events -> a message, or Anthropic's stream events in order (`message_start`, `content_block_start`,
 `content_block_delta`, `content_block_stop`, `message_delta`, `message_stop`).
 
-What the gateway cannot honour is accepted and named, never a 400 for the whole request: request
-fields in `X-Ignored-Fields`, Anthropic-defined tools (bash, text editor, web search, computer use)
-in `X-Skipped-Tools`. Images and documents are a 400 until the gateway serves a vision model.
+The bodies are typed in `schema` (a wrong type or range is a 400 naming the field). What the
+gateway cannot honour is accepted and named, never a 400 for the whole request: request fields in
+`X-Ignored-Fields`, Anthropic-defined tools (bash, text editor, web search, computer use) in
+`X-Skipped-Tools`. Images and documents are a 400 until the gateway serves a vision model.
 """
 
 from __future__ import annotations
@@ -13,12 +14,32 @@ from __future__ import annotations
 import contextlib
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
 
 from gateway.api.anthropic.adapter import ANTHROPIC
+from gateway.api.anthropic.schema import (
+    BuiltinTool,
+    CountTokensRequest,
+    CustomTool,
+    DocumentBlock,
+    ImageBlock,
+    MessageParam,
+    MessagesRequest,
+    OutputConfig,
+    TextBlock,
+    ThinkingDisabled,
+    ThinkingEnabled,
+    ToolChoiceAny,
+    ToolChoiceAuto,
+    ToolChoiceNone,
+    ToolChoiceTool,
+    ToolResultBlock,
+    ToolUseBlock,
+)
+from gateway.api.bodies import unknown_fields
 from gateway.api.errors import invalid, to_api_error
 from gateway.api.notes import Notes
 from gateway.conversation import (
@@ -37,43 +58,8 @@ from gateway.conversation import (
     Usage,
 )
 
-# Fields the gateway reads; any other field is accepted and named in X-Ignored-Fields.
-_HONOURED = {"model", "max_tokens", "messages", "system", "stop_sequences", "temperature", "top_p", "top_k",
-             "tools", "tool_choice", "stream", "output_config"}
-# Accepted without effect, and not worth a header on every request.
-_QUIET = {"metadata"}
-
-
-class MessagesRequest(BaseModel):
-    """`POST /v1/messages`. Content blocks are checked by `conversation` (their errors name the block)."""
-
-    model_config = ConfigDict(extra="allow")
-    model: str
-    max_tokens: int = Field(ge=1, description="required, as Anthropic requires it")
-    messages: list[dict[str, Any]] = Field(min_length=1)
-    system: str | list[dict[str, Any]] | None = None
-    stop_sequences: list[str] | None = None
-    temperature: float | None = Field(default=None, ge=0, le=1)
-    top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = Field(default=None, ge=0)
-    metadata: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: dict[str, Any] | None = None
-    thinking: dict[str, Any] | None = None
-    output_config: dict[str, Any] | None = None  # `format` (a JSON schema) is enforced; `effort` is not
-    stream: bool = False
-
-
-class CountTokensRequest(BaseModel):
-    """`POST /v1/messages/count_tokens`: a Messages request without `max_tokens`."""
-
-    model_config = ConfigDict(extra="allow")
-    model: str
-    messages: list[dict[str, Any]] = Field(min_length=1)
-    system: str | list[dict[str, Any]] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: dict[str, Any] | None = None
-    thinking: dict[str, Any] | None = None
+__all__ = ["Assembler", "CountTokensRequest", "MessageObject", "MessageStreamEvent", "MessagesRequest", "TokenCount",
+           "conversation", "generate", "message_id", "stop_reason", "thinking", "tool_input", "usage_obj"]
 
 
 class MessageUsage(BaseModel):
@@ -111,133 +97,99 @@ class TokenCount(BaseModel):
 # --- request -> conversation ------------------------------------------------------------------------
 
 
-def _text_of(blocks: Any, param: str, what: str) -> str:
+_VISION = "blocks are not supported: the gateway serves no vision model yet"
+
+
+def _text_of(blocks: str | Sequence[BaseModel], param: str, what: str) -> str:
     """A string, or text blocks joined (the form `system` and tool results take)."""
     if isinstance(blocks, str):
         return blocks
-    if not isinstance(blocks, list):
-        raise invalid(f"{what} must be a string or a list of content blocks", param=param)
     out = []
     for j, b in enumerate(blocks):
-        kind = b.get("type") if isinstance(b, dict) else None
-        if kind == "text" and isinstance(b.get("text"), str):
-            out.append(b["text"])
-        elif kind in ("image", "document"):
-            raise invalid(f"{kind} blocks are not supported: the gateway serves no vision model yet",
-                          param=f"{param}[{j}]")
+        if isinstance(b, TextBlock):
+            out.append(b.text)
+        elif isinstance(b, ImageBlock | DocumentBlock):
+            raise invalid(f"{b.type} {_VISION}", param=f"{param}[{j}]")
         else:
-            raise invalid(f"{what} takes text blocks (got {kind!r})", param=f"{param}[{j}].type")
+            raise invalid(f"{what} takes text blocks (got {getattr(b, 'type', None)!r})", param=f"{param}[{j}].type")
     return "\n".join(out)
 
 
-def _message(m: Any, i: int) -> list[Turn]:
+def _message(m: MessageParam, i: int) -> list[Turn]:
     """One message as turns: tool results become tool turns (before the message's own text)."""
     param = f"messages[{i}]"
-    if not isinstance(m, dict):
-        raise invalid("each message must be an object", param=param)
-    role = m.get("role")
-    if role not in ("user", "assistant", "system"):
-        raise invalid(f"role must be 'user', 'assistant' or 'system', got {role!r}", param=f"{param}.role")
-    content = m.get("content")
-    if role == "system":  # Claude Code sends system messages between turns (reminders)
-        return [Turn.of("system", _text_of(content, f"{param}.content", "a system message"))]
-    if isinstance(content, str):
-        return [Turn.of(role, content)]
-    if not isinstance(content, list):
-        raise invalid("content must be a string or a list of content blocks", param=f"{param}.content")
+    if m.role == "system":  # Claude Code sends system messages between turns (reminders)
+        return [Turn.of("system", _text_of(m.content, f"{param}.content", "a system message"))]
+    if isinstance(m.content, str):
+        return [Turn.of(m.role, m.content)]
     texts: list[str] = []
     calls: list[ToolCall] = []
     results: list[Turn] = []
-    for j, b in enumerate(content):
+    for j, b in enumerate(m.content):
         bp = f"{param}.content[{j}]"
-        kind = b.get("type") if isinstance(b, dict) else None
-        if kind == "text":
-            if not isinstance(b.get("text"), str):
-                raise invalid("a text block needs its text", param=f"{bp}.text")
-            texts.append(b["text"])
-        elif kind == "tool_use":
-            if role != "assistant":
+        if isinstance(b, TextBlock):
+            texts.append(b.text)
+        elif isinstance(b, ToolUseBlock):
+            if m.role != "assistant":
                 raise invalid("tool_use blocks belong to assistant messages", param=f"{bp}.type")
-            if not isinstance(b.get("id"), str) or not isinstance(b.get("name"), str):
-                raise invalid("a tool_use block needs its id and name", param=bp)
-            calls.append(ToolCall(b["id"], b["name"], json.dumps(b.get("input") or {}, ensure_ascii=False)))
-        elif kind == "tool_result":
-            if role != "user":
+            calls.append(ToolCall(b.id, b.name, json.dumps(b.input, ensure_ascii=False)))
+        elif isinstance(b, ToolResultBlock):
+            if m.role != "user":
                 raise invalid("tool_result blocks belong to user messages", param=f"{bp}.type")
-            if not isinstance(b.get("tool_use_id"), str):
-                raise invalid("a tool_result block needs its tool_use_id", param=f"{bp}.tool_use_id")
-            text = _text_of(b.get("content", ""), f"{bp}.content", "a tool result's content")
-            results.append(Turn.of("tool", f"Error: {text}" if b.get("is_error") else text,
-                                   tool_call_id=b["tool_use_id"]))
-        elif kind in ("image", "document"):
-            raise invalid(f"{kind} blocks are not supported: the gateway serves no vision model yet", param=bp)
-        elif kind in ("thinking", "redacted_thinking", "server_tool_use", "web_search_tool_result"):
-            continue  # accepted: earlier reasoning and server-side tools are not re-rendered
-        else:
-            raise invalid(f"unknown content block type {kind!r}", param=f"{bp}.type")
+            text = _text_of(b.content, f"{bp}.content", "a tool result's content")
+            results.append(Turn.of("tool", f"Error: {text}" if b.is_error else text, tool_call_id=b.tool_use_id))
+        elif isinstance(b, ImageBlock | DocumentBlock):
+            raise invalid(f"{b.type} {_VISION}", param=bp)
+        # thinking, redacted_thinking and server-side tools' blocks: accepted, not re-rendered
     turns = results
-    if role == "assistant":
+    if m.role == "assistant":
         turns.append(Turn.of("assistant", "".join(texts), tool_calls=tuple(calls)))
     elif texts or not results:
         turns.append(Turn.of("user", "\n".join(texts)))
     return turns
 
 
-def _tools(tools: list[dict[str, Any]] | None, notes: Notes) -> tuple[ToolSpec, ...] | None:
+def _tools(tools: list[CustomTool | BuiltinTool] | None, notes: Notes) -> tuple[ToolSpec, ...] | None:
     if tools is None:
         return None
     out = []
-    for i, t in enumerate(tools):
-        param = f"tools[{i}]"
-        if not isinstance(t, dict):
-            raise invalid("each tool must be an object", param=param)
-        kind = t.get("type")
-        if kind not in (None, "custom"):
+    for t in tools:
+        if isinstance(t, BuiltinTool):
             # Anthropic-defined tools (bash_…, text_editor_…, web_search_…, computer_…): run by
             # Anthropic or described only by their type; skipped and named.
-            notes.skipped_tools.add(str(t.get("name") or kind))
+            notes.skipped_tools.add(t.name or t.type)
             continue
-        name, schema = t.get("name"), t.get("input_schema")
-        if not isinstance(name, str) or not name:
-            raise invalid("a tool needs a name", param=f"{param}.name")
-        if not isinstance(schema, dict):
-            raise invalid("a tool needs its input_schema (a JSON schema object)", param=f"{param}.input_schema")
-        out.append(ToolSpec(name, t.get("description") or "", schema))
+        out.append(ToolSpec(t.name, t.description or "", t.input_schema))
     return tuple(out) or None  # an empty list: no tools
 
 
-def _choice(choice: dict[str, Any] | None) -> tuple[ToolChoice | None, bool]:
+def _choice(choice: ToolChoiceAuto | ToolChoiceAny | ToolChoiceTool | ToolChoiceNone | None) -> tuple[ToolChoice | None, bool]:
     """(tool choice, parallel calls allowed)."""
     if choice is None:
         return None, True
-    kind = choice.get("type")
-    parallel = not choice.get("disable_parallel_tool_use", False)
-    if kind == "auto":
-        return ToolChoice("auto"), parallel
-    if kind == "any":
-        return ToolChoice("required"), parallel
-    if kind == "none":
-        return ToolChoice("none"), parallel
-    if kind == "tool":
-        if not isinstance(choice.get("name"), str):
-            raise invalid("tool_choice of type 'tool' needs the tool's name", param="tool_choice.name")
-        return ToolChoice("named", choice["name"]), parallel
-    raise invalid(f"tool_choice.type must be auto, any, tool or none, got {kind!r}", param="tool_choice.type")
+    if isinstance(choice, ToolChoiceNone):
+        return ToolChoice("none"), True
+    parallel = not choice.disable_parallel_tool_use
+    if isinstance(choice, ToolChoiceTool):
+        return ToolChoice("named", choice.name), parallel
+    return ToolChoice("auto" if isinstance(choice, ToolChoiceAuto) else "required"), parallel
 
 
-def _output(config: dict[str, Any] | None, notes: Notes) -> Output | None:
+def _output(config: OutputConfig | None, notes: Notes) -> Output | None:
     """`output_config.format` (structured outputs): the answer must match the JSON schema."""
-    if not config:
+    if config is None:
         return None
-    for key in sorted(set(config) - {"format"}):
-        notes.ignored.add(f"output_config.{key}")
-    fmt = config.get("format")
-    if fmt is None:
+    if config.effort is not None:
+        notes.ignored.add("output_config.effort")
+    if config.format is None:
         return None
-    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
-        raise invalid("output_config.format must be {\"type\": \"json_schema\", \"schema\": {...}}",
-                      param="output_config.format")
-    return Output("json_schema", fmt["schema"], "output", True)
+    return Output("json_schema", config.format.schema_, "output", True)
+
+
+def _note_ignored(req: MessagesRequest | CountTokensRequest, notes: Notes) -> None:
+    notes.ignored.update(unknown_fields(req))
+    if isinstance(req.thinking, ThinkingEnabled):
+        notes.ignored.add("thinking.budget_tokens")  # the model thinks as long as it does
 
 
 def conversation(req: MessagesRequest | CountTokensRequest, notes: Notes) -> Conversation:
@@ -258,11 +210,8 @@ def conversation(req: MessagesRequest | CountTokensRequest, notes: Notes) -> Con
     choice, parallel = _choice(req.tool_choice)
     if tools is None and choice is not None:
         choice = None  # the only tools were skipped (or none were given): nothing to choose from
-    for name in sorted(set(req.model_extra or {}) - _HONOURED - _QUIET):
-        notes.ignored.add(name)
-    if req.thinking is not None and req.thinking.get("budget_tokens") is not None:
-        notes.ignored.add("thinking.budget_tokens")  # the model thinks as long as it does
-    output = _output(getattr(req, "output_config", None), notes)
+    _note_ignored(req, notes)
+    output = _output(req.output_config, notes)
     return Conversation(tuple(turns), tools, choice, parallel, output, thinking(req), _sampling(req),
                         params={"tools": "tools", "tool_choice": "tool_choice", "tool_choice.name": "tool_choice.name"})
 
@@ -270,14 +219,9 @@ def conversation(req: MessagesRequest | CountTokensRequest, notes: Notes) -> Con
 def thinking(req: MessagesRequest | CountTokensRequest) -> bool | None:
     """`thinking`: disabled answers at once; enabled or adaptive thinks; absent, the model's default
     (a local model that thinks does so unless told not to, and its thinking blocks are returned)."""
-    kind = (req.thinking or {}).get("type")
-    if kind is None:
+    if req.thinking is None:
         return None
-    if kind == "disabled":
-        return False
-    if kind in ("enabled", "adaptive"):
-        return True
-    raise invalid(f"thinking.type must be enabled, adaptive or disabled, not {kind!r}", param="thinking.type")
+    return not isinstance(req.thinking, ThinkingDisabled)
 
 
 def _sampling(req: MessagesRequest | CountTokensRequest) -> Sampling:

@@ -2,9 +2,10 @@
 `Conversation` (or a raw prompt), the neutral output events -> Ollama's messages, whole or as NDJSON
 lines, with its timing fields in nanoseconds.
 
-What the gateway cannot honour is accepted and named in `X-Ignored-Fields` (Ollama's own server
-ignores unknown options silently): `options` it has no sampler for, `template`, `context`. A model
-that thinks returns its reasoning in `thinking`; `think: false` makes it answer at once.
+The bodies are typed in `schema`. What the gateway cannot honour is accepted and named in
+`X-Ignored-Fields` (Ollama's own server ignores unknown fields and options silently): `options` it
+has no sampler for, `template`, `context`, fields Ollama's API does not define. A model that thinks
+returns its reasoning in `thinking`; `think: false` makes it answer at once.
 """
 
 from __future__ import annotations
@@ -16,98 +17,33 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
-
+from gateway.api.bodies import unknown_fields
 from gateway.api.errors import invalid
 from gateway.api.notes import Notes
+from gateway.api.ollama.schema import (
+    SAMPLER_OPTIONS,
+    ChatRequest,
+    CopyRequest,
+    CreateRequest,
+    EmbedRequest,
+    GenerateRequest,
+    LegacyEmbeddingRequest,
+    ModelRequest,
+    OllamaMessage,
+    OllamaOptions,
+    OllamaTool,
+)
 from gateway.conversation import Conversation, Output, Sampling, ToolCall, ToolSpec, Turn
 from gateway.models.create import Recipe
 from gateway.models.quantize import type_code
 from gateway.settings import parse_duration
 
-# options -> what the gateway's sampler reads; num_ctx is the model's (models.yaml), not per request.
-_OPTIONS = {"num_predict", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "repeat_penalty",
-            "presence_penalty", "frequency_penalty", "num_ctx"}
+__all__ = ["OLLAMA_API_VERSION", "Answer", "ChatRequest", "CopyRequest", "CreateRequest", "EmbedRequest",
+           "GenerateRequest", "LegacyEmbeddingRequest", "ModelRequest", "Timing", "chat_conversation", "done_reason",
+           "generate_conversation", "keep_alive_seconds", "now", "recipe", "sampling", "thinking", "tool_calls_out"]
+
 # The Ollama API version whose routes and fields this module follows (`/api/version`).
 OLLAMA_API_VERSION = "0.14.0"
-
-
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    model: str
-    format: str | dict[str, Any] | None = None
-    options: dict[str, Any] | None = None
-    stream: bool = True  # Ollama streams unless told not to
-    keep_alive: str | int | float | None = None
-    think: bool | str | None = None
-
-
-class ChatRequest(_Request):
-    messages: list[dict[str, Any]] = Field(default_factory=list)
-    tools: list[dict[str, Any]] | None = None
-
-
-class GenerateRequest(_Request):
-    prompt: str = ""
-    suffix: str | None = None
-    system: str | None = None
-    template: str | None = None
-    raw: bool = False
-    images: list[str] | None = None
-    context: list[int] | None = None
-
-
-class EmbedRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    model: str
-    input: str | list[str]
-    truncate: bool = True
-    options: dict[str, Any] | None = None
-    keep_alive: str | int | float | None = None
-    dimensions: int | None = None
-
-
-class LegacyEmbeddingRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    model: str
-    prompt: str
-    options: dict[str, Any] | None = None
-    keep_alive: str | int | float | None = None
-
-
-class ModelRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    model: str = ""
-    name: str = ""  # older clients send `name`
-
-    @property
-    def id(self) -> str:
-        return self.model or self.name
-
-
-class CreateRequest(BaseModel):
-    """`POST /api/create` (Ollama 0.5.5 and later: fields, not a Modelfile)."""
-
-    model_config = ConfigDict(extra="allow", populate_by_name=True)
-    model: str = ""
-    name: str = ""  # older clients send `name`
-    from_: str | None = Field(default=None, alias="from")
-    files: dict[str, str] | None = None
-    adapters: dict[str, str] | None = None
-    template: str | None = None
-    license: str | list[str] | None = None
-    system: str | None = None
-    parameters: dict[str, Any] | None = None
-    messages: list[dict[str, Any]] | None = None
-    quantize: str | None = None
-    modelfile: str | None = None  # the API before 0.5.5
-    stream: bool = True
-
-
-class CopyRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    source: str
-    destination: str
 
 
 # --- keep_alive ------------------------------------------------------------------------------------
@@ -142,30 +78,24 @@ FOREVER_S = 10 * 365 * 86400.0  # longer than this is "keep it loaded"
 def _output(fmt: str | dict[str, Any] | None) -> Output | None:
     if fmt is None or fmt == "":
         return None
-    if fmt == "json":
-        return Output("json_object")
     if isinstance(fmt, dict):
         return Output("json_schema", fmt, "output", True)
-    raise invalid(f"format must be \"json\" or a JSON schema, got {fmt!r}", param="format")
+    return Output("json_object")  # "json"
 
 
-def _tools(tools: list[dict[str, Any]] | None) -> tuple[ToolSpec, ...] | None:
+def _tools(tools: list[OllamaTool] | None) -> tuple[ToolSpec, ...] | None:
     if tools is None:
         return None
-    out = []
-    for i, t in enumerate(tools):
-        fn = t.get("function") if isinstance(t, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise invalid("each tool is {\"type\": \"function\", \"function\": {\"name\", ...}}",
-                          param=f"tools[{i}].function.name")
-        params = fn.get("parameters")
-        out.append(ToolSpec(fn["name"], fn.get("description") or "", params if isinstance(params, dict) else None))
-    return tuple(out) or None
+    return tuple(ToolSpec(t.function.name, t.function.description or "", t.function.parameters) for t in tools) or None
 
 
-def _no_images(m: dict[str, Any], param: str) -> None:
-    if m.get("images"):
-        raise invalid("images are not supported: the gateway serves no vision model yet", param=f"{param}.images")
+def _no_images(images: list[str] | None, param: str) -> None:
+    if images:  # an empty list is no image
+        raise invalid("images are not supported: the gateway serves no vision model yet", param=param)
+
+
+def _arguments(args: dict[str, Any] | str) -> str:
+    return args if isinstance(args, str) else json.dumps(args)
 
 
 def chat_conversation(req: ChatRequest, notes: Notes) -> Conversation:
@@ -175,45 +105,33 @@ def chat_conversation(req: ChatRequest, notes: Notes) -> Conversation:
     open_calls: list[ToolCall] = []
     n = 0
     for i, m in enumerate(req.messages):
-        param = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise invalid("each message must be an object", param=param)
-        role, content = m.get("role"), m.get("content", "")
-        if role not in ("system", "user", "assistant", "tool"):
-            raise invalid(f"role must be system, user, assistant or tool, got {role!r}", param=f"{param}.role")
-        if not isinstance(content, str):
-            raise invalid("content must be a string", param=f"{param}.content")
-        _no_images(m, param)
-        if role == "assistant" and m.get("tool_calls"):
-            calls = []
-            for j, c in enumerate(m["tool_calls"]):
-                fn = c.get("function") if isinstance(c, dict) else None
-                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-                    raise invalid("a tool call is {\"function\": {\"name\", \"arguments\"}}",
-                                  param=f"{param}.tool_calls[{j}]")
-                args = fn.get("arguments") or {}
-                calls.append(ToolCall(f"call_{n}", fn["name"], args if isinstance(args, str) else json.dumps(args)))
-                n += 1
+        _no_images(m.images, f"messages[{i}].images")
+        content = m.content or ""
+        if m.role == "assistant" and m.tool_calls:
+            calls = tuple(ToolCall(f"call_{n + j}", c.function.name, _arguments(c.function.arguments))
+                          for j, c in enumerate(m.tool_calls))
+            n += len(calls)
             open_calls += calls
-            turns.append(Turn.of("assistant", content, tool_calls=tuple(calls)))
-        elif role == "tool":
-            name = m.get("tool_name") or m.get("name")
+            turns.append(Turn.of("assistant", content, tool_calls=calls))
+        elif m.role == "tool":
+            name = m.tool_name or m.name
             answered = next((c for c in open_calls if name is None or c.name == name), None)
             if answered is not None:
                 open_calls.remove(answered)
             turns.append(Turn.of("tool", content, tool_call_id=answered.id if answered else None))
         else:
-            turns.append(Turn.of(role, content))
+            turns.append(Turn.of(m.role, content))
+    notes.ignored.update(unknown_fields(req))
     return Conversation(tuple(turns), _tools(req.tools), None, True, _output(req.format), thinking(req),
                         sampling(req.options, notes), params={"tools": "tools", "output.schema": "format"})
 
 
 def generate_conversation(req: GenerateRequest, notes: Notes) -> Conversation:
-    if req.images:
-        raise invalid("images are not supported: the gateway serves no vision model yet", param="images")
+    _no_images(req.images, "images")
     if req.suffix:
         raise invalid("suffix (fill-in-the-middle) is not supported", param="suffix")
     turns = ([Turn.of("system", req.system)] if req.system else []) + [Turn.of("user", req.prompt)]
+    notes.ignored.update(unknown_fields(req))
     return Conversation(tuple(turns), None, None, True, _output(req.format), thinking(req),
                         sampling(req.options, notes), params={"output.schema": "format", "messages": "prompt"})
 
@@ -228,41 +146,35 @@ def thinking(req: ChatRequest | GenerateRequest) -> bool | None:
     raise invalid(f"think must be true, false, \"high\", \"medium\" or \"low\", not {req.think!r}", param="think")
 
 
-def sampling(options: dict[str, Any] | None, notes: Notes, where: str = "options") -> Sampling:
-    """The sampler settings of Ollama's `options`. `where` names the field in errors (`parameters`
-    in /api/create)."""
-    o = dict(options or {})
-    for key in sorted(set(o) - _OPTIONS):
-        notes.ignored.add(f"{where}.{key}")
-    if "num_ctx" in o:
-        notes.ignored.add(f"{where}.num_ctx")  # the context is the model's (models.yaml context_length)
-
-    def num(key: str, kind: type) -> Any:
-        v = o.get(key)
-        if v is None:
-            return None
-        if isinstance(v, bool) or not isinstance(v, int | float) or (kind is int and not float(v).is_integer()):
-            raise invalid(f"{where}.{key} must be a {kind.__name__}", param=f"{where}.{key}")
-        return kind(v)
-
-    predict = num("num_predict", int)
-    stop = o.get("stop")
-    if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) for s in stop)):
-        raise invalid(f"{where}.stop must be a list of strings", param=f"{where}.stop")
-    temperature = num("temperature", float)
-    if temperature is not None and not 0 <= temperature <= 2:
-        raise invalid(f"{where}.temperature must be between 0 and 2", param=f"{where}.temperature")
-    top_p = num("top_p", float)
-    if top_p is not None and not 0 <= top_p <= 1:
-        raise invalid(f"{where}.top_p must be between 0 and 1", param=f"{where}.top_p")
-    top_k = num("top_k", int)
-    if top_k is not None and top_k < 0:
-        raise invalid(f"{where}.top_k must not be negative", param=f"{where}.top_k")
+def sampling(options: OllamaOptions | None, notes: Notes, where: str = "options") -> Sampling:
+    """The sampler settings of Ollama's `options` (checked by the schema); the options it has no
+    sampler for are named. `where` names the field (`parameters` in /api/create)."""
+    if options is None:
+        return Sampling()
+    given = options.model_dump(exclude_none=True, exclude=set(SAMPLER_OPTIONS))
+    notes.ignored.update(f"{where}.{key}" for key in given)  # num_ctx: the model's (models.yaml context_length)
+    o = options
+    stop = (o.stop,) if isinstance(o.stop, str) else tuple(o.stop or ())
     # num_predict -1: until the model stops; -2: fill the context (both: no limit here, the context bounds it).
-    return Sampling(temperature=temperature, top_p=top_p, top_k=top_k, min_p=num("min_p", float),
-                    repeat_penalty=num("repeat_penalty", float), seed=num("seed", int),
-                    presence_penalty=num("presence_penalty", float), frequency_penalty=num("frequency_penalty", float),
-                    stop=tuple(stop or ()), max_tokens=predict if predict is not None and predict > 0 else None)
+    predict = o.num_predict if o.num_predict is not None and o.num_predict > 0 else None
+    return Sampling(temperature=o.temperature, top_p=o.top_p, top_k=o.top_k, min_p=o.min_p,
+                    repeat_penalty=o.repeat_penalty, seed=o.seed, presence_penalty=o.presence_penalty,
+                    frequency_penalty=o.frequency_penalty, stop=stop, max_tokens=predict)
+
+
+def _preset(messages: list[OllamaMessage] | None, notes: Notes) -> list[dict[str, str]] | None:
+    """/api/create's `messages`: the turns every chat of the model starts with (role and text)."""
+    if messages is None:
+        return None
+    out = []
+    for i, m in enumerate(messages):
+        if m.role == "tool" or m.content is None:
+            raise invalid(f"messages[{i}]: a role of system, user or assistant and a string content",
+                          param=f"messages[{i}]")
+        others = m.model_dump(exclude_none=True, exclude={"role", "content"})
+        notes.ignored.update(f"messages[{i}].{k}" for k in others)
+        out.append({"role": m.role, "content": m.content})
+    return out
 
 
 def recipe(body: CreateRequest, notes: Notes) -> Recipe:
@@ -286,33 +198,20 @@ def recipe(body: CreateRequest, notes: Notes) -> Recipe:
             raise invalid(f"quantize: {exc}", param="quantize") from None
     if body.from_ and body.files:
         raise invalid("give `from` (a model) or `files` (uploaded GGUF blobs), not both", param="from")
-    params = dict(body.parameters or {})
-    if isinstance(params.get("stop"), str):
-        params["stop"] = [params["stop"]]
-    asked = sampling(params, notes, where="parameters")
+    asked = sampling(body.parameters, notes, where="parameters")
     notes.ignored.discard("parameters.num_ctx")
-    num_ctx = params.get("num_ctx")
-    if num_ctx is not None and (isinstance(num_ctx, bool) or not isinstance(num_ctx, int) or num_ctx < 16):
+    num_ctx = body.parameters.num_ctx if body.parameters is not None else None
+    if num_ctx is not None and num_ctx < 16:
         raise invalid("parameters.num_ctx must be an integer of at least 16", param="parameters.num_ctx")
     defaults: dict[str, Any] = {k: getattr(asked, k) for k in (
         "temperature", "top_p", "top_k", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty", "seed",
         "max_tokens") if getattr(asked, k) is not None}
     if asked.stop:
         defaults["stop"] = list(asked.stop)
-    messages = None
-    if body.messages is not None:
-        messages = []
-        for i, m in enumerate(body.messages):
-            role, content = m.get("role"), m.get("content", "")
-            if role not in ("system", "user", "assistant") or not isinstance(content, str):
-                raise invalid(f"messages[{i}]: a role of system, user or assistant and a string content",
-                              param=f"messages[{i}]")
-            if set(m) - {"role", "content"}:
-                notes.ignored.update(f"messages[{i}].{k}" for k in set(m) - {"role", "content"})
-            messages.append({"role": role, "content": content})
+    notes.ignored.update(unknown_fields(body))
     license_ = "\n\n".join(body.license) if isinstance(body.license, list) else body.license
-    return Recipe(name=name, files=dict(body.files or {}), system=body.system, messages=messages, license=license_,
-                  defaults=defaults, context_length=num_ctx, quantize=body.quantize or None)
+    return Recipe(name=name, files=dict(body.files or {}), system=body.system, messages=_preset(body.messages, notes),
+                  license=license_, defaults=defaults, context_length=num_ctx, quantize=body.quantize or None)
 
 
 # --- output -------------------------------------------------------------------------------------------

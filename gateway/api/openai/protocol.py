@@ -94,6 +94,9 @@ class NamedToolChoice(_Request):
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
 TopP = Annotated[float, Field(ge=0.0, le=1.0)]
+TopK = Annotated[int, Field(ge=0)]
+MinP = Annotated[float, Field(ge=0.0, le=1.0)]
+RepeatPenalty = Annotated[float, Field(gt=0.0, le=10.0)]
 Stop = str | Annotated[list[str], Field(max_length=16)] | None
 
 
@@ -111,9 +114,9 @@ class _SamplingFields(_Request):
     seed: int | None = None
     user: str | None = None
     # Extensions shared with llama-server and vLLM.
-    top_k: Annotated[int, Field(ge=0)] | None = None
-    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
-    repeat_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
+    top_k: TopK | None = None
+    min_p: MinP | None = None
+    repeat_penalty: RepeatPenalty | None = None
     ignore_eos: bool = False
 
 
