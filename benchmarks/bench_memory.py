@@ -11,7 +11,10 @@ Llama-3-8B-shaped Q4_K_M of benchmarks/make_random_llama8b.py on the H100).
 The host prefix cache is part of the estimate: --prefix-cache MIB sizes it (default: the gateway's
 own default, a quarter of the free memory up to 8 GiB; 0: none), and the cache is filled with
 distinct prompts (until it holds 90% of its bound, or --fill-max prompts) before the worker is
-measured, so a cache that grows as it is used is measured full.
+measured, so a cache that grows as it is used is measured full; the heavier requests (logprobs
+over the vocabulary, a grammar) run once more then. The table sets the estimate beside the worker's
+resident memory at the end (anonymous and file-backed, such as the mapped weights) and beside its
+peak (VmHWM), the figure a budget has to hold.
 """
 
 from __future__ import annotations
@@ -90,6 +93,21 @@ def fill_cache(url: str, model: str, ctx: int, parallel: int, most: int) -> tupl
     return sent, held, bound
 
 
+def _proc_memory(pid: int) -> dict[str, int]:
+    """The worker's peak resident memory (VmHWM) and its resident memory by kind (anonymous, file
+    pages such as the mapped weights), from /proc (the gateway runs on this host)."""
+    fields = {"VmHWM": "peak_ram", "RssAnon": "rss_anon", "RssFile": "rss_file"}
+    out: dict[str, int] = {}
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in fields:
+                out[fields[key]] = int(value.split()[0]) * 1024
+    except OSError:
+        pass
+    return out
+
+
 def measure(model: dict[str, Any], ctx: int, parallel: int, engine: str, tmp: Path,
             prefix_cache: str | None = None, fill_max: int = 400, logs: Path | None = None) -> dict[str, Any]:
     spec = {**model, "context_length": ctx, "parallel": parallel}
@@ -128,15 +146,19 @@ def measure(model: dict[str, Any], ctx: int, parallel: int, engine: str, tmp: Pa
                 "messages": [{"role": "user", "content": f"{i}: {words}"}]})
             r.raise_for_status()
 
+        def heavy() -> None:
+            """The heavier paths: logprobs over the vocabulary, and a grammar."""
+            for extra in ({"logprobs": True, "top_logprobs": 5}, {"response_format": {"type": "json_object"}}):
+                httpx.post(f"{url}/v1/chat/completions", timeout=600, json={
+                    "model": spec["id"], "max_tokens": 16, "temperature": 0, **extra,
+                    "messages": [{"role": "user", "content": words[: 4 * ctx // 2]}]}).raise_for_status()
+
         with ThreadPoolExecutor(parallel) as pool:
             list(pool.map(one, range(parallel)))
-        # The heavier paths too: logprobs over the vocabulary, and a grammar.
-        for extra in ({"logprobs": True, "top_logprobs": 5}, {"response_format": {"type": "json_object"}}):
-            httpx.post(f"{url}/v1/chat/completions", timeout=600, json={
-                "model": spec["id"], "max_tokens": 16, "temperature": 0, **extra,
-                "messages": [{"role": "user", "content": words[: 4 * ctx // 2]}]}).raise_for_status()
+        heavy()
         phase("loaded every sequence")
         sent, held, bound = fill_cache(url, spec["id"], ctx, parallel, fill_max)
+        heavy()  # again with the cache full: the peak the budget has to hold
         phase(f"cache filled ({sent} prompts, {held / MiB:.0f} of {bound / MiB:.0f} MiB)")
         row = httpx.get(f"{url}/health", timeout=30).json()["models"][spec["id"]]
         est = row["memory"]["estimate"]
@@ -144,7 +166,8 @@ def measure(model: dict[str, Any], ctx: int, parallel: int, engine: str, tmp: Pa
         return {"model": spec["id"], "context": ctx, "parallel": parallel, "engine": engine,
                 "cache_bound": bound, "cache_held": held, "fill_prompts": sent, "parts": est.get("parts_bytes"),
                 "estimate_ram": est["ram_bytes"], "estimate_gpu": est["gpu_bytes"],
-                "measured_ram": row["worker"]["rss_bytes"], "measured_gpu": gpu_used(pid) if engine == "cuda" else None}
+                "measured_ram": row["worker"]["rss_bytes"], **_proc_memory(pid),
+                "measured_gpu": gpu_used(pid) if engine == "cuda" else None}
     finally:
         proc.terminate()
         try:
@@ -190,14 +213,17 @@ def main() -> None:
     cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                 if ln.startswith("model name")), platform.processor())
     print(f"Memory estimate vs measured, engine {args.engine}; {cpu}, {os.cpu_count()} threads; commit {commit}\n")
-    print("| model | context x seqs | host cache held / bound | estimate RAM | measured RAM (worker RSS) | error |"
-          + (" estimate GPU | measured GPU | error |" if args.engine == "cuda" else ""))
-    print("|---|---|---:|---:|---:|---:|" + ("---:|---:|---:|" if args.engine == "cuda" else ""))
+    print("| model | context x seqs | host cache held / bound | estimate RAM | worker RSS (anon + file) | error "
+          "| worker peak RSS | error |" + (" estimate GPU | measured GPU | error |" if args.engine == "cuda" else ""))
+    print("|---|---|---:|---:|---:|---:|---:|---:|" + ("---:|---:|---:|" if args.engine == "cuda" else ""))
     for r in rows:
         err = (r["estimate_ram"] - r["measured_ram"]) / r["measured_ram"] * 100
+        peak = r.get("peak_ram") or r["measured_ram"]
+        kinds = f" ({r['rss_anon'] / MiB:.0f} + {r['rss_file'] / MiB:.0f})" if "rss_anon" in r else ""
         line = (f"| {r['model']} | {r['context']} x {r['parallel']} | "
                 f"{r['cache_held'] / MiB:.0f} / {r['cache_bound'] / MiB:.0f} MiB | {r['estimate_ram'] / MiB:.0f} MiB | "
-                f"{r['measured_ram'] / MiB:.0f} MiB | {err:+.0f}% |")
+                f"{r['measured_ram'] / MiB:.0f} MiB{kinds} | {err:+.0f}% | {peak / MiB:.0f} MiB | "
+                f"{(r['estimate_ram'] - peak) / peak * 100:+.0f}% |")
         if args.engine == "cuda" and r["measured_gpu"]:
             gerr = (r["estimate_gpu"] - r["measured_gpu"]) / r["measured_gpu"] * 100
             line += f" {r['estimate_gpu'] / MiB:.0f} MiB | {r['measured_gpu'] / MiB:.0f} MiB | {gerr:+.0f}% |"

@@ -182,7 +182,7 @@ class CoreMLEngine:
         if request.messages is None:
             return self.encode(request.prompt or "")
         if self._template is None:
-            raise InvalidGenerationRequest("this model has no chat template, so it answers raw prompts (completions), not messages", param="messages")
+            raise InvalidGenerationRequest("this model has no chat template, so it answers raw prompts only, not chat messages", param="messages")
         try:
             return self.encode(self._template.render(request.messages, request.add_generation_prompt, request.thinking))
         except Exception as exc:

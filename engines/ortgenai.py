@@ -217,7 +217,7 @@ class OrtGenAIEngine:
         if request.messages is None:
             return self.encode(request.prompt or "")
         if self._template is None:
-            raise InvalidGenerationRequest("this model has no chat template, so it answers raw prompts (completions), not messages", param="messages")
+            raise InvalidGenerationRequest("this model has no chat template, so it answers raw prompts only, not chat messages", param="messages")
         try:
             text = self._template.render(request.messages, request.add_generation_prompt, request.thinking)
         except Exception as exc:  # template raise_exception() or Jinja errors

@@ -26,6 +26,9 @@ default: m
 models:
   - id: m
     formats: {gguf: {path: a.gguf}}
+  - id: e
+    formats: {gguf: {path: a.gguf}}
+    embedding_only: true
 """
 MSG = [{"role": "user", "content": "Hi"}]
 WEATHER = {"name": "get_weather", "description": "The weather in a city now.",
@@ -261,3 +264,22 @@ def test_the_openapi_document_shows_the_typed_bodies(url: str) -> None:
     function = _schema(doc, _schema(doc, next(m for m in chat["tools"]["anyOf"] if m.get("type") == "array")["items"])
                        ["properties"]["function"])
     assert function["required"] == ["name"]
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/messages", {"model": "e", "max_tokens": 8, "messages": MSG}),
+    ("/api/chat", {"model": "e", "messages": MSG, "stream": False}),
+    ("/api/generate", {"model": "e", "prompt": "Hi", "stream": False}),
+    ("/v1/responses", {"model": "e", "input": "Hi"}),
+    ("/v1/chat/completions", {"model": "e", "messages": MSG}),
+])
+def test_errors_name_no_other_protocols_route(url: str, path: str, body: dict[str, Any]) -> None:
+    """A generation request for an embedding model is a 400 that names the model in the client's own
+    envelope, and tells no Anthropic or Ollama client about another protocol's route."""
+    r = httpx.post(f"{url}{path}", json=body, timeout=10)
+    assert r.status_code == 400, r.text
+    j = r.json()
+    message = j["error"]["message"] if isinstance(j["error"], dict) else j["error"]
+    assert "e" in message and "/v1/" not in message and "/api/" not in message, message
+    if path == "/v1/messages":
+        assert j["type"] == "error" and j["error"]["type"] == "invalid_request_error"

@@ -569,7 +569,7 @@ class LlamaCppEngine:
             return self.encode(request.prompt or "")
         if self._template is None:
             raise InvalidGenerationRequest(
-                "this model has no chat template, so it answers raw prompts (completions), not messages", param="messages"
+                "this model has no chat template, so it answers raw prompts only, not chat messages", param="messages"
             )
         try:
             tools = json.loads(request.tools_json) if request.tools_json else None

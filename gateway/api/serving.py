@@ -257,7 +257,7 @@ class Service:
     def spec(self, model: str) -> ModelSpec:
         spec = model_spec(self.manager.registry, model)
         if spec.embedding_only:
-            raise invalid(f"the model '{model}' serves embeddings only (POST /v1/embeddings)", param="model",
+            raise invalid(f"the model '{model}' serves embeddings only, not generation", param="model",
                           code="model_not_supported")
         return spec
 
