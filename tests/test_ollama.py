@@ -33,6 +33,7 @@ def test_list_show_ps_version(client: ollama.Client) -> None:
     assert MODEL in names
     shown = client.show(MODEL)
     assert "completion" in (shown.capabilities or []) and shown.details.format == "gguf"
+    assert "<|im_start|>" in (shown.template or "")  # the GGUF's own chat template (ChatML)
     client.chat(model=MODEL, messages=[{"role": "user", "content": "hi"}], options={"num_predict": 1})
     assert MODEL in [m.model for m in client.ps().models]
     assert httpx.get(f"{client._client.base_url}/api/version").json()["version"]

@@ -32,6 +32,7 @@ from gateway.api.serving import Prepared, Service, model_spec
 from gateway.api.sse import until_disconnect
 from gateway.conversation import ArgumentsDelta, CallStarted, Finished, ReasoningDelta, TextDelta
 from gateway.models.gguf_info import GGUFError, parameter_size, read_gguf
+from gateway.models.memory import gguf_info
 from gateway.models.pool import ModelBusy, ModelManager, device_of
 from gateway.models.registry import ModelSpec
 
@@ -379,6 +380,16 @@ async def tags(request: Request) -> JSONResponse:
     return JSONResponse({"models": models})
 
 
+def _template(request: Request, spec: ModelSpec) -> str:
+    """The chat template the model is served with: models.yaml's, else its GGUF's own (Jinja where
+    Ollama shows its Go template; clients such as LiteLLM look in it for tool support)."""
+    if spec.chat_template:
+        return spec.chat_template
+    path = request.app.state.manager.registry.local_path(spec, "gguf") if "gguf" in spec.formats else None
+    info = gguf_info(path) if path is not None and path.exists() else None
+    return (info.chat_template or "") if info is not None else ""
+
+
 @router.post("/api/show", responses={200: {"description": "A model's details and capabilities"}, **ERRORS})
 async def show(body: ol.ModelRequest, request: Request) -> JSONResponse:
     spec = named_spec(request, body.id)
@@ -391,7 +402,7 @@ async def show(body: ol.ModelRequest, request: Request) -> JSONResponse:
     body_out: dict[str, Any] = {
         "modelfile": _modelfile(spec, parameters),
         "parameters": "\n".join(f"{k:<30} {json.dumps(v) if isinstance(v, str) else v}" for k, v in parameters),
-        "template": spec.chat_template or "", "details": await asyncio.to_thread(_details, spec),
+        "template": await asyncio.to_thread(_template, request, spec), "details": await asyncio.to_thread(_details, spec),
         "model_info": {"general.context_length": context}, "capabilities": caps,
         "modified_at": facts[2] if facts else ol.now()}
     if spec.system:
