@@ -187,6 +187,8 @@ def main() -> int:
     ap.add_argument("--server-bin", default=None, help="an existing llama-server build's bin dir")
     ap.add_argument("--no-other-sampling", action="store_true",
                     help="leave out the gateway with the other GATEWAY_DEVICE_SAMPLING (on for cpu, off for a GPU)")
+    ap.add_argument("--no-llama-server", action="store_true",
+                    help="gateways only (with --baseline: a change's before and after)")
     ap.add_argument("--no-backend-sampling", action="store_true", help="leave out llama-server --backend-sampling")
     ap.add_argument("--speculative", default=None, metavar="N:M",
                     help="also compare n-gram speculative decoding (lookup n-gram N, draft up to M) on copying prompts")
@@ -207,11 +209,13 @@ def main() -> int:
     reg = load_registry(ROOT / "models.yaml")
     spec = reg.models[MODEL]
     model = str(reg.resolve(spec, "gguf"))
-    bin_dir = args.server_bin or subprocess.run(
-        ["bash", str(ROOT / "benchmarks/build-llama-server.sh"), args.backend], check=True, capture_output=True,
-        text=True).stdout.strip().splitlines()[-1]
-    version = subprocess.run([f"{bin_dir}/llama-server", "--version"], capture_output=True, text=True,
-                             env={**os.environ, "LD_LIBRARY_PATH": bin_dir}).stderr.strip().splitlines()
+    bin_dir, version = "", ["version: (not run)"]
+    if not args.no_llama_server:
+        bin_dir = args.server_bin or subprocess.run(
+            ["bash", str(ROOT / "benchmarks/build-llama-server.sh"), args.backend], check=True, capture_output=True,
+            text=True).stdout.strip().splitlines()[-1]
+        version = subprocess.run([f"{bin_dir}/llama-server", "--version"], capture_output=True, text=True,
+                                 env={**os.environ, "LD_LIBRARY_PATH": bin_dir}).stderr.strip().splitlines()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     if not commit and (env := ROOT / "offline-bundle" / "bundle.env").exists():  # installed from an offline bundle
         commit = next((v for k, _, v in (x.partition("=") for x in env.read_text().splitlines()) if k == "BUNDLE_COMMIT"), "")
@@ -240,9 +244,10 @@ def main() -> int:
             name = f"gateway, {label}"
             servers.gateway(name, dict(kv.split("=", 1) for kv in settings.split(",") if kv))
             names.append(name)
-        servers.llama_server("llama-server", bin_dir, [])
-        names.append("llama-server")
-        if not args.no_backend_sampling:
+        if not args.no_llama_server:
+            servers.llama_server("llama-server", bin_dir, [])
+            names.append("llama-server")
+        if not args.no_backend_sampling and not args.no_llama_server:
             servers.llama_server("llama-server -bs", bin_dir, ["--backend-sampling"])
             names.append("llama-server -bs")
         try:
@@ -251,7 +256,7 @@ def main() -> int:
         finally:
             servers.stop()
         everything["throughput"] = results
-        ratios = [("gateway", "llama-server")] + [("gateway", n) for n in names if n.startswith(("gateway, ", "gateway @")) and n != other]
+        ratios = [("gateway", "llama-server")] * (not args.no_llama_server) + [("gateway", n) for n in names if n.startswith(("gateway, ", "gateway @")) and n != other]
         if other in names:
             ratios.append(("gateway", other))
         if "llama-server -bs" in names:

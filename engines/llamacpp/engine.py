@@ -285,6 +285,10 @@ class LlamaCppEngine:
         if not model:
             raise ModelLoadError(f"llama.cpp could not load {o.model_path} on {o.device} ({o.device_key or 'CPU'})")
         self._model = model
+        if not wanted:  # weights in RAM: the file pages of repacked tensors are copies no one reads
+            from engines.llamacpp.mapped import release
+
+            log.debug("model file pages released after load: %.0f MiB", release(o.model_path) / 2**20)
         self._vocab = lc.llama_model_get_vocab(model)
         self._n_vocab = lc.llama_vocab_n_tokens(self._vocab)
         n_ctx_train = lc.llama_model_n_ctx_train(model)
