@@ -2,9 +2,9 @@
 
 llama.cpp maps the GGUF and copies each tensor it repacks for the CPU's kernels (weights in
 `CPU_REPACK` buffers) out of the mapping; the file pages it read stay resident in the process,
-so the weights count twice in its memory (llama.cpp issue 16761: on the AMX Xeon an 8B-shaped
-Q4_K_M model held 7.4 GiB of anonymous and 4.7 GiB of file pages for 4.6 GiB of weights,
-docs/benchmarks/history.md#memory-estimate). `release` drops the mapping's pages from the process
+so those weights count twice in its memory (llama.cpp issue 16761: on a 16-core AMX Xeon an
+8B-shaped Q4_K_M model kept 4.7 GiB of file pages beside ~3.4 GiB of repacked copies,
+docs/benchmarks/history.md#weights-resident-twice-on-the-cpu). `release` drops the mapping's pages from the process
 (`madvise(MADV_DONTNEED)`: the mapping stays valid, read-only, and a page still used, such as a
 tensor served from the mapping, is faulted back in from the page cache the next time it is read),
 so what stays resident is what the model uses. Linux only; elsewhere it does nothing.

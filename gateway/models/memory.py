@@ -5,6 +5,10 @@ for the input embeddings, which llama.cpp keeps in host memory), the KV cache of
 the model's context (f16 keys and values for each layer's KV heads; llama.cpp allocates it whole
 when the context is created; sliding-window layers hold only their window and a batch), the compute buffers, and the worker process itself.
 
+On the CPU the weights count once: the engine gives the file pages of the mapped GGUF back after
+load (engines/llamacpp/mapped.py), as those of repacked tensors are copies nobody reads
+(docs/benchmarks/history.md#weights-resident-twice-on-the-cpu).
+
 The compute and runtime terms are calibrated on measurements (the worker's resident memory after
 requests that fill every sequence, ask for logprobs and follow a grammar: benchmarks/bench_memory.py,
 docs/benchmarks/history.md#memory-estimate): 56 MiB of llama.cpp buffers and threads, 40 MiB for the worker's
