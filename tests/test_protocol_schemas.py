@@ -283,3 +283,12 @@ def test_errors_name_no_other_protocols_route(url: str, path: str, body: dict[st
     assert "e" in message and "/v1/" not in message and "/api/" not in message, message
     if path == "/v1/messages":
         assert j["type"] == "error" and j["error"]["type"] == "invalid_request_error"
+
+
+def test_a_field_named_with_control_characters_is_named_safely(url: str) -> None:
+    """An unknown field whose name holds a NUL or a newline is named in `X-Ignored-Fields` with `?`
+    in their place: a header with control characters would cut the connection instead."""
+    r = _messages(url, messages=MSG, **{"\u0000": None, "a\nb": 1})
+    assert r.status_code == 200, r.text
+    named = r.headers["x-ignored-fields"]
+    assert "?" in named and "\x00" not in named and "\n" not in named, named

@@ -84,20 +84,22 @@ _STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 async def respond(request: Request, adapter: Adapter, *, stream: bool, frames: Callable[[], AsyncIterator[Frame]],
-                  whole: Callable[[], Awaitable[Any]], headers: Mapping[str, str],
+                  whole: Callable[[], Awaitable[Any]], headers: Mapping[str, str] | Callable[[], Mapping[str, str]],
                   release: Callable[[], None], finish: Callable[[], None] | None = None) -> Response:
     """The answer: `whole()` as one JSON body, or `frames()` streamed in the adapter's framing once
     the first frame is ready (so that errors found before it, such as a prompt over the context or a
     full queue, still get a status). `release` gives the request's slots back if it ends before the
-    stream takes over; `finish` runs once the answer is complete (or the stream ended)."""
+    stream takes over; `finish` runs once the answer is complete (or the stream ended). `headers`
+    may be a function: it is read once the body (or the first frame) is ready, so that what the
+    work found out (a failover, say) is in them."""
     try:
         if not stream:
             body = await until_disconnect(request, whole())
             if finish is not None:
                 finish()
             if isinstance(body, BaseModel):
-                return Response(body.model_dump_json(), media_type="application/json", headers=dict(headers))
-            return JSONResponse(body, headers=dict(headers))
+                return Response(body.model_dump_json(), media_type="application/json", headers=_read(headers))
+            return JSONResponse(body, headers=_read(headers))
         rest = frames()
         first = await until_disconnect(request, anext(rest))
     except BaseException:
@@ -105,8 +107,12 @@ async def respond(request: Request, adapter: Adapter, *, stream: bool, frames: C
         raise
     body_iter = _framed(adapter, request.url.path, first, rest, finish)
     if adapter.framing == "ndjson":
-        return StreamingResponse(body_iter, media_type="application/x-ndjson", headers=dict(headers))
-    return EventSourceResponse(body_iter, headers={**_STREAM_HEADERS, **headers}, sep="\n", ping=15)
+        return StreamingResponse(body_iter, media_type="application/x-ndjson", headers=_read(headers))
+    return EventSourceResponse(body_iter, headers={**_STREAM_HEADERS, **_read(headers)}, sep="\n", ping=15)
+
+
+def _read(headers: Mapping[str, str] | Callable[[], Mapping[str, str]]) -> dict[str, str]:
+    return dict(headers() if callable(headers) else headers)
 
 
 async def drain(frames: AsyncIterator[Frame]) -> Frame | None:

@@ -24,5 +24,5 @@ class Notes:
 
 def header_value(text: str, limit: int = 1024) -> str:
     """HTTP header values are Latin-1 and one line; field names and reasons are the client's free text."""
-    flat = " ".join(text.split())
+    flat = "".join(c if c.isprintable() else "?" for c in " ".join(text.split()))  # no control characters
     return flat.encode("ascii", "replace").decode()[:limit]

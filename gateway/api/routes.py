@@ -125,7 +125,8 @@ async def _respond(
     include = bool(options and options.include_usage)
     continuous = include and bool(options and options.continuous_usage_stats)
     return await respond(request, OPENAI, stream=stream, frames=lambda: service.stream(p, model, include, continuous),
-                         whole=lambda: service.complete(p, model), headers=p.headers, release=p.release)
+                         whole=lambda: service.complete(p, model), headers=lambda: p.headers,
+                         release=p.release)
 
 
 @router.post("/v1/chat/completions", response_model=None,

@@ -70,7 +70,6 @@ async def create_message(body: am.MessagesRequest, request: Request) -> Response
     if conv.thinking and p.reasoning is None:  # the model does not think: nothing to enable
         notes.ignored.discard("thinking.budget_tokens")
         notes.ignored.add("thinking")
-    headers = {**p.headers, **notes.headers()}
     asm = am.Assembler(am.message_id(), body.model)
 
     async def whole() -> dict[str, Any]:
@@ -78,7 +77,7 @@ async def create_message(body: am.MessagesRequest, request: Request) -> Response
         return asm.message()
 
     return await respond(request, ANTHROPIC, stream=body.stream, frames=lambda: am.generate(service, p, asm, in_band=True),
-                         whole=whole, headers=headers, release=p.release)
+                         whole=whole, headers=lambda: {**p.headers, **notes.headers()}, release=p.release)
 
 
 @router.post("/v1/messages/count_tokens", response_model=am.TokenCount,

@@ -79,7 +79,6 @@ async def create_response(body: ResponseCreateRequest, request: Request) -> Resp
     if body.reasoning and p.reasoning is None:  # the model does not think: nothing to set
         notes.ignored.discard("reasoning.summary")
         notes.ignored.add("reasoning")
-    headers = {**p.headers, **notes.headers()}
 
     async def whole() -> Any:
         last = await drain(rs.generate(service, run))
@@ -87,7 +86,7 @@ async def create_response(body: ResponseCreateRequest, request: Request) -> Resp
         return last[1]["response"]
 
     return await respond(request, RESPONSES, stream=body.stream, frames=lambda: rs.generate(service, run),
-                         whole=whole, headers=headers, release=p.release)
+                         whole=whole, headers=lambda: {**p.headers, **notes.headers()}, release=p.release)
 
 
 @router.get("/v1/responses/{response_id}", response_model=ResponseObject,
