@@ -291,9 +291,15 @@ async def embeddings(body: ol.LegacyEmbeddingRequest, request: Request) -> JSONR
 # --- models -------------------------------------------------------------------------------------------
 
 
+def _gguf_path(request: Request, spec: ModelSpec) -> Path | None:
+    """Where the model's GGUF is (or would be) on disk; None for a model without one."""
+    found: Path | None = request.app.state.manager.registry.local_path(spec, "gguf") if "gguf" in spec.formats else None
+    return found
+
+
 def _file_facts(request: Request, spec: ModelSpec) -> tuple[int, str, str] | None:
     """(size, digest, modified_at) of the model's GGUF, or None when it is not on disk."""
-    path = request.app.state.manager.registry.local_path(spec, "gguf") if "gguf" in spec.formats else None
+    path = _gguf_path(request, spec)
     if path is None or not path.exists():
         return None
     st = path.stat()
@@ -385,8 +391,8 @@ def _template(request: Request, spec: ModelSpec) -> str:
     Ollama shows its Go template; clients such as LiteLLM look in it for tool support)."""
     if spec.chat_template:
         return spec.chat_template
-    path = request.app.state.manager.registry.local_path(spec, "gguf") if "gguf" in spec.formats else None
-    info = gguf_info(path) if path is not None and path.exists() else None
+    path = _gguf_path(request, spec)
+    info = gguf_info(path) if path is not None else None  # None too when the file is not there
     return (info.chat_template or "") if info is not None else ""
 
 
