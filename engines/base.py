@@ -1,49 +1,44 @@
 """The engine interface: plain request/event types, the Engine protocol and engine errors.
 
-Engines never see HTTP or OpenAI types.  The gateway turns a validated API request into a
+Engines never see HTTP, a protocol or a tool format.  The gateway turns a validated request into a
 `GenerationRequest`; an engine turns that into a stream of `TokenEvent`s.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
 
-# The Hermes / Qwen2.5 tool-call format: a chat template that writes these tags renders the tools
-# itself, and the model answers with `<tool_call>{"name": ..., "arguments": ...}</tool_call>` blocks.
-HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
-
 
 @dataclass(frozen=True)
-class ToolCallRecord:
-    """A tool call made in an earlier assistant turn (arguments as JSON text)."""
+class Constraint:
+    """What the output must match, in terms any runtime can compile (its capabilities say which
+    kinds it can: `Capabilities.constraints`).
 
-    id: str
-    name: str
-    arguments: str
+    - "json": one JSON value matching `schema` (a JSON schema's text; None = any JSON object);
+    - "grammar": `grammar`, a GBNF grammar (llama.cpp's format);
+    - "tagged": one to `max_items` items joined by `separator`, each `begin` + JSON matching
+      `schema` + `end` (a model family's tool calls, between the family's tags).
+    With `triggers` the output is free text until it writes one of them; the constraint applies
+    from there on (the trigger's text is the constrained text's start). `part` names the request
+    part it comes from, in the gateway's neutral field names (the protocol adapter names the
+    field as its client knows it), for errors about it.
+    """
 
-
-def arguments_value(arguments: str) -> Any:
-    """A tool call's arguments text as the JSON it holds ({} when empty), or the text itself when
-    it is not JSON: history is rendered as the client sent it, never refused."""
-    try:
-        return json.loads(arguments) if arguments else {}
-    except ValueError:
-        return arguments
-
-
-@dataclass(frozen=True)
-class ChatMessage:
-    role: str
-    content: str
-    tool_calls: tuple[ToolCallRecord, ...] = ()  # assistant turns that called tools
-    tool_call_id: str | None = None  # tool turns: the call this result answers
+    kind: Literal["json", "grammar", "tagged"]
+    schema: str | None = None
+    grammar: str | None = None
+    begin: str = ""
+    end: str = ""
+    separator: str = ""
+    max_items: int = 1
+    triggers: tuple[str, ...] = ()
+    part: str = "response_format"
 
 
 @dataclass(frozen=True)
@@ -63,44 +58,34 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()
-    # Constrained output: "json_object" (any JSON object) or "json_schema" (with `json_schema`).
-    structured: str | None = None
-    json_schema: str | None = None
     ignore_eos: bool = False
-    tools: bool = False  # the constraint above encodes tool calls (errors then name `tools`)
-    # A template's native tool-call format: "hermes" = <tool_call>{call JSON}</tool_call>. Then
-    # `json_schema` is one call's schema, at most `max_tool_calls` are allowed, and with
-    # tool_mode "auto" the grammar starts only where the model writes <tool_call> (lazy).
-    tool_format: str | None = None
-    tool_mode: str = "auto"
-    max_tool_calls: int = 1
-    # A GBNF grammar for free-text answers (models.yaml `grammar`; llama.cpp only); a structured
-    # output above replaces it.
-    grammar: str | None = None
+    constraint: Constraint | None = None
     # The prompt's own tokens with their log-probabilities (and this many alternatives), on the
-    # first event (OpenAI completions' `echo`). With it `max_tokens` may be 0: the prompt is only scored.
+    # first event (a completion that echoes its prompt). With it `max_tokens` may be 0: the prompt is only scored.
     prompt_logprobs: int | None = None
 
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """One generation: either a raw prompt or chat messages (the engine applies the model's template)."""
+    """One generation: a prompt as text or as token ids, already rendered (chat messages are
+    rendered by the gateway with the model's template: `templated`)."""
 
     request_id: str
     sampling: SamplingParams
     prompt: str | None = None
-    messages: tuple[ChatMessage, ...] | None = None
-    # A raw prompt given as token ids (OpenAI completions' token prompts): fed as they are.
+    # A prompt given as token ids: fed as they are.
     prompt_ids: tuple[int, ...] = ()
-    add_generation_prompt: bool = True
-    tools_json: str | None = None  # tool definitions (OpenAI's JSON) for templates that render them
-    # Reasoning models: None = the template's default; True/False = `enable_thinking` (False also
-    # closes a block the template left open: engines/thinking.py).
-    thinking: bool | None = None
+    # The prompt is a chat template's output: the special tokens' texts in it are those tokens, and
+    # a BOS the template wrote is not doubled by the tokenizer's own.
+    templated: bool = False
+    # A key of what the request shares with the other turns of its conversation (a hash of its start,
+    # up to the first user turn): requests with equal keys go to one worker of a group, where its KV
+    # is. Engines ignore it; "" = the prompt's start.
+    affinity: str = ""
     # Failover: tokens this request already generated on an engine that died. The engine continues
     # after them (prompt + these as the prefix, the sampler's penalty and grammar state advanced
     # over them), counts them as generated, and emits only what follows. Engines that can do this
-    # say so with EngineInfo.extra["resume"] = "1".
+    # say so with Capabilities.resume.
     resume_ids: tuple[int, ...] = ()
     # How they are fed: True, one per step as they were generated, so the KV cache (and so greedy
     # output) is what an uninterrupted run had; False, in one prefill batch (faster; llama.cpp's
@@ -310,8 +295,32 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
+class TemplateSource:
+    """A model's chat template as its files carry it (Jinja text), with the special-token texts
+    it refers to. The engine reports it; the gateway renders it (gateway/chat/template.py)."""
+
+    text: str
+    bos_token: str = ""
+    eos_token: str = ""
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What an engine can do beyond generating from a prompt."""
+
+    resume: bool = False  # continues a failed-over generation after GenerationRequest.resume_ids
+    logits: bool = True  # Engine.logits (parity, prompt logprobs)
+    embeddings: bool = False  # Engine.embed
+    # Constraint kinds it compiles ("json", "grammar", "tagged"), and whether `triggers` work.
+    constraints: frozenset[str] = frozenset()
+    lazy_constraints: bool = False
+
+
+@dataclass(frozen=True)
 class EngineInfo:
-    """What an engine is, for logs, headers and metrics labels."""
+    """What an engine is, for logs, headers and metrics labels, and what the gateway needs to
+    know of it: its model's chat template and what it can do. `extra` is for people (health,
+    `gateway devices`), never read by code."""
 
     runtime: str
     backend: str
@@ -319,6 +328,8 @@ class EngineInfo:
     version: str = ""
     context_length: int = 0
     parallel: int = 1
+    template: TemplateSource | None = None
+    capabilities: Capabilities = Capabilities()
     extra: dict[str, str] = field(default_factory=dict)
 
 
@@ -356,6 +367,35 @@ class Engine(Protocol):
     def health(self) -> EngineHealth: ...
 
     async def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class SupervisorReport:
+    """What a supervisor says of the engine it runs, for /health (under `kind`) and the memory
+    budget (`rss_bytes`: host memory its processes on this host hold, 0 where it cannot tell)."""
+
+    kind: Literal["worker", "cluster"]
+    detail: dict[str, Any]
+    rss_bytes: int = 0
+
+
+@runtime_checkable
+class Supervised(Protocol):
+    """What an engine run by a supervisor adds to `Engine`: a worker process (engines/worker), a
+    group of workers (gateway/models/routing.py), a cluster deployment (gateway/cluster)."""
+
+    def report(self) -> SupervisorReport: ...
+
+    def trust(self) -> None:
+        """Its functional check passed: from now on a crash restarts it instead of failing the check."""
+
+    def retry_after(self) -> int:
+        """Seconds until it serves again (0: it does), for Retry-After."""
+        ...
+
+    async def back(self) -> bool:
+        """Returns True once it serves (at once while it does); False at once if it cannot tell."""
+        ...
 
 
 class EngineError(Exception):

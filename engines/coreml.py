@@ -24,6 +24,7 @@ import numpy as np
 import numpy.typing as npt
 
 from engines.base import (
+    Capabilities,
     ContextLengthExceeded,
     EngineClosed,
     EngineConfig,
@@ -41,8 +42,8 @@ from engines.base import (
     token_prompt,
 )
 from engines.bridge import EventChannel, Job, WorkerPool, call_job, pool_health, stream_job
-from engines.chat import ChatTemplate
 from engines.registry import register_runtime
+from engines.template_files import template_source
 from engines.text import StopMatcher, token_logprob, with_scored_prompt
 
 log = logging.getLogger(__name__)
@@ -114,7 +115,6 @@ class CoreMLEngine:
         self._loader = loader
         self._model: Any = None
         self._tokenizer: Any = None
-        self._template: ChatTemplate | None = None
         self._pool: WorkerPool | None = None
         self._eos: frozenset[int] = frozenset()
         self._n_ctx = options.context_length
@@ -143,7 +143,6 @@ class CoreMLEngine:
             raise ModelLoadError("the CoreML engine needs tokenizers: pip install -e '.[coreml]'") from exc
         meta = json.loads((d / "coreml_config.json").read_text())
         self._tokenizer = Tokenizer.from_file(str(d / "tokenizer.json"))
-        self._template = ChatTemplate.from_model_dir(d, o.chat_template)
         self._eos = frozenset(_eos_ids(d))
         self._n_ctx = min(o.context_length, int(meta.get("context_length", o.context_length)))
         try:
@@ -151,9 +150,8 @@ class CoreMLEngine:
         except Exception as exc:
             raise ModelLoadError(f"CoreML could not load {d}: {exc}") from exc
         self._pool = WorkerPool(o.parallel, o.max_queue, name="coreml")
-        self.info = replace(self.info, context_length=self._n_ctx,
-                            extra={**self.info.extra, "resume": "1",
-                                   **(self._template.traits() if self._template else {})})
+        self.info = replace(self.info, context_length=self._n_ctx, template=template_source(d, o.chat_template),
+                            capabilities=Capabilities(resume=True))
         log.info("CoreML loaded %s: compute_units=%s ctx=%d", d, o.compute_units, self._n_ctx)
 
     async def close(self) -> None:
@@ -176,17 +174,12 @@ class CoreMLEngine:
     def piece(self, token: int) -> bytes:
         return str(self._tokenizer.decode([token], skip_special_tokens=False)).encode("utf-8")
 
-    def render_prompt(self, request: GenerationRequest) -> list[int]:
+    def prompt_tokens(self, request: GenerationRequest) -> list[int]:
+        """The request's prompt as token ids (text tokenized without added special tokens: a chat
+        template writes its own)."""
         if request.prompt_ids:
             return token_prompt(request.prompt_ids, self._tokenizer.get_vocab_size())
-        if request.messages is None:
-            return self.encode(request.prompt or "")
-        if self._template is None:
-            raise InvalidGenerationRequest("this model has no chat template, so it answers raw prompts only, not chat messages", param="messages")
-        try:
-            return self.encode(self._template.render(request.messages, request.add_generation_prompt, request.thinking))
-        except Exception as exc:
-            raise InvalidGenerationRequest(f"the model's chat template rejected the messages: {exc}", param="messages") from exc
+        return self.encode(request.prompt or "")
 
     # --- generation ------------------------------------------------------------------------
 
@@ -211,11 +204,10 @@ class CoreMLEngine:
         if pool is None:
             raise ModelLoadError("model is not loaded")
         sp = request.sampling
-        if sp.structured is not None:
-            raise InvalidGenerationRequest(f"response_format is not supported by the {self.info.runtime} runtime", param="response_format")
-        if sp.grammar is not None:
-            raise InvalidGenerationRequest(f"grammars are not supported by the {self.info.runtime} runtime", param="grammar")
-        prompt = self.render_prompt(request)
+        if sp.constraint is not None:
+            raise InvalidGenerationRequest(f"constrained output is not supported by the {self.info.runtime} runtime",
+                                           param=sp.constraint.part)
+        prompt = self.prompt_tokens(request)
         # max_tokens 0 (only the prompt scored) never runs the generation below.
         max_new = new_token_budget(prompt, self._n_ctx, sp.max_tokens if sp.prompt_logprobs is None else sp.max_tokens or 1)
         resumed = resumed_tokens(request, max_new)

@@ -40,12 +40,12 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from engines.base import EngineConfig, ModelLoadError
+from engines.base import Capabilities, EngineConfig, ModelLoadError
 from engines.bridge import WorkerPool
-from engines.chat import ChatTemplate
 from engines.coreml import CoreMLEngine, _eos_ids
 from engines.envconfig import knob
 from engines.registry import register_runtime
+from engines.template_files import template_source
 from engines.tuning import EngineTuning
 
 log = logging.getLogger(__name__)
@@ -275,7 +275,6 @@ class ExecuTorchEngine(CoreMLEngine):
         except ImportError as exc:
             raise ModelLoadError("the ExecuTorch engine needs tokenizers: pip install -e '.[executorch]'") from exc
         self._tokenizer = Tokenizer.from_file(str(d / "tokenizer.json"))
-        self._template = ChatTemplate.from_model_dir(d, o.chat_template)
         self._eos = frozenset(_eos_ids(d))
         self._n_ctx = min(o.context_length, int(meta["context_length"]))
         self._max_seq = int(meta.get("max_seq", 1))
@@ -289,10 +288,10 @@ class ExecuTorchEngine(CoreMLEngine):
         partition = d / "partition.json"
         report = json.loads(partition.read_text()) if partition.is_file() else {}
         version = _executorch_version()
-        self.info = replace(self.info, context_length=self._n_ctx, version=version, extra={
-            **self.info.extra, "resume": "1", "max_seq": str(self._max_seq),
-            "delegated_share": str(report.get("delegated_share", "")),
-            **(self._template.traits() if self._template else {})})
+        self.info = replace(self.info, context_length=self._n_ctx, version=version,
+                            template=template_source(d, o.chat_template), capabilities=Capabilities(resume=True), extra={
+                                **self.info.extra, "max_seq": str(self._max_seq),
+                                "delegated_share": str(report.get("delegated_share", ""))})
         log.info("ExecuTorch loaded %s: delegate=%s ctx=%d methods=%d", d, want, self._n_ctx, o.parallel)
 
     async def close(self) -> None:

@@ -23,6 +23,8 @@ import numpy as np
 import numpy.typing as npt
 
 from engines.base import (
+    Capabilities,
+    Constraint,
     ContextLengthExceeded,
     EngineClosed,
     EngineConfig,
@@ -40,8 +42,8 @@ from engines.base import (
     token_prompt,
 )
 from engines.bridge import EventChannel, Job, WorkerPool, call_job, pool_health, stream_job
-from engines.chat import ChatTemplate
 from engines.registry import register_runtime
+from engines.template_files import template_source
 from engines.text import StopMatcher, token_logprob, with_scored_prompt
 
 log = logging.getLogger(__name__)
@@ -117,7 +119,6 @@ class OrtGenAIEngine:
         self._model: Any = None
         self._tokenizer: Any = None
         self._pool: WorkerPool | None = None
-        self._template: ChatTemplate | None = None
         self._eos: frozenset[int] = frozenset()
         self._n_ctx = options.context_length
         self._n_vocab = 0
@@ -164,11 +165,12 @@ class OrtGenAIEngine:
         trained = int(model_cfg.get("context_length", 0))
         self._n_ctx = min(o.context_length, trained) if trained > 0 else o.context_length
         self._eos = frozenset(int(t) for t in self._tokenizer.eos_token_ids)
-        self._template = ChatTemplate.from_model_dir(o.model_path, o.chat_template)
         self._pool = WorkerPool(o.parallel, o.max_queue, name="ortgenai")
+        # Constraints through ORT GenAI's guidance (llguidance): JSON schemas, and tagged items as a
+        # Lark grammar around them; not GBNF, and not lazily (no trigger words).
         self.info = replace(self.info, context_length=self._n_ctx,
-                            extra={**self.info.extra, "resume": "1",
-                                   **(self._template.traits() if self._template else {})})
+                            template=template_source(o.model_path, o.chat_template),
+                            capabilities=Capabilities(resume=True, constraints=frozenset({"json", "tagged"})))
         log.info(
             "ORT GenAI loaded %s: backend=%s device=%s ctx=%d parallel=%d vocab=%d",
             o.model_path, o.backend, o.device, self._n_ctx, o.parallel, self._n_vocab,
@@ -211,23 +213,13 @@ class OrtGenAIEngine:
             cached = self._pieces[token] = self._tokenizer.decode([token]).encode("utf-8")
         return cached
 
-    def render_prompt(self, request: GenerationRequest) -> list[int]:
+    def prompt_tokens(self, request: GenerationRequest) -> list[int]:
+        """The request's prompt as token ids (a BOS the chat template wrote is not doubled)."""
         if request.prompt_ids:
             return token_prompt(request.prompt_ids, self._n_vocab)
-        if request.messages is None:
-            return self.encode(request.prompt or "")
-        if self._template is None:
-            raise InvalidGenerationRequest("this model has no chat template, so it answers raw prompts only, not chat messages", param="messages")
-        try:
-            text = self._template.render(request.messages, request.add_generation_prompt, request.thinking)
-        except Exception as exc:  # template raise_exception() or Jinja errors
-            raise InvalidGenerationRequest(
-                f"the model's chat template rejected the messages: {exc}", param="messages"
-            ) from exc
-        ids = self.encode(text)
+        ids = self.encode(request.prompt or "")
         bos = self._tokenizer.bos_token_id
-        # A template that writes the BOS text itself must not get a second BOS token.
-        if len(ids) > 1 and ids[0] == bos and ids[1] == bos:
+        if request.templated and len(ids) > 1 and ids[0] == bos and ids[1] == bos:
             ids = ids[1:]
         return ids
 
@@ -239,7 +231,7 @@ class OrtGenAIEngine:
             raise ModelLoadError("model is not loaded")
         sp = request.sampling
         _check_supported(sp)
-        prompt = self.render_prompt(request)
+        prompt = self.prompt_tokens(request)
         # max_tokens 0 (only the prompt scored) never runs the generation below.
         max_new = new_token_budget(prompt, self._n_ctx, sp.max_tokens if sp.prompt_logprobs is None else sp.max_tokens or 1)
         resumed = resumed_tokens(request, max_new)
@@ -279,6 +271,8 @@ class OrtGenAIEngine:
         og = self._og
         params = og.GeneratorParams(self._model)
         params.set_search_options(**self.search_options(sp, len(prompt), max_new))
+        if sp.constraint is not None:
+            params.set_guidance(*guidance(sp.constraint))
         gen = og.Generator(self._model, params)
         stream = self._tokenizer.create_stream()
         stopper = StopMatcher(sp.stop)
@@ -358,13 +352,11 @@ class OrtGenAIEngine:
 
 def _check_supported(sp: SamplingParams) -> None:
     """Reject, rather than ignore, what ORT GenAI's search cannot do."""
-    if sp.tools:
-        raise InvalidGenerationRequest(
-            "tool calling is not supported by the ortgenai runtime: it cannot constrain output to a "
-            "well-formed tool call; serve this model with llama.cpp", param="tools")
+    c = sp.constraint
+    if c is not None and (c.kind == "grammar" or c.triggers):
+        what = "GBNF grammars" if c.kind == "grammar" else "constraints that start at a trigger"
+        raise InvalidGenerationRequest(f"{what} are not supported by the ortgenai runtime", param=c.part)
     unsupported = {
-        "response_format": sp.structured is not None,
-        "grammar": sp.grammar is not None,
         "logit_bias": bool(sp.logit_bias),
         "presence_penalty": sp.presence_penalty != 0.0,
         "frequency_penalty": sp.frequency_penalty != 0.0,
@@ -373,6 +365,21 @@ def _check_supported(sp: SamplingParams) -> None:
     for param, used in unsupported.items():
         if used:
             raise InvalidGenerationRequest(f"{param} is not supported by the ortgenai runtime", param=param)
+
+
+# JSON as one line with single spaces after separators (llguidance's `x-guidance` options): its
+# default lets a small model wander into runs of newlines between every token of the JSON.
+_COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def guidance(c: Constraint) -> tuple[str, str]:
+    """`c` as ORT GenAI guidance: (kind, data)."""
+    schema = json.dumps({**json.loads(c.schema or '{"type": "object"}'), "x-guidance": _COMPACT})
+    if c.kind == "json":
+        return "json_schema", schema
+    one = f"{json.dumps(c.begin)} %json{schema} {json.dumps(c.end)}"
+    more = f" ({json.dumps(c.separator)} item){{0,{c.max_items - 1}}}" if c.max_items > 1 else ""
+    return "lark_grammar", f"start: item{more}\nitem: {one}\n"
 
 
 @register_runtime("ortgenai")

@@ -13,7 +13,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from engines.base import EngineConfig, EngineHealth
+from engines.base import EngineConfig, EngineHealth, Supervised
 from gateway.api.adapter import Protocols
 from gateway.api.admission import Admission
 from gateway.api.anthropic.adapter import ANTHROPIC
@@ -89,9 +89,10 @@ def create_app(
     def workers() -> list[tuple[str, str, str, dict[str, Any]]]:
         out = []
         for e in manager.loaded():
-            status = getattr(e.engine, "worker_status", None)
-            if status is not None and e.candidate.format not in ("remote", "ray"):
-                out.append((e.spec.id, e.candidate.label, e.candidate.device, status()))
+            if isinstance(e.engine, Supervised) and e.candidate.format not in ("remote", "ray"):
+                seen = e.engine.report()
+                if seen.kind == "worker":
+                    out.append((e.spec.id, e.candidate.label, e.candidate.device, seen.detail))
         return out
 
     metrics.watch_workers(workers)

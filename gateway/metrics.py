@@ -85,7 +85,7 @@ class Metrics:
 
     def watch_workers(self, workers: Callable[[], Iterable[tuple[str, str, str, dict[str, Any]]]]) -> None:
         """Export each local engine worker's memory and restarts, read at scrape time from
-        (model, engine, device, worker_status())."""
+        (model, engine, device, the worker's report)."""
         self.registry.register(_WorkerGauges(workers))
 
     def observe(self, model: str, engine: str, device: str, received: float) -> RequestObserver:

@@ -33,7 +33,7 @@ async def _crashes(engine: LlamaCppEngine, request: GenerationRequest) -> bool:
     if not conds:
         return False
     limit = next((int(c.split(">", 1)[1]) for c in conds if c.startswith("tokens>")), 64)
-    text = request.prompt if request.prompt is not None else " ".join(m.content or "" for m in request.messages or ())
+    text = request.prompt or ""
     if len(await engine.tokenize(text)) <= limit:
         return False
     extra = engine.info.extra

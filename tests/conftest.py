@@ -121,16 +121,18 @@ def onnx_fp32(default_registry: Registry) -> Path:
 
 
 def converted_gateway(runtime: str, fmt: str, converted: dict[str, str], artifact: Path, tmp_path: Path,
-                      default_registry: Registry, **settings: Any) -> ServerThread:
+                      default_registry: Registry, spec_fields: dict[str, Any] | None = None,
+                      **settings: Any) -> ServerThread:
     """The gateway serving the default model only through `runtime`, from its converted `fmt`
-    artifact (`converted`: the models.yaml pin, which must resolve to `artifact`); `settings`
-    override the gateway's (engine=..., parallel=...)."""
+    artifact (`converted`: the models.yaml pin, which must resolve to `artifact`); `spec_fields`
+    are added to its models.yaml entry, `settings` override the gateway's (engine=..., parallel=...)."""
     import yaml
 
     data = yaml.safe_load((ROOT / "models.yaml").read_text())
     spec = next(m for m in data["models"] if m["id"] == MODEL)
     spec["runtimes"] = [runtime]
     spec["formats"][fmt] = {"converted": converted}
+    spec.update(spec_fields or {})
     data["models"] = [spec]
     cfg = tmp_path / "models.yaml"
     cfg.write_text(yaml.safe_dump(data))

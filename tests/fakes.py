@@ -16,9 +16,14 @@ from engines.base import (
     EngineOverloaded,
     GenerationRequest,
     ModelLoadError,
+    TemplateSource,
     TokenEvent,
     Usage,
 )
+
+# A plain ChatML template (SmolLM2's shape): the fake's model renders chat like a small real one.
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 
 class FakeEngine:
@@ -29,10 +34,10 @@ class FakeEngine:
     def __init__(self, config: EngineConfig, script: str = "hello from the fake engine", load_delay: float = 0.0,
                  fail_load: bool = False, capacity: int = 1000, fail_after: int | None = None,
                  bug_after: int | None = None, token_delay: float = 0.001, extra: dict[str, str] | None = None,
-                 answer_at_once: str | None = None) -> None:
+                 answer_at_once: str | None = None, template: str | None = CHATML) -> None:
         self.config = config
         self.info = EngineInfo(runtime="fake", backend=config.backend, device=config.device, parallel=config.parallel,
-                               extra=dict(extra or {}))
+                               template=TemplateSource(template) if template else None, extra=dict(extra or {}))
         self.script = script.split()
         # What a template that thinks answers when a request turns thinking off.
         self.answer_at_once = answer_at_once.split() if answer_at_once is not None else None
@@ -60,7 +65,9 @@ class FakeEngine:
         self.running += 1
         self.requests.append(request)
         try:
-            script = self.answer_at_once if request.thinking is False and self.answer_at_once is not None else self.script
+            # A prompt that closed the reasoning block asks for the answer at once.
+            at_once = (request.prompt or "").endswith("</think>\n\n") and self.answer_at_once is not None
+            script = self.answer_at_once if at_once and self.answer_at_once is not None else self.script
             limit = request.sampling.max_tokens or len(script)
             words = script[:limit]
             for i, w in enumerate(words):

@@ -16,7 +16,7 @@ _generate = LlamaCppEngine.generate
 
 
 async def generate(self: LlamaCppEngine, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
-    text = request.prompt or " ".join(m.content or "" for m in request.messages or ())
+    text = request.prompt or ""
     if POISON in text:
         os.kill(os.getpid(), signal.SIGSEGV)
     async for ev in _generate(self, request):

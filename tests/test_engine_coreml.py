@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 import sys
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,6 @@ import numpy as np
 import pytest
 
 from engines.base import (
-    ChatMessage,
     ContextLengthExceeded,
     EngineConfig,
     GenerationRequest,
@@ -22,6 +22,8 @@ from engines.base import (
 )
 from engines.coreml import CoreMLEngine, causal_mask, coreml_available, sample
 from engines.registry import create_engine
+from gateway.chat.template import ChatMessage
+from tests.chat import chat_request
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),
@@ -83,9 +85,9 @@ async def _engine(path: Path, fake: Any, **kw: Any) -> CoreMLEngine:
     return e
 
 
-def _chat(text: str, **sp: Any) -> GenerationRequest:
+def _chat(e: CoreMLEngine, text: str, **sp: Any) -> GenerationRequest:
     sp.setdefault("temperature", 0.0)
-    return GenerationRequest("t", SamplingParams(**sp), messages=(ChatMessage("user", text),))
+    return chat_request(e, (ChatMessage("user", text),), SamplingParams(**sp))
 
 
 async def _run(e: CoreMLEngine, req: GenerationRequest) -> tuple[list[int], str, str | None]:
@@ -111,9 +113,9 @@ async def test_loop_prefills_once_then_one_token_per_step(model_dir: Path) -> No
     fake = ScriptedMLModel([4, 5, 6, 7])
     e = await _engine(model_dir, fake, ctx=64)
     try:
-        prompt = e.render_prompt(_chat("hello"))
+        prompt = e.prompt_tokens(_chat(e, "hello"))
         assert prompt == [1, 2, 4, 0, 1, 3]
-        toks, text, finish = await _run(e, _chat("hello", max_tokens=5))
+        toks, text, finish = await _run(e, _chat(e, "hello", max_tokens=5))
         n = len(prompt)
         want = [[4, 5, 6, 7][(n - 1 + i) % 4] for i in range(5)]
         assert (toks, finish) == (want, "length")
@@ -121,7 +123,7 @@ async def test_loop_prefills_once_then_one_token_per_step(model_dir: Path) -> No
         # One prefill of the whole prompt, then one token per step; the last token is not fed.
         assert fake.calls == [(n, n)] + [(1, n + i) for i in range(1, 5)]
         assert fake.states == 1
-        _, text, finish = await _run(e, _chat("hello", max_tokens=8, stop=("foo",)))
+        _, text, finish = await _run(e, _chat(e, "hello", max_tokens=8, stop=("foo",)))
         assert finish == "stop" and "foo" not in text
     finally:
         await e.close()
@@ -133,14 +135,14 @@ async def test_a_resumed_request_replays_its_tokens_then_continues(model_dir: Pa
     fake = ScriptedMLModel([4, 5, 6, 7])
     e = await _engine(model_dir, fake, ctx=64)
     try:
-        assert e.info.extra["resume"] == "1"
-        n = len(e.render_prompt(_chat("hello")))
-        whole = [ev async for ev in e.generate(_chat("hello", max_tokens=6))]
+        assert e.info.capabilities.resume
+        n = len(e.prompt_tokens(_chat(e, "hello")))
+        whole = [ev async for ev in e.generate(_chat(e, "hello", max_tokens=6))]
         toks = [t for ev in whole for t in ev.token_ids]
         for replay in (True, False):
             fake.calls.clear()
-            req = GenerationRequest("r", SamplingParams(temperature=0, max_tokens=6), messages=_chat("hello").messages,
-                                    resume_ids=tuple(toks[:2]), resume_replay=replay)
+            req = replace(_chat(e, "hello", max_tokens=6), request_id="r", resume_ids=tuple(toks[:2]),
+                          resume_replay=replay)
             rest = [ev async for ev in e.generate(req)]
             assert [t for ev in rest for t in ev.token_ids] == toks[2:]
             assert "".join(ev.text for ev in whole[:2]) + "".join(ev.text for ev in rest) == \
@@ -150,8 +152,7 @@ async def test_a_resumed_request_replays_its_tokens_then_continues(model_dir: Pa
             assert fake.calls[:len(feed)] == feed
         # A stop string the resumed tokens began is still matched after the failover.
         stop = WORDS[toks[3]]
-        req = GenerationRequest("r", SamplingParams(temperature=0, max_tokens=6, stop=(" " + stop,)),
-                                messages=_chat("hello").messages, resume_ids=tuple(toks[:3]))
+        req = replace(_chat(e, "hello", max_tokens=6, stop=(" " + stop,)), request_id="r", resume_ids=tuple(toks[:3]))
         rest = [ev async for ev in e.generate(req)]
         assert rest[-1].finish_reason == "stop" and "".join(ev.text for ev in rest) == ""
     finally:
@@ -271,8 +272,8 @@ async def test_loop_over_traced_decoder_equals_transformers_greedy(
     import torch
 
     model, tok = hf_reference
-    req = _chat("What is the capital of France?", max_tokens=12)
-    ids = torch_backed.render_prompt(req)
+    req = _chat(torch_backed, "What is the capital of France?", max_tokens=12)
+    ids = torch_backed.prompt_tokens(req)
     want_prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                           add_generation_prompt=True, tokenize=True, return_dict=False)
     assert ids == list(want_prompt)
@@ -284,9 +285,8 @@ async def test_loop_over_traced_decoder_equals_transformers_greedy(
 
 
 async def test_a_resumed_request_on_the_traced_decoder_goes_on_as_greedy_did(torch_backed: CoreMLEngine) -> None:
-    req = _chat("Tell a long story about a lighthouse keeper.", max_tokens=24, ignore_eos=True)
+    req = _chat(torch_backed, "Tell a long story about a lighthouse keeper.", max_tokens=24, ignore_eos=True)
     toks, text, _ = await _run(torch_backed, req)
-    rest, rest_text, finish = await _run(torch_backed, GenerationRequest(
-        "r", req.sampling, messages=req.messages, resume_ids=tuple(toks[:10])))
+    rest, rest_text, finish = await _run(torch_backed, replace(req, request_id="r", resume_ids=tuple(toks[:10])))
     assert rest == toks[10:] and finish == "length"
     assert text.endswith(rest_text) and rest_text

@@ -13,7 +13,9 @@ import httpx
 import numpy as np
 import pytest
 
-from engines.base import ChatMessage, EngineConfig, GenerationRequest, ModelLoadError, SamplingParams
+from engines.base import EngineConfig, ModelLoadError, SamplingParams
+from gateway.chat.template import ChatMessage
+from tests.chat import chat_request
 from tests.conftest import MODEL, chat_answers_paris, converted_gateway, parity_against_llamacpp
 
 pytest.importorskip("executorch", reason="executorch is not installed (pip install -e '.[executorch]')")
@@ -30,7 +32,7 @@ def _engine(pte: Path, parallel: int = 1) -> ExecuTorchEngine:
 
 
 async def _text(e: ExecuTorchEngine, content: str, sp: SamplingParams) -> tuple[str, Any]:
-    req = GenerationRequest(request_id="t", messages=[ChatMessage(role="user", content=content)], sampling=sp)
+    req = chat_request(e, (ChatMessage(role="user", content=content),), sp)
     parts, last = [], None
     async for ev in e.generate(req):
         parts.append(ev.text)

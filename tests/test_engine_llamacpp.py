@@ -5,15 +5,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from engines.base import ChatMessage, ContextLengthExceeded, EngineConfig, GenerationRequest, SamplingParams
+from engines.base import Constraint, ContextLengthExceeded, EngineConfig, GenerationRequest, SamplingParams
 from engines.llamacpp.batch import IDLE_DETACH_S
 from engines.llamacpp.engine import LlamaCppEngine
+from gateway.chat.template import ChatMessage
 from gateway.models.registry import load_registry
+from tests.chat import chat_request
 from tests.conftest import ROOT
 
 
@@ -60,7 +63,7 @@ async def test_logits_agree_with_greedy_generation(smol: LlamaCppEngine) -> None
 
 async def test_prefix_reuse_reports_cached_tokens(smol: LlamaCppEngine) -> None:
     msgs = (ChatMessage("system", "You are helpful. " * 10), ChatMessage("user", "Hello"))
-    req = GenerationRequest("t", SamplingParams(temperature=0, max_tokens=3), messages=msgs)
+    req = chat_request(smol, msgs, SamplingParams(temperature=0, max_tokens=3))
     first = [ev async for ev in smol.generate(req)][-1]
     second = [ev async for ev in smol.generate(req)][-1]
     assert first.usage and second.usage
@@ -90,9 +93,8 @@ async def test_context_length_is_checked_before_generation(smol: LlamaCppEngine)
 async def test_gemma_template_and_generation(tmp_path: Path) -> None:
     e = await _engine("gemma-3-270m", cache=tmp_path, parallel=1)
     try:
-        req = GenerationRequest("g", SamplingParams(temperature=0, max_tokens=6),
-                                messages=(ChatMessage("user", "Say hi"),))
-        ids = e.render_prompt(req)
+        req = chat_request(e, (ChatMessage("user", "Say hi"),), SamplingParams(temperature=0, max_tokens=6), "g")
+        ids = e.prompt_tokens(req)
         assert ids.count(ids[0]) == 1, "BOS must not be doubled"
         assert e.encode("<start_of_turn>", add_special=False)[0] in ids  # special tokens parsed
         _, text = await _run(e, req)
@@ -105,12 +107,12 @@ async def test_a_running_streams_prefix_is_copied_to_a_new_request() -> None:
     """A shared system prompt is prefilled once: the second request copies the first one's KV
     (llama_memory_seq_cp across sequences) and still generates exactly what it would alone."""
     system = ChatMessage("system", "You are a careful assistant who answers in one short sentence. " * 6)
-    long_req = GenerationRequest("a", SamplingParams(temperature=0, max_tokens=400, ignore_eos=True),
-                                 messages=(system, ChatMessage("user", "Tell a long story.")))
-    short = GenerationRequest("b", SamplingParams(temperature=0, max_tokens=12),
-                              messages=(system, ChatMessage("user", "What is two plus two?")))
     e = await _engine("smollm2-135m-instruct", parallel=2)
     alone = await _engine("smollm2-135m-instruct", parallel=1)
+    long_req = chat_request(e, (system, ChatMessage("user", "Tell a long story.")),
+                            SamplingParams(temperature=0, max_tokens=400, ignore_eos=True), "a")
+    short = chat_request(e, (system, ChatMessage("user", "What is two plus two?")),
+                         SamplingParams(temperature=0, max_tokens=12), "b")
     try:
         agen = e.generate(long_req)
         await agen.__anext__()  # the long stream is running and holds the system prompt's KV
@@ -133,17 +135,16 @@ async def test_requests_sharing_a_prompt_prefill_it_once(kv_unified: bool) -> No
     opened at once) compute it once: the later ones wait for the first one's prefill and copy its
     KV, in either KV layout, and each still generates exactly what it would alone."""
     system = ChatMessage("system", "You are a careful assistant who answers in one short sentence. " * 20)
-    reqs = [GenerationRequest(f"r{i}", SamplingParams(temperature=0, max_tokens=8),
-                              messages=(system, ChatMessage("user", q)))
-            for i, q in enumerate(["What is two plus two?", "Name a colour.", "Say hello."])]
     # Chunks of 64 tokens: the shared prompt (~260 tokens) takes several steps to prefill.
     e = await _engine("smollm2-135m-instruct", parallel=3, n_batch=64, kv_unified=kv_unified)
+    reqs = [chat_request(e, (system, ChatMessage("user", q)), SamplingParams(temperature=0, max_tokens=8), f"r{i}")
+            for i, q in enumerate(["What is two plus two?", "Name a colour.", "Say hello."])]
     alone = await _engine("smollm2-135m-instruct", parallel=1)
     try:
         together = await asyncio.gather(*[_events(e, r) for r in reqs])
         kv = e.health().kv
         assert kv is not None and kv.prefix_follows == 2 and kv.prefix_copies >= 2, kv
-        shared = len(e.render_prompt(reqs[0])) - 12  # the system prompt and the turn's opening
+        shared = len(e.prompt_tokens(reqs[0])) - 12  # the system prompt and the turn's opening
         cached = sorted(evs[-1].usage.cached_tokens for evs in together)  # type: ignore[union-attr]
         assert cached[0] == 0 and cached[1] >= shared and cached[2] >= shared, cached
         for r, evs in zip(reqs, together, strict=True):
@@ -165,11 +166,10 @@ async def test_a_request_waiting_for_a_cancelled_prefill_computes_it_itself() ->
     """The request whose prefill another waits for is cancelled halfway: the waiting one takes what
     was computed and prefills the rest, with the same greedy text as alone."""
     system = ChatMessage("system", "You are a careful assistant who answers in one short sentence. " * 20)
-    first = GenerationRequest("a", SamplingParams(temperature=0, max_tokens=8), messages=(system, ChatMessage("user", "Hi.")))
-    second = GenerationRequest("b", SamplingParams(temperature=0, max_tokens=8),
-                               messages=(system, ChatMessage("user", "Name a colour.")))
     e = await _engine("smollm2-135m-instruct", parallel=2, n_batch=8)
     alone = await _engine("smollm2-135m-instruct", parallel=1)
+    first = chat_request(e, (system, ChatMessage("user", "Hi.")), SamplingParams(temperature=0, max_tokens=8), "a")
+    second = chat_request(e, (system, ChatMessage("user", "Name a colour.")), SamplingParams(temperature=0, max_tokens=8), "b")
     try:
         assert e._sched is not None
         leader_gen = e.generate(first)
@@ -184,7 +184,7 @@ async def test_a_request_waiting_for_a_cancelled_prefill_computes_it_itself() ->
         events = await follower
         assert e._sched.prefix_follows == 1
         usage = events[-1].usage  # type: ignore[attr-defined]
-        assert usage is not None and 0 < usage.cached_tokens < len(e.render_prompt(second)) - 12, usage
+        assert usage is not None and 0 < usage.cached_tokens < len(e.prompt_tokens(second)) - 12, usage
         reference = "".join([ev.text async for ev in alone.generate(second)])
         assert "".join(ev.text for ev in events) == reference  # type: ignore[attr-defined]
     finally:
@@ -244,7 +244,7 @@ MIXED = [
     _req("List colors:", max_tokens=32, repeat_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.2),
     _req("Say yes", max_tokens=8, logprobs=True, top_logprobs=2),  # needs the host's logits
     _req("Name a fruit", max_tokens=16, logit_bias=((28, -100.0), (30, 5.0))),
-    _req("Give a JSON object with a name:", max_tokens=24, structured="json_object"),  # a grammar
+    _req("Give a JSON object with a name:", max_tokens=24, constraint=Constraint("json")),  # a grammar
     _req("Count to ten:", max_tokens=40, stop=(" 7",)),
 ]
 
@@ -388,14 +388,14 @@ async def test_a_resumed_request_continues_exactly_where_the_tokens_stop(smol: L
     replayed one per step, greedy output equals an uninterrupted run's (the prompt is cached for
     both, so its prefill has the same shape); usage counts every token once."""
     chat = (ChatMessage("user", "Tell a long story about a lighthouse keeper."),)
-    whole = GenerationRequest("w", SamplingParams(temperature=0, max_tokens=48, ignore_eos=True), messages=chat)
+    whole = chat_request(smol, chat, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True), "w")
     await _events(smol, whole)  # the prompt is in the cache for both runs below
     evs = await _events(smol, whole)
     toks = [t for ev in evs for t in ev.token_ids]  # type: ignore[attr-defined]
     sent = "".join(ev.text for ev in evs[:cut])  # type: ignore[attr-defined]
     text = "".join(ev.text for ev in evs)  # type: ignore[attr-defined]
-    resumed = await _events(smol, GenerationRequest("r", whole.sampling, messages=chat, resume_ids=tuple(toks[:cut]),
-                                                    resume_replay=replay))
+    resumed = await _events(smol, replace(whole, request_id="r", resume_ids=tuple(toks[:cut]),
+                                                  resume_replay=replay))
     got = [t for ev in resumed for t in ev.token_ids]  # type: ignore[attr-defined]
     assert len(got) == 48 - cut
     if replay:
@@ -410,13 +410,14 @@ async def test_a_resumed_request_continues_exactly_where_the_tokens_stop(smol: L
 async def test_a_resumed_request_keeps_its_grammar_and_stop_strings(smol: LlamaCppEngine) -> None:
     import json
 
-    sp = SamplingParams(temperature=0, max_tokens=60, structured="json_object")
+    sp = SamplingParams(temperature=0, max_tokens=60, constraint=Constraint("json"))
     chat = (ChatMessage("user", "Describe a cat as JSON with name and age."),)
-    evs = await _events(smol, GenerationRequest("w", sp, messages=chat))
+    whole = chat_request(smol, chat, sp, "w")
+    evs = await _events(smol, whole)
     toks = [t for ev in evs for t in ev.token_ids]  # type: ignore[attr-defined]
     text = "".join(ev.text for ev in evs)  # type: ignore[attr-defined]
     cut = len(evs) // 2
-    rest = await _events(smol, GenerationRequest("r", sp, messages=chat, resume_ids=tuple(toks[:cut])))
+    rest = await _events(smol, replace(whole, request_id="r", resume_ids=tuple(toks[:cut])))
     assert "".join(ev.text for ev in evs[:cut]) + "".join(ev.text for ev in rest) == text  # type: ignore[attr-defined]
     if evs[-1].finish_reason == "stop":  # type: ignore[attr-defined]
         json.loads(text)
@@ -624,17 +625,17 @@ def test_long_prompts_are_routed_by_size_cache_and_load(prompt: int, main: dict,
 
 async def test_a_long_prompt_rendered_off_the_event_loop_is_the_same_prompt(
         smol: LlamaCppEngine, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Prompts over LONG_RENDER_CHARS are rendered and tokenized on another thread: the same
+    """Prompts over LONG_RENDER_CHARS are tokenized on another thread: the same
     tokens, the same greedy answer, for messages and for a raw prompt."""
     import engines.llamacpp.engine as engine_module
 
-    chat = GenerationRequest("t", SamplingParams(temperature=0, max_tokens=6),
-                             messages=(ChatMessage("system", "Answer briefly. " * 8), ChatMessage("user", "Name a colour.")))
+    chat = chat_request(smol, (ChatMessage("system", "Answer briefly. " * 8), ChatMessage("user", "Name a colour.")),
+                        SamplingParams(temperature=0, max_tokens=6))
     raw = _req("The capital of France is", max_tokens=6)
     monkeypatch.setattr(engine_module, "LONG_RENDER_CHARS", 10**9)
     on_loop = [await _run(smol, chat), await _run(smol, raw)]
     calls: list[str] = []
-    real = smol.render_prompt
+    real = smol.prompt_tokens
 
     def counted(request: GenerationRequest) -> list[int]:
         import threading
@@ -642,7 +643,7 @@ async def test_a_long_prompt_rendered_off_the_event_loop_is_the_same_prompt(
         return real(request)
 
     monkeypatch.setattr(engine_module, "LONG_RENDER_CHARS", 10)
-    monkeypatch.setattr(smol, "render_prompt", counted)
+    monkeypatch.setattr(smol, "prompt_tokens", counted)
     off_loop = [await _run(smol, chat), await _run(smol, raw)]
     assert off_loop == on_loop
     assert len(calls) == 2 and all(name != "MainThread" for name in calls), calls

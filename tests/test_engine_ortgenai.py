@@ -4,7 +4,9 @@ sampling controls, concurrency limits, provider errors, and chat through the gat
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +16,6 @@ import openai
 import pytest
 
 from engines.base import (
-    ChatMessage,
     ContextLengthExceeded,
     EngineConfig,
     EngineOverloaded,
@@ -24,9 +25,12 @@ from engines.base import (
     SamplingParams,
 )
 from gateway.app import create_app
+from gateway.chat.template import ChatMessage
 from gateway.models.registry import load_registry
 from gateway.settings import Settings
+from tests.chat import chat_request
 from tests.conftest import MODEL, ROOT, ServerThread, converted_gateway, parity_against_llamacpp
+from tests.test_tools import ASK, TOOLS
 
 og = pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed")
 
@@ -47,9 +51,9 @@ async def engine(onnx_fp32: Path) -> AsyncIterator[OrtGenAIEngine]:
     await e.close()
 
 
-def _chat(text: str, **sp: Any) -> GenerationRequest:
+def _chat(engine: OrtGenAIEngine, text: str, **sp: Any) -> GenerationRequest:
     sp.setdefault("temperature", 0.0)
-    return GenerationRequest("t", SamplingParams(**sp), messages=(ChatMessage("user", text),))
+    return chat_request(engine, (ChatMessage("user", text),), SamplingParams(**sp))
 
 
 async def _run(e: OrtGenAIEngine, req: GenerationRequest) -> tuple[list[int], str, str | None]:
@@ -67,7 +71,7 @@ async def test_prompt_matches_transformers_template(engine: OrtGenAIEngine, hf_r
     _, tok = hf_reference
     msgs = [{"role": "user", "content": PROMPTS[0]}]
     want = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
-    assert engine.render_prompt(_chat(PROMPTS[0])) == list(want)
+    assert engine.prompt_tokens(_chat(engine, PROMPTS[0])) == list(want)
 
 
 async def test_greedy_output_equals_transformers_fp32(engine: OrtGenAIEngine, hf_reference: tuple[Any, Any]) -> None:
@@ -75,12 +79,12 @@ async def test_greedy_output_equals_transformers_fp32(engine: OrtGenAIEngine, hf
 
     model, tok = hf_reference
     for text in PROMPTS:
-        ids = engine.render_prompt(_chat(text))
+        ids = engine.prompt_tokens(_chat(engine, text))
         with torch.no_grad():
             out = model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False,
                                  pad_token_id=tok.eos_token_id)
         want = [int(t) for t in out[0, len(ids):]]
-        got, _, _ = await _run(engine, _chat(text, max_tokens=24))
+        got, _, _ = await _run(engine, _chat(engine, text, max_tokens=24))
         assert got == want, text
 
 
@@ -88,7 +92,7 @@ async def test_logits_agree_with_transformers_fp32(engine: OrtGenAIEngine, hf_re
     import torch
 
     model, _ = hf_reference
-    ids = engine.render_prompt(_chat(PROMPTS[1]))
+    ids = engine.prompt_tokens(_chat(engine, PROMPTS[1]))
     got = await engine.logits(ids)
     with torch.no_grad():
         want = model(torch.tensor([ids])).logits[0].numpy()
@@ -98,12 +102,12 @@ async def test_logits_agree_with_transformers_fp32(engine: OrtGenAIEngine, hf_re
 
 
 async def test_logprobs_are_consistent_with_logits(engine: OrtGenAIEngine) -> None:
-    req = _chat(PROMPTS[2], max_tokens=3, logprobs=True, top_logprobs=3)
+    req = _chat(engine, PROMPTS[2], max_tokens=3, logprobs=True, top_logprobs=3)
     events = [ev async for ev in engine.generate(req)]
     toks = [t for ev in events for t in ev.token_ids]
     lps = [lp for ev in events for lp in ev.logprobs]
     assert len(lps) == len(toks) == 3
-    ids = engine.render_prompt(req)
+    ids = engine.prompt_tokens(req)
     rows = (await engine.logits(ids + toks[:-1]))[len(ids) - 1:].astype(np.float64)
     for row, lp in zip(rows, lps, strict=True):
         want = row[lp.token_id] - (row.max() + np.log(np.exp(row - row.max()).sum()))
@@ -112,15 +116,15 @@ async def test_logprobs_are_consistent_with_logits(engine: OrtGenAIEngine) -> No
 
 
 async def test_stop_max_tokens_and_seed(engine: OrtGenAIEngine) -> None:
-    _, full, _ = await _run(engine, _chat(PROMPTS[0], max_tokens=24))
+    _, full, _ = await _run(engine, _chat(engine, PROMPTS[0], max_tokens=24))
     assert "Paris" in full
-    _, text, finish = await _run(engine, _chat(PROMPTS[0], max_tokens=24, stop=("Paris",)))
+    _, text, finish = await _run(engine, _chat(engine, PROMPTS[0], max_tokens=24, stop=("Paris",)))
     assert (text, finish) == (full[: full.index("Paris")], "stop")
-    toks, _, finish = await _run(engine, _chat(PROMPTS[1], max_tokens=5))
+    toks, _, finish = await _run(engine, _chat(engine, PROMPTS[1], max_tokens=5))
     assert (len(toks), finish) == (5, "length")
-    sampled = [await _run(engine, _chat(PROMPTS[1], temperature=1.0, top_p=0.95, seed=7, max_tokens=12)) for _ in range(2)]
+    sampled = [await _run(engine, _chat(engine, PROMPTS[1], temperature=1.0, top_p=0.95, seed=7, max_tokens=12)) for _ in range(2)]
     assert sampled[0] == sampled[1]
-    toks, _, finish = await _run(engine, _chat(PROMPTS[0], max_tokens=40, ignore_eos=True))
+    toks, _, finish = await _run(engine, _chat(engine, PROMPTS[0], max_tokens=40, ignore_eos=True))
     assert (len(toks), finish) == (40, "length")
 
 
@@ -133,13 +137,13 @@ async def test_a_resumed_request_continues_exactly_where_the_tokens_stop(engine:
                                                                          replay: bool) -> None:
     """Failover on ORT GenAI: given the tokens already sent, the engine emits only what follows; fed
     one per step, greedy output equals the uninterrupted run's; usage counts every token once."""
-    assert engine.info.extra["resume"] == "1"
+    assert engine.info.capabilities.resume
     chat = (ChatMessage("user", "Tell a long story about a lighthouse keeper."),)
-    whole = GenerationRequest("w", SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), messages=chat)
+    whole = chat_request(engine, chat, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), "w")
     evs = await _events(engine, whole)
     toks = [t for ev in evs for t in ev.token_ids]
     text = "".join(ev.text for ev in evs)
-    rest = await _events(engine, GenerationRequest("r", whole.sampling, messages=chat, resume_ids=tuple(toks[:cut]),
+    rest = await _events(engine, replace(whole, request_id="r", resume_ids=tuple(toks[:cut]),
                                                    resume_replay=replay))
     got = [t for ev in rest for t in ev.token_ids]
     assert len(got) == 40 - cut
@@ -150,37 +154,37 @@ async def test_a_resumed_request_continues_exactly_where_the_tokens_stop(engine:
     assert (rest[-1].usage.completion_tokens, rest[-1].usage.prompt_tokens) == \
         (40, evs[-1].usage.prompt_tokens)
     with pytest.raises(InvalidGenerationRequest, match="no room"):
-        await _events(engine, GenerationRequest("r", whole.sampling, messages=chat, resume_ids=tuple(toks)))
+        await _events(engine, replace(whole, request_id="r", resume_ids=tuple(toks)))
 
 
 async def test_a_resumed_request_keeps_its_stop_strings_and_penalty(engine: OrtGenAIEngine) -> None:
     # A stop string that the resumed tokens began is still held back, then matched.
-    _, full, _ = await _run(engine, _chat(PROMPTS[0], max_tokens=40, ignore_eos=True))
+    _, full, _ = await _run(engine, _chat(engine, PROMPTS[0], max_tokens=40, ignore_eos=True))
     stop = full[len(full) // 2:len(full) // 2 + 3]
-    cut_run = await _events(engine, _chat(PROMPTS[0], max_tokens=40, ignore_eos=True, stop=(stop,)))
+    cut_run = await _events(engine, _chat(engine, PROMPTS[0], max_tokens=40, ignore_eos=True, stop=(stop,)))
     assert cut_run[-1].finish_reason == "stop"
     ids = [t for ev in cut_run for t in ev.token_ids]
     k = max(1, len(ids) - 1)
-    req = _chat(PROMPTS[0], max_tokens=40, ignore_eos=True, stop=(stop,))
-    again = await _events(engine, GenerationRequest("r", req.sampling, messages=req.messages, resume_ids=tuple(ids[:k])))
+    req = _chat(engine, PROMPTS[0], max_tokens=40, ignore_eos=True, stop=(stop,))
+    again = await _events(engine, replace(req, request_id="r", resume_ids=tuple(ids[:k])))
     assert again[-1].finish_reason == "stop" and again[-1].stop_sequence == stop
     assert "".join(ev.text for ev in cut_run[:k]) + "".join(ev.text for ev in again) == \
         "".join(ev.text for ev in cut_run)
     # The repetition penalty sees the resumed tokens: greedy with a penalty goes on as it would have.
-    pen = _chat(PROMPTS[1], max_tokens=30, ignore_eos=True, repeat_penalty=1.3)
+    pen = _chat(engine, PROMPTS[1], max_tokens=30, ignore_eos=True, repeat_penalty=1.3)
     whole = await _events(engine, pen)
     toks = [t for ev in whole for t in ev.token_ids]
-    rest = await _events(engine, GenerationRequest("r", pen.sampling, messages=pen.messages, resume_ids=tuple(toks[:12])))
+    rest = await _events(engine, replace(pen, request_id="r", resume_ids=tuple(toks[:12])))
     assert [t for ev in rest for t in ev.token_ids] == toks[12:]
 
 
 async def test_unsupported_and_too_long_requests_fail_before_generation(engine: OrtGenAIEngine) -> None:
     with pytest.raises(InvalidGenerationRequest, match="logit_bias"):
-        await _run(engine, _chat("hi", logit_bias=((1, 5.0),)))
+        await _run(engine, _chat(engine, "hi", logit_bias=((1, 5.0),)))
     # ORT GenAI's search has a repetition penalty only: the OpenAI penalties are refused, not ignored.
     for param in ("presence_penalty", "frequency_penalty"):
         with pytest.raises(InvalidGenerationRequest, match=param) as err:
-            await _run(engine, _chat("hi", **{param: 0.5}))
+            await _run(engine, _chat(engine, "hi", **{param: 0.5}))
         assert err.value.param == param
     with pytest.raises(ContextLengthExceeded):
         await _run(engine, GenerationRequest("t", SamplingParams(max_tokens=2), prompt="word " * 600))
@@ -188,15 +192,15 @@ async def test_unsupported_and_too_long_requests_fail_before_generation(engine: 
 
 async def test_repeat_penalty_reduces_repetition(engine: OrtGenAIEngine) -> None:
     prompt = "Write the word 'banana' thirty times, separated by spaces."
-    plain, _, _ = await _run(engine, _chat(prompt, max_tokens=48))
-    penalised, _, _ = await _run(engine, _chat(prompt, max_tokens=48, repeat_penalty=1.8))
+    plain, _, _ = await _run(engine, _chat(engine, prompt, max_tokens=48))
+    penalised, _, _ = await _run(engine, _chat(engine, prompt, max_tokens=48, repeat_penalty=1.8))
     repeats = [len(t) - len(set(t)) for t in (plain, penalised)]
     assert repeats[0] >= 16, "the prompt should make the model repeat itself"
     assert repeats[1] < repeats[0] * 0.8, repeats
 
 
 async def test_cancel_frees_the_worker_and_queue_is_bounded(engine: OrtGenAIEngine) -> None:
-    long = _chat(PROMPTS[1], max_tokens=200, ignore_eos=True)
+    long = _chat(engine, PROMPTS[1], max_tokens=200, ignore_eos=True)
     streams = [engine.generate(long) for _ in range(4)]
     firsts = [asyncio.ensure_future(s.__anext__()) for s in streams[:2]]
     await asyncio.wait(firsts)  # both workers are busy now
@@ -214,7 +218,7 @@ async def test_cancel_frees_the_worker_and_queue_is_bounded(engine: OrtGenAIEngi
             break
         await asyncio.sleep(0.05)
     assert (engine.health().running, engine.health().waiting) == (0, 0)
-    toks, _, _ = await _run(engine, _chat(PROMPTS[0], max_tokens=3))
+    toks, _, _ = await _run(engine, _chat(engine, PROMPTS[0], max_tokens=3))
     assert len(toks) == 3
 
 
@@ -294,11 +298,14 @@ def test_gateway_serves_chat_through_ortgenai(onnx_fp32: Path, tmp_path: Path, d
         # A penalty this runtime lacks is a clear 400 naming it, never a 500 or a silent no-op.
         with pytest.raises(openai.BadRequestError, match="frequency_penalty"):
             client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, frequency_penalty=0.5)
-        # Without a grammar a tool call could not be guaranteed: a 400 naming tools, not a guess.
-        tool: Any = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-        with pytest.raises(openai.BadRequestError, match="tool calling is not supported") as bad:
-            client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, tools=[tool])
-        assert bad.value.body["param"] == "tools"  # type: ignore[index]
+        # Tools on a template without its own tool format: the gateway's JSON answer, held to its
+        # schema by ORT GenAI's guidance.
+        called = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=96, temperature=0, tools=TOOLS,
+                                                tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                                parallel_tool_calls=False).choices[0]
+        assert called.finish_reason == "tool_calls" and called.message.tool_calls, called
+        assert called.message.tool_calls[0].function.name == "get_weather"  # type: ignore[union-attr]
+        assert "city" in json.loads(called.message.tool_calls[0].function.arguments)  # type: ignore[union-attr]
         pen = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0,
                                              extra_body={"repeat_penalty": 1.3})
         assert pen.choices[0].message.content
@@ -387,5 +394,41 @@ def test_serve_runtime_ortgenai_engine_cpu_on_the_default_models_yaml(onnx_fp32:
         assert r.status_code == 200, r.text
         assert r.headers["x-engine"] == "ortgenai/cpu"
         assert "Paris" in r.json()["choices"][0]["message"]["content"]
+    finally:
+        server.stop()
+
+
+def test_tools_on_ortgenai_use_the_models_own_template(onnx_fp32: Path, tmp_path: Path, default_registry: Any) -> None:
+    """A template with a tools section (Hermes') gets the tools there, and past calls and results in
+    its own tags; the model answers in that format, held to it by ORT GenAI's guidance (or free,
+    then parsed, in auto mode: its guidance has no trigger words)."""
+    from tests.test_tools_native import HERMES
+
+    server = converted_gateway("ortgenai", "onnx", {"precision": "fp32", "provider": "cpu"}, onnx_fp32, tmp_path,
+                               default_registry, spec_fields={"chat_template": HERMES})
+    try:
+        history: Any = [{"role": "user", "content": "Weather in Paris?"},
+                        {"role": "assistant", "content": None, "tool_calls": [
+                            {"id": "c1", "type": "function",
+                             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                        {"role": "tool", "tool_call_id": "c1", "content": '{"temp_c": 18}'},
+                        {"role": "user", "content": "And in Rome?"}]
+        r = httpx.post(f"{server.url}/apply-template", json={"model": MODEL, "messages": history, "tools": TOOLS},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+        prompt = r.json()["prompt"]
+        assert "<tools>\n" + json.dumps(TOOLS[0], ensure_ascii=False) in prompt  # the template's tools section
+        assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in prompt
+        assert '<tool_response>\n{"temp_c": 18}\n</tool_response>' in prompt
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
+        c = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, tool_choice="required",
+                                           max_tokens=96, temperature=0, parallel_tool_calls=False).choices[0]
+        assert c.finish_reason == "tool_calls" and c.message.tool_calls, c
+        call = c.message.tool_calls[0].function  # type: ignore[union-attr]
+        assert call.name in {t["function"]["name"] for t in TOOLS} and isinstance(json.loads(call.arguments), dict)
+        auto = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, max_tokens=60,
+                                              temperature=0).choices[0]
+        assert auto.finish_reason in ("tool_calls", "stop", "length")
+        assert "<tool_call>" not in (auto.message.content or "")  # a call is parsed out, never left as text
     finally:
         server.stop()

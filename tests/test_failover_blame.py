@@ -8,7 +8,15 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from engines.base import EngineCrashed, EngineInfo, GenerationRequest, SamplingParams, TokenEvent, Usage
+from engines.base import (
+    Capabilities,
+    EngineCrashed,
+    EngineInfo,
+    GenerationRequest,
+    SamplingParams,
+    TokenEvent,
+    Usage,
+)
 from gateway.api.failover import FailoverPolicy, resumable
 from gateway.metrics import Metrics
 
@@ -18,7 +26,7 @@ class Scripted:
     before its worker crashes (a native crash, not a kill from outside), or None for an attempt
     that yields one token and finishes."""
 
-    info = EngineInfo("fake", "cpu", "cpu", extra={"resume": "1"})
+    info = EngineInfo("fake", "cpu", "cpu", capabilities=Capabilities(resume=True))
 
     def __init__(self, script: list[tuple[int, ...] | None], blamed: bool = False) -> None:
         self.script = list(script)

@@ -8,7 +8,15 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from engines.base import EngineCrashed, EngineInfo, GenerationRequest, SamplingParams, TokenEvent, Usage
+from engines.base import (
+    Capabilities,
+    EngineCrashed,
+    EngineInfo,
+    GenerationRequest,
+    SamplingParams,
+    TokenEvent,
+    Usage,
+)
 from gateway.api.failover import FailoverPolicy, resumable
 from gateway.metrics import Metrics
 
@@ -19,7 +27,7 @@ WAIT_S = 0.1  # failover_wait: shorter than the replay
 class Dying:
     """Three tokens, then its worker is killed from outside."""
 
-    info = EngineInfo("fake", "cpu", "cpu", extra={"resume": "1"})
+    info = EngineInfo("fake", "cpu", "cpu", capabilities=Capabilities(resume=True))
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
         for t in (1, 2, 3):
@@ -30,7 +38,7 @@ class Dying:
 class Restarted:
     """Back at once; replays the tokens it is given before its first new one."""
 
-    info = EngineInfo("fake", "cpu", "cpu", extra={"resume": "1"})
+    info = EngineInfo("fake", "cpu", "cpu", capabilities=Capabilities(resume=True))
 
     def __init__(self, says_back: bool) -> None:
         if says_back:

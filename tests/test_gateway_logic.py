@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engines.base import ChatMessage, EngineConfig, EngineHealth, GenerationRequest, SamplingParams
+from engines.base import EngineConfig, EngineHealth, GenerationRequest, SamplingParams
 from gateway.app import create_app
 from gateway.models.registry import load_registry
 from gateway.models.routing import WorkerGroup
@@ -311,8 +311,7 @@ async def test_a_burst_spreads_over_workers_whose_own_counts_lag_the_pick() -> N
     for m in members:
         await m.load()
     group = WorkerGroup(list(members))
-    streams = [group.generate(GenerationRequest(
-        f"r{i}", SamplingParams(max_tokens=8), messages=(ChatMessage("user", f"conversation {i}"),)))
+    streams = [group.generate(GenerationRequest(f"r{i}", SamplingParams(max_tokens=8), prompt=f"conversation {i}"))
                for i in range(4)]
     for s in streams:
         await anext(s)  # picked and started, one after another

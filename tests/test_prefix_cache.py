@@ -12,10 +12,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from engines.base import ChatMessage, EngineConfig, GenerationRequest, SamplingParams, Usage
+from engines.base import EngineConfig, GenerationRequest, SamplingParams, Usage
 from engines.llamacpp.engine import LlamaCppEngine
 from engines.llamacpp.prefix_cache import MIN_ENTRY_TOKENS, HostPrefixCache, common_prefix
+from gateway.chat.template import ChatMessage
 from gateway.models.registry import load_registry
+from tests.chat import chat_request
 from tests.conftest import ROOT
 
 TOPICS = ["a lighthouse keeper", "a baker in Lyon", "a robot learning to paint", "two rival chess clubs"]
@@ -53,8 +55,7 @@ def _conversation(topic: str, turns: int, replies: list[str] | None = None) -> t
 
 async def _ask(e: LlamaCppEngine, msgs: tuple[ChatMessage, ...], max_tokens: int = 24) -> tuple[str, Usage]:
     text, usage = "", None
-    async for ev in e.generate(GenerationRequest("t", SamplingParams(temperature=0, max_tokens=max_tokens),
-                                                 messages=msgs)):
+    async for ev in e.generate(chat_request(e, msgs, SamplingParams(temperature=0, max_tokens=max_tokens), "t")):
         text += ev.text
         usage = ev.usage or usage
     assert usage is not None

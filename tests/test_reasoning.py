@@ -10,10 +10,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engines.base import ChatMessage, EngineConfig
-from engines.chat import ChatTemplate
+from engines.base import EngineConfig, TemplateSource
 from gateway.api.reasoning import Splitter
 from gateway.app import create_app
+from gateway.chat.template import ChatMessage, ChatTemplate, Traits
 from gateway.models.registry import load_registry
 from gateway.settings import Settings
 from tests import hosts
@@ -65,19 +65,23 @@ R1 = CHATML.replace("assistant\n{% endif %}", "assistant\n{{ '<think>\\n' }}{% e
 HI = [ChatMessage("user", "Hi")]
 
 
+def _template(text: str) -> ChatTemplate:
+    return ChatTemplate(TemplateSource(text))
+
+
 def test_template_traits() -> None:
-    assert ChatTemplate(CHATML).traits() == {}
-    assert ChatTemplate(QWEN3).traits() == {"reasoning": "think", "thinking_toggle": "1"}
-    assert ChatTemplate(R1).traits() == {"reasoning": "think", "reasoning_open": "1"}
+    assert _template(CHATML).traits == Traits()
+    assert _template(QWEN3).traits == Traits(reasons=True, toggle=True)
+    assert _template(R1).traits == Traits(reasons=True, opens=True)
 
 
 def test_thinking_off_reaches_the_template_or_closes_the_block() -> None:
-    qwen, r1 = ChatTemplate(QWEN3), ChatTemplate(R1)
+    qwen, r1 = _template(QWEN3), _template(R1)
     assert qwen.render(HI).endswith("assistant\n")
     assert qwen.render(HI, thinking=False).endswith("assistant\n<think>\n\n</think>\n\n")  # the template's own
     assert r1.render(HI).endswith("assistant\n<think>\n")
     assert r1.render(HI, thinking=False).endswith("assistant\n<think>\n</think>\n\n")  # closed by the engine
-    assert ChatTemplate(CHATML).render(HI, thinking=True) == ChatTemplate(CHATML).render(HI)
+    assert _template(CHATML).render(HI, thinking=True) == _template(CHATML).render(HI)
 
 
 # --- every protocol, on a scripted engine -----------------------------------------------------------
@@ -92,6 +96,8 @@ models:
     formats: {gguf: {path: a.gguf}}
 """
 SCRIPT = "<think> I should greet them </think> Hello there friend"
+# Qwen3's template, marking a request that turned thinking on.
+THINKER = QWEN3 + "{% if enable_thinking is defined and enable_thinking %}[thinking on]{% endif %}"
 THOUGHT, ANSWER = "I should greet them ", "Hello there friend"
 
 
@@ -103,7 +109,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, list
     made: list[FakeEngine] = []
 
     def factory(runtime: str, config: EngineConfig) -> FakeEngine:
-        e = FakeEngine(config, script=SCRIPT, answer_at_once="Hi", extra={"reasoning": "think", "thinking_toggle": "1"})
+        e = FakeEngine(config, script=SCRIPT, answer_at_once="Hi", template=THINKER)
         made.append(e)
         return e
 
@@ -124,7 +130,11 @@ def _sse(r: httpx.Response) -> list[dict[str, object]]:
 
 
 def _last_thinking(made: list[FakeEngine]) -> bool | None:
-    return max((e for e in made if e.requests), key=lambda e: len(e.requests)).requests[-1].thinking
+    """What the last prompt asked of the template: thinking off (the block closed), on, or its default."""
+    prompt = max((e for e in made if e.requests), key=lambda e: len(e.requests)).requests[-1].prompt or ""
+    if prompt.endswith("<think>\n\n</think>\n\n"):
+        return False
+    return True if "[thinking on]" in prompt else None
 
 
 MSG = [{"role": "user", "content": "Hi"}]

@@ -11,10 +11,12 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from engines.base import ChatMessage, EngineConfig, GenerationRequest, SamplingParams, TokenLogprob, Usage
+from engines.base import EngineConfig, SamplingParams, TokenLogprob, Usage
 from engines.llamacpp import batch
 from engines.llamacpp.engine import LlamaCppEngine
+from gateway.chat.template import ChatMessage
 from gateway.models.registry import RegistryFile
+from tests.chat import chat_request
 from tests.test_prefix_cache import TOPICS, _ask, _conversation, _path
 
 
@@ -67,7 +69,7 @@ async def _story(e: LlamaCppEngine, i: int, n: int, decoding: asyncio.Event | No
     msgs = (ChatMessage("user", f"Story {i}: " + f"{TOPICS[i % 4]} walks to the market and meets a friend. " * 6),)
     story = Story("", [], (), [])
     sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=True, top_logprobs=5)
-    async for ev in e.generate(GenerationRequest("t", sp, messages=msgs)):
+    async for ev in e.generate(chat_request(e, msgs, sp, "t")):
         if decoding is not None:
             decoding.set()
         story = story._replace(text=story.text + ev.text,
@@ -170,8 +172,7 @@ async def test_idle_kv_gives_way_when_it_outgrows_the_running_requests(
     try:
         async def turn(i: int, turns: int) -> Usage:
             usage = None
-            async for ev in e.generate(GenerationRequest("t", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
-                                                         messages=_conversation(TOPICS[i], turns))):
+            async for ev in e.generate(chat_request(e, _conversation(TOPICS[i], turns), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), "t")):
                 usage = ev.usage or usage
             assert usage is not None
             return usage
@@ -186,8 +187,7 @@ async def test_idle_kv_gives_way_when_it_outgrows_the_running_requests(
         during = None
         msgs = _conversation(TOPICS[3], 1)[:-1] + (ChatMessage(
             "user", f"Turn 0: tell me more about {TOPICS[3]}, with names, places and dates. " * 6),)
-        async for _ev in e.generate(GenerationRequest("t", SamplingParams(temperature=0, max_tokens=48, ignore_eos=True),
-                                                     messages=msgs)):
+        async for _ev in e.generate(chat_request(e, msgs, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True), "t")):
             during = during or e.health().kv  # after its first token: its prompt is in
         assert during is not None
         evicted = e.health().kv.idle_evictions  # type: ignore[union-attr]
@@ -225,8 +225,7 @@ async def test_idle_kv_stays_when_saving_it_would_push_another_conversation_out_
     try:
         async def ask(msgs: tuple[ChatMessage, ...], n: int) -> Usage:
             usage = None
-            async for ev in e.generate(GenerationRequest("t", SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
-                                                         messages=msgs)):
+            async for ev in e.generate(chat_request(e, msgs, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), "t")):
                 usage = ev.usage or usage
             assert usage is not None
             return usage

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from engines.base import ChatMessage, EngineConfig, Usage
+from engines.base import EngineConfig, Usage
 from engines.llamacpp.engine import LlamaCppEngine
+from gateway.chat.template import ChatMessage
 from gateway.models.registry import load_registry
 from tests.conftest import ROOT
 from tests.test_prefix_cache import _ask as ask

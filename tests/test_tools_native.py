@@ -14,11 +14,14 @@ import openai
 import pytest
 import yaml
 
-from engines.base import ChatMessage, EngineConfig, GenerationRequest, SamplingParams, ToolCallRecord
+from engines.base import EngineConfig
 from engines.llamacpp.engine import LlamaCppEngine
+from gateway.api.tools import native_format
 from gateway.app import create_app
+from gateway.chat.template import ChatMessage, ToolCallRecord, template_of
 from gateway.models.registry import load_registry
 from gateway.settings import Settings
+from tests.chat import chat_request
 from tests.conftest import MODEL, ROOT, ServerThread
 from tests.test_tools import ASK, SCHEMAS, TOOLS
 
@@ -111,11 +114,11 @@ async def test_the_template_renders_tools_calls_and_results() -> None:
     engine = LlamaCppEngine(EngineConfig(model_path=str(path), chat_template=HERMES, parallel=1))
     await engine.load()
     try:
-        assert engine.info.extra["tool_format"] == "hermes"
+        assert native_format(template_of(engine.info)) == "hermes"
         msgs = (ChatMessage("user", "Weather in Paris?"),
                 ChatMessage("assistant", "", tool_calls=(ToolCallRecord("c1", "get_weather", '{"city": "Paris"}'),)),
                 ChatMessage("tool", '{"temp_c": 18}', tool_call_id="c1"))
-        ids = engine.render_prompt(GenerationRequest("t", SamplingParams(), messages=msgs, tools_json=json.dumps(TOOLS)))
+        ids = engine.prompt_tokens(chat_request(engine, msgs, tools=TOOLS))
         text = b"".join(engine.piece(t, special=True) for t in ids).decode()
         assert '"name": "get_weather"' in text and "<tools>" in text  # the tool list
         assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text

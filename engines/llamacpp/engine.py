@@ -1,7 +1,8 @@
 """The llama.cpp engine (llama-cpp-python): CPU, Vulkan, CUDA and Metal builds alike.
 
-Loads a GGUF with the low-level API, renders chat prompts with the GGUF's Jinja template, and runs
-every request through the continuous-batching scheduler in `engines.llamacpp.batch`.
+Loads a GGUF with the low-level API, reports the GGUF's chat template (the gateway renders it),
+compiles output constraints to GBNF grammars, and runs every request through the
+continuous-batching scheduler in `engines.llamacpp.batch`.
 """
 
 from __future__ import annotations
@@ -23,9 +24,8 @@ import numpy as np
 import numpy.typing as npt
 
 from engines.base import (
-    HERMES_CLOSE,
-    HERMES_OPEN,
-    ChatMessage,
+    Capabilities,
+    Constraint,
     ContextLengthExceeded,
     EngineConfig,
     EngineHealth,
@@ -33,8 +33,8 @@ from engines.base import (
     GenerationRequest,
     InvalidGenerationRequest,
     ModelLoadError,
+    TemplateSource,
     TokenEvent,
-    arguments_value,
     new_token_budget,
     resumed_tokens,
     token_prompt,
@@ -44,7 +44,6 @@ from engines.llamacpp.host_memory import HostMemory, PinnedHostMemory
 from engines.llamacpp.prefix_cache import HostPrefixCache, default_limit_bytes
 from engines.registry import register_runtime
 from engines.text import with_scored_prompt
-from engines.thinking import render_thinking, template_traits
 from engines.tuning import engine_tuning
 
 log = logging.getLogger(__name__)
@@ -218,7 +217,6 @@ class LlamaCppEngine:
         self._n_swa = 0
         self._pieces: dict[int, bytes] = {}
         self._eog: list[int] = []
-        self._template: Any = None
         self._bos_text = ""
         self._embedder: Any = None
 
@@ -334,8 +332,7 @@ class LlamaCppEngine:
             )
         self._ctx = ctx
         self._eog = [t for t in range(self._n_vocab) if lc.llama_vocab_is_eog(self._vocab, t)]
-        self._template = self._load_template(lc)
-        tool_format = "hermes" if self._template is not None and HERMES_OPEN in self._template.template else ""
+        template = self._load_template(lc)
         budget = o.prefill_budget or prefill_budget(o.backend)
         if warm_up_wanted(o.backend):
             passes, took = warm_up(ctx, o.n_batch, _sequences(o), budget, self._n_ctx_seq)
@@ -380,15 +377,16 @@ class LlamaCppEngine:
         if long_min:
             self._open_side(lc, model, cparams, o, long_min, long_sms, identity, shared)
         self.info = replace(
-            self.info, context_length=self._n_ctx_seq,
+            self.info, context_length=self._n_ctx_seq, template=template,
+            capabilities=Capabilities(resume=True, embeddings=True, constraints=frozenset({"json", "grammar", "tagged"}),
+                                      lazy_constraints=True),
             extra={"precision": self._precision(lc), "embedding_width": str(self._embedder.width),
                    "sampling": "device" if on_device else "host",
                    "speculative": f"ngram {o.draft_ngram}, up to {o.draft_max}, at most {o.draft_streams} streams" if o.draft_ngram and o.draft_max else "off",
-                   "tool_format": tool_format, "repack": "on" if o.repack else "off", "resume": "1",
+                   "repack": "on" if o.repack else "off",
                    "swa_cache": f"window {self._n_swa}" if self._n_swa else "full",
                    "kv_layout": (f"shared by {_sequences(o)} sequences ({self._n_ctx_seq} x {o.parallel} tokens)"
                                  if o.kv_unified else f"one per sequence ({o.parallel} x {self._n_ctx_seq} tokens)"),
-                   **self._reasoning_traits(),
                    **({"long_prompt_context": f"from {long_min} uncached tokens"
                        + (f", {long_sms} SMs" if long_sms else "")} if long_min else {}),
                    **({"cpu_variant": variant} if variant else {})},
@@ -398,11 +396,6 @@ class LlamaCppEngine:
             o.model_path, o.backend, o.device, self._n_ctx_seq, o.parallel, self._n_vocab,
         )
 
-    def _reasoning_traits(self) -> dict[str, str]:
-        if self._template is None:
-            return {}
-        return template_traits(lambda turns, kw: self._template(messages=turns, **kw).prompt, self._template.template)
-
     def _precision(self, lc: Any) -> str:
         """The weights' type as llama.cpp names it ("f16", "q4_1", ...), last word of the model desc."""
         buf = ctypes.create_string_buffer(256)
@@ -410,19 +403,16 @@ class LlamaCppEngine:
         desc = buf.raw[: max(n, 0)].decode(errors="replace").split()
         return desc[-1].lower() if desc else "unknown"
 
-    def _load_template(self, lc: Any) -> Any:
-        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
-
+    def _load_template(self, lc: Any) -> TemplateSource | None:
+        """The chat template (models.yaml's, else the GGUF's) with the BOS and EOS texts it uses."""
         raw = (self.options.chat_template or "").encode() or lc.llama_model_chat_template(self._model, None)
-        if not raw:
-            return None
         bos = lc.llama_vocab_bos(self._vocab)
         eos = lc.llama_vocab_eos(self._vocab)
         self._bos_text = self.piece(bos, special=True).decode(errors="replace") if bos >= 0 else ""
+        if not raw:
+            return None
         eos_text = self.piece(eos, special=True).decode(errors="replace") if eos >= 0 else ""
-        return Jinja2ChatFormatter(
-            template=raw.decode("utf-8"), eos_token=eos_text, bos_token=self._bos_text
-        )
+        return TemplateSource(raw.decode("utf-8"), bos_token=self._bos_text, eos_token=eos_text)
 
     def _open_side(self, lc: Any, model: Any, cparams: Any, o: EngineConfig, long_min: int, long_sms: int,
                    identity: str, shared: dict[str, Any]) -> None:
@@ -566,39 +556,25 @@ class LlamaCppEngine:
             n = lc.llama_tokenize(self._vocab, data, len(data), arr, cap, add_special, True)
         return list(arr[:n])
 
-    def render_prompt(self, request: GenerationRequest) -> list[int]:
+    def prompt_tokens(self, request: GenerationRequest) -> list[int]:
+        """The request's prompt as token ids: given ones checked, text tokenized (with BOS unless
+        a chat template already wrote it)."""
         if request.prompt_ids:
             return token_prompt(request.prompt_ids, self._n_vocab)
-        if request.messages is None:
-            return self.encode(request.prompt or "")
-        if self._template is None:
-            raise InvalidGenerationRequest(
-                "this model has no chat template, so it answers raw prompts only, not chat messages", param="messages"
-            )
-        try:
-            tools = json.loads(request.tools_json) if request.tools_json else None
-            messages = [_template_message(m) for m in request.messages]
-            text = render_thinking(lambda kw: self._template(messages=messages, tools=tools, **kw).prompt,
-                                   request.thinking)
-        except Exception as exc:  # template raise_exception() or Jinja errors
-            raise InvalidGenerationRequest(
-                f"the model's chat template rejected the messages: {exc}", param="messages"
-            ) from exc
-        # Templates that write the BOS text themselves must not get a second BOS token.
-        add_special = not (self._bos_text and text.startswith(self._bos_text))
-        return self.encode(text, add_special=add_special)
+        text = request.prompt or ""
+        return self.encode(text, add_special=not (request.templated and self._bos_text and text.startswith(self._bos_text)))
 
     # --- generation ------------------------------------------------------------------------
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
         if self._sched is None:
             raise ModelLoadError("model is not loaded")
-        # A long prompt is rendered and tokenized on another thread: on this loop it would hold
-        # back every running stream's next token at once (tens of ms for a 10k-token prompt: one
-        # gap in each of 32 streams set their ITL p99 on the H200).
-        size = len(request.prompt or "") + sum(len(m.content or "") for m in request.messages or ())
-        prompt = await asyncio.to_thread(self.render_prompt, request) if size > LONG_RENDER_CHARS else \
-            self.render_prompt(request)
+        # A long prompt is tokenized on another thread: on this loop it would hold back every
+        # running stream's next token at once (tens of ms for a 10k-token prompt: one gap in each
+        # of 32 streams set their ITL p99 on the H200).
+        size = len(request.prompt or "")
+        prompt = await asyncio.to_thread(self.prompt_tokens, request) if size > LONG_RENDER_CHARS else \
+            self.prompt_tokens(request)
         async for item in with_scored_prompt(prompt, request.sampling, self.logits, self.piece,
                                              lambda: self._generate(request, prompt)):
             yield item
@@ -610,18 +586,13 @@ class LlamaCppEngine:
         sp = request.sampling
         max_new = new_token_budget(prompt, self._n_ctx_seq, sp.max_tokens)
         resumed = list(resumed_tokens(request, max_new))
-        what = "tools" if sp.tools else "response_format"  # the request parameter a grammar error is about
-        grammar = self._grammar(sp.structured, sp.json_schema, what)
-        if grammar is None and sp.grammar:
-            grammar, what = sp.grammar.encode(), "grammar"
-        lazy: list[bytes] = []
-        if grammar is not None and sp.tool_format == "hermes":
-            grammar = _hermes_grammar(grammar, sp.max_tool_calls)
-            if sp.tool_mode == "auto":
-                lazy = [HERMES_OPEN.encode()]  # free text until the model opens a call
+        c = sp.constraint
+        grammar = compile_constraint(c) if c is not None else None
+        lazy = [_pattern(t) for t in c.triggers] if c is not None else []
         sampler = build_sampler(self._vocab, self._n_vocab, sp, grammar, self._eog, max_new, lazy)
         if sampler is None:
-            raise InvalidGenerationRequest(f"llama.cpp could not compile the grammar for {what}", param=what)
+            assert c is not None
+            raise InvalidGenerationRequest(f"llama.cpp could not compile the grammar for {c.part}", param=c.part)
         channel = EventChannel()
         # A resumed job samples on the host: a device chain starts from a fresh state.
         on_host = grammar is not None or sp.logprobs or bool(resumed)
@@ -647,20 +618,6 @@ class LlamaCppEngine:
                 yield item
         finally:
             sched.cancel(job)
-
-    @staticmethod
-    def _grammar(structured: str | None, schema: str | None, param: str = "response_format") -> bytes | None:
-        if structured is None:
-            return None
-        from llama_cpp.llama_grammar import JSON_GBNF
-
-        if structured == "json_object" or not schema:
-            return JSON_GBNF.encode()
-        try:
-            return _schema_grammar(schema)
-        except Exception as exc:
-            where = "tools" if param == "tools" else "response_format.json_schema"
-            raise InvalidGenerationRequest(f"unsupported JSON schema: {exc}", param=where) from exc
 
     async def embed(self, inputs: list[list[int]]) -> npt.NDArray[np.float32]:
         from engines.llamacpp.batch import EmbedJob
@@ -694,26 +651,36 @@ class LlamaCppEngine:
             self._sched.cancel(job)
 
 
-def _template_message(m: ChatMessage) -> dict[str, Any]:
-    """A message as Hugging Face chat templates expect it (tool calls with parsed arguments)."""
-    out: dict[str, Any] = {"role": m.role, "content": m.content}
-    if m.tool_calls:
-        out["tool_calls"] = [
-            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": arguments_value(c.arguments)}}
-            for c in m.tool_calls
-        ]
-    if m.tool_call_id is not None:
-        out["tool_call_id"] = m.tool_call_id
-    return out
+def compile_constraint(c: Constraint) -> bytes:
+    """`c` as a GBNF grammar. Raises InvalidGenerationRequest (naming `c.part`) for a schema that
+    llama.cpp's converter does not take."""
+    if c.kind == "grammar":
+        return (c.grammar or "").encode()
+    from llama_cpp.llama_grammar import JSON_GBNF
+
+    try:
+        body = _schema_grammar(c.schema) if c.schema else JSON_GBNF.encode()
+    except Exception as exc:
+        raise InvalidGenerationRequest(f"unsupported JSON schema: {exc}", param=c.part) from exc
+    return body if c.kind == "json" else _tagged_grammar(body, c.begin, c.end, c.separator, c.max_items)
+
+
+def _gbnf_literal(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)
 
 
 @functools.lru_cache(maxsize=256)
-def _hermes_grammar(call: bytes, max_calls: int) -> bytes:
-    """One to `max_calls` calls, each `<tool_call>\\n{call JSON}\\n</tool_call>` (Hermes / Qwen2.5)."""
-    body = re.sub(rb"^root ::=", b"call ::=", call, count=1, flags=re.MULTILINE)
-    more = f'("\\n" tc){{0,{max_calls - 1}}}' if max_calls > 1 else ""
-    head = f'root ::= tc {more}\ntc ::= "{HERMES_OPEN}\\n" call "\\n{HERMES_CLOSE}"\n'
+def _tagged_grammar(item: bytes, begin: str, end: str, separator: str, max_items: int) -> bytes:
+    """One to `max_items` items joined by `separator`, each `begin` item `end`."""
+    body = re.sub(rb"^root ::=", b"tagged-item ::=", item, count=1, flags=re.MULTILINE)
+    more = f"({_gbnf_literal(separator)} tagged-one){{0,{max_items - 1}}}" if max_items > 1 else ""
+    head = f"root ::= tagged-one {more}\ntagged-one ::= {_gbnf_literal(begin)} tagged-item {_gbnf_literal(end)}\n"
     return head.encode() + body
+
+
+def _pattern(trigger: str) -> bytes:
+    """A trigger text as a lazy grammar's pattern (a regular expression matching it literally)."""
+    return re.sub(r"([\\^$.|?*+()\[\]{}])", r"\\\1", trigger).encode()
 
 
 @functools.lru_cache(maxsize=256)

@@ -49,6 +49,7 @@ from engines.base import (
     GenerationRequest,
     InvalidGenerationRequest,
     ModelLoadError,
+    SupervisorReport,
     TokenEvent,
 )
 from engines.worker import wire
@@ -456,7 +457,7 @@ class WorkerEngine:
         """Seconds until the worker should be back (for Retry-After while it restarts)."""
         return max(1, int(self._next_restart - time.monotonic() + 1)) if not self._connected.is_set() else 0
 
-    def worker_status(self) -> dict[str, Any]:
+    def report(self) -> SupervisorReport:
         """For /health: where the worker runs, its pid and memory, and its crashes."""
         out: dict[str, Any] = {"where": self.connection.what, "pid": self.pid, "restarts": self.restarts,
                                "crashes": len(self.crashes), "counted_crashes": len(self._strikes)}
@@ -464,13 +465,16 @@ class WorkerEngine:
             out["last_crash"] = self.crashes[-1][1]
         if self.degraded:
             out["degraded"] = self.degraded
+        rss = 0
         if isinstance(self.connection, LocalWorker) and self.pid is not None:
             out["rss_bytes"] = rss_bytes(self.pid)
+            rss += out["rss_bytes"] or 0
         if isinstance(self.connection, LocalWorker) and self.connection.standby:
             spare = self.connection.spare_pid()
             out["standby"] = {"pid": spare, "rss_bytes": rss_bytes(spare) if spare else None,
                               "ready": spare is not None}
-        return out
+            rss += out["standby"]["rss_bytes"] or 0
+        return SupervisorReport("worker", out, rss)
 
     # --- the engine interface ------------------------------------------------------------
 
@@ -478,7 +482,7 @@ class WorkerEngine:
         """Called from another event loop than the connection's (e.g. a test's loop, the server's in a thread)."""
         return self._loop is not None and asyncio.get_running_loop() is not self._loop
 
-    async def back(self) -> None:
+    async def back(self) -> bool:
         """Returns once a worker serves (at once while one does): a stream that lost its worker
         waits here for the restart, and not for the replay of the tokens it had already sent."""
         if self._foreign():
@@ -486,6 +490,7 @@ class WorkerEngine:
             await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._connected.wait(), self._loop))
         else:
             await self._connected.wait()
+        return True
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
         stream = self._generate_foreign(request) if self._foreign() else self._generate(request)

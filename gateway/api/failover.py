@@ -20,7 +20,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 
-from engines.base import POISON_CRASHES, Engine, EngineCrashed, GenerationRequest, TokenEvent
+from engines.base import POISON_CRASHES, Engine, EngineCrashed, GenerationRequest, Supervised, TokenEvent
 from gateway.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -92,11 +92,11 @@ async def _back(engine: Engine, deadline: float, policy: FailoverPolicy, model: 
     """Whether the engine said it is back (a worker restarted) before `deadline`; then the stream
     has no deadline of its own: replaying the tokens already sent takes what it takes (the worker's
     step watchdog still guards each step). False for an engine that cannot say."""
-    back = getattr(engine, "back", None)
-    if back is None:
+    if not isinstance(engine, Supervised):
         return False
     try:
-        await asyncio.wait_for(back(), max(0.0, deadline - time.perf_counter()))
+        if not await asyncio.wait_for(engine.back(), max(0.0, deadline - time.perf_counter())):
+            return False
     except TimeoutError:
         metrics.failovers.labels(model, "gave_up").inc()
         raise _not_back(policy) from None
@@ -128,7 +128,7 @@ async def _continue_on(crashed: EngineCrashed, engine: Engine, current: Callable
     except Exception as exc:  # noqa: BLE001 - nowhere to continue: the crash is the answer
         metrics.failovers.labels(model, "gave_up").inc()
         raise crashed from exc
-    if produced and nxt.info.extra.get("resume") != "1":  # it cannot continue a stream
+    if produced and not nxt.info.capabilities.resume:  # it cannot continue a stream
         metrics.failovers.labels(model, "gave_up").inc()
         raise crashed
     reason = "restarted" if nxt is engine else "next_engine"

@@ -11,6 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
+from engines.base import Supervised
 from gateway.api.openai.protocol import HealthResponse
 from gateway.api.routes import error_responses
 from gateway.models.pool import ModelManager
@@ -68,12 +69,9 @@ def _models(request: Request) -> dict[str, dict[str, Any]]:
         keep = manager.keep_alive_of(entry)
         memory["keep_alive_s"] = keep
         row["memory"] = memory
-        worker_status = getattr(entry.engine, "worker_status", None)
-        if worker_status is not None:
-            row["worker"] = worker_status()
-        cluster_status = getattr(entry.engine, "cluster_status", None)
-        if cluster_status is not None:
-            row["cluster"] = cluster_status()
+        if isinstance(entry.engine, Supervised):
+            seen = entry.engine.report()
+            row[seen.kind] = seen.detail
         models[entry.spec.id] = row
     for mid in manager.loading:
         models.setdefault(mid, {"ready": False, "status": "loading"})
@@ -133,8 +131,8 @@ def health_response(request: Request) -> JSONResponse:
     headers = {}
     if status == "degraded":
         entry = manager.entry(manager.registry.default)
-        retry = getattr(entry.engine, "retry_after", None) if entry is not None else None
-        headers["Retry-After"] = str(max(1, retry()) if retry is not None else 1)
+        supervised = entry is not None and isinstance(entry.engine, Supervised)
+        headers["Retry-After"] = str(max(1, entry.engine.retry_after()) if supervised else 1)  # type: ignore[union-attr]
     return JSONResponse(body, status_code=200 if status == "ok" else 503, headers=headers)
 
 

@@ -1,7 +1,7 @@
 """Reasoning output: which requests get it, and the splitter that takes it out of the answer.
 
 A model that thinks writes `<think>...</think>` and then its answer; its template may already have
-opened the block in the prompt (engines/thinking.py reads that once at load). Each protocol returns
+opened the block in the prompt (gateway/chat/template.py reads that once per template). Each protocol returns
 the reasoning in its own form (OpenAI chat `reasoning_content`, Responses `reasoning` items,
 Anthropic `thinking` blocks, Ollama `thinking`), from the neutral `ReasoningDelta` events.
 """
@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from engines.thinking import THINK_CLOSE, THINK_OPEN
+from gateway.chat.template import Traits
+from gateway.chat.thinking import THINK_CLOSE, THINK_OPEN
 from gateway.models.registry import ModelSpec
 
 
@@ -26,20 +27,20 @@ class ReasoningPlan:
     opened: bool
 
 
-def reasons(spec: ModelSpec, extra: dict[str, str]) -> bool:
-    """Whether this model, on the engine that loaded it, thinks before it answers."""
-    return spec.reasoning == "on" or (spec.reasoning == "auto" and extra.get("reasoning") == "think")
+def reasons(spec: ModelSpec, traits: Traits) -> bool:
+    """Whether this model, with the template it is served with, thinks before it answers."""
+    return spec.reasoning == "on" or (spec.reasoning == "auto" and traits.reasons)
 
 
-def plan(spec: ModelSpec, extra: dict[str, str], thinking: bool | None, constrained: bool) -> ReasoningPlan | None:
+def plan(spec: ModelSpec, traits: Traits, thinking: bool | None, constrained: bool) -> ReasoningPlan | None:
     """The plan for a request that asks for `thinking` (None: the model's default). A constrained
     answer (a JSON format or a tool-call grammar from its first token) leaves no room to think,
     so it is rendered with thinking off. None: the model does not reason."""
-    if not reasons(spec, extra):
+    if not reasons(spec, traits):
         return None
     if constrained or thinking is False:
         return ReasoningPlan(False, False, False)
-    return ReasoningPlan(thinking, True, extra.get("reasoning_open") == "1")
+    return ReasoningPlan(thinking, True, traits.opens)
 
 
 Kind = Literal["reasoning", "text"]

@@ -9,6 +9,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, Field
 
 from gateway.api.adapter import respond
 from gateway.api.openai.adapters import OPENAI
@@ -137,6 +138,18 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     p = await until_disconnect(request, service.prepare_chat(body, received))
     request.state.observer = p.observer
     return await _respond(request, service, p, body.model, body.stream, body.stream_options)
+
+
+class AppliedTemplate(BaseModel):
+    prompt: str = Field(description="The prompt the model's chat template renders the request to")
+
+
+@router.post("/apply-template", response_model=AppliedTemplate, responses=error_responses(400, 401, 403, 404))
+async def apply_template(body: ChatCompletionRequest, request: Request) -> AppliedTemplate:
+    """A chat request rendered by the model's own template, tools and reasoning switch included:
+    exactly the text the engine gets (llama-server's /apply-template)."""
+    service: ChatService = request.app.state.chat
+    return AppliedTemplate(prompt=await until_disconnect(request, service.apply_template(body)))
 
 
 @router.post("/v1/completions", response_model=None, responses=_generation_responses(Completion, Completion))

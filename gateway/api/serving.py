@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
-from engines.base import ChatMessage, Engine, GenerationRequest, SamplingParams, TokenEvent
+from engines.base import Constraint, Engine, GenerationRequest, SamplingParams, TokenEvent
 from engines.base import Usage as EngineUsage
 from gateway.api import reasoning, sampling, tools
 from gateway.api.admission import Admission, Ticket
@@ -25,6 +27,7 @@ from gateway.api.errors import APIError, ServerShutdown, invalid, record
 from gateway.api.failover import FailoverPolicy, resumable
 from gateway.api.guards import Drain
 from gateway.api.notes import header_value
+from gateway.chat.template import ChatMessage, ChatTemplate, TemplateError, Traits, template_of
 from gateway.conversation import (
     ArgumentsDelta,
     CallStarted,
@@ -102,6 +105,16 @@ def usage_of(u: EngineUsage) -> Usage:
 
 # Called once a request finished normally: (engine it ran on, prompt ids, choice 0's generated ids).
 CompletionHook = Callable[[Loaded, tuple[int, ...], tuple[int, ...]], object]
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """A conversation as the engine gets it, and how its output is read back."""
+
+    request: GenerationRequest
+    tool_plan: tools.ToolPlan | None  # the output is a constrained tool-call answer
+    skipped_tools: tuple[str, ...]  # tools left out: the model does not call tools (models.yaml)
+    reasoning: reasoning.ReasoningPlan | None  # None: the model does not reason
 
 
 @dataclass
@@ -265,7 +278,7 @@ class Service:
                       received: float) -> Prepared:
         """Slots for `n` choices of each request in `base` (one, or a batch of prompts), in that order."""
         bases = base if isinstance(base, list) else [base]
-        raw = sum(len(b.prompt or "") for b in bases if b.messages is None)
+        raw = sum(len(b.prompt or "") for b in bases if not b.templated)
         check_prompt_chars(raw, self.manager.settings.max_prompt_chars, "prompt", "the prompt holds")
         loaded = await self.manager.get(spec)
         c = loaded.candidate
@@ -303,8 +316,18 @@ class Service:
 
     async def prepare_conversation(self, spec: ModelSpec, conv: Conversation, n: int, prefix: str,
                                    received: float) -> Prepared:
-        """Any protocol's request, as the conversation model: the sampler's settings, the tool plan,
-        the prompt, the output constraint; then a loaded engine and slots."""
+        """Any protocol's request, as the conversation model: rendered (`render`), then a loaded
+        engine and slots."""
+        r = await self.render(spec, conv)
+        p = await self.prepare(spec, r.request, n, prefix, received)
+        p.tool_plan = r.tool_plan
+        p.skipped_tools = r.skipped_tools
+        p.reasoning = r.reasoning
+        return p
+
+    async def render(self, spec: ModelSpec, conv: Conversation) -> Rendered:
+        """The sampler's settings, the tool plan, the output constraint and the prompt, rendered by
+        the model's own template as the engine serving it reports it."""
         check_limits(conv, self.manager.settings.max_messages, self.manager.settings.max_prompt_chars)
         sp = sampling.resolve(conv.sampling, spec)
         conv = with_preamble(conv, spec.system, [(m.role, m.content) for m in spec.messages])
@@ -315,19 +338,20 @@ class Service:
                               f"tool_choice {conv.tool_choice.mode!r} cannot be met", param=conv.param("tool_choice"))
             skipped = tuple(t.name for t in conv.tools)
             conv = replace(conv, tools=None, tool_choice=None)
-        extra = (await self.manager.get(spec)).engine.info.extra
+        info = (await self.manager.get(spec)).engine.info
+        template = template_of(info)
         native = ""
         if conv.tools and (conv.tool_choice is None or conv.tool_choice.mode != "none"):
             # The serving template decides the tool format: its own (rendered by the template) or ours.
-            native = extra.get("tool_format", "")
+            native = tools.native_format(template)
         try:
             tool_plan = tools.plan(conv, native)
         except tools.ToolRequestError as exc:
             raise invalid(str(exc), param=exc.param) from None
-        tools_json = None
+        template_tools = None
         if tool_plan is not None and tool_plan.native:
             messages = tools.render_native(conv)
-            tools_json = tools.tools_json(conv)
+            template_tools = tools.template_tools(conv)
         elif native and conv.uses_tool_history:
             messages = tools.render_native(conv)
         elif tool_plan is not None or conv.uses_tool_history:
@@ -336,25 +360,20 @@ class Service:
             messages = [ChatMessage(role=t.role, content=t.text) for t in conv.turns]
         fmt = conv.output
         if tool_plan is not None:
-            # The response branch of the schema carries the output format's schema.
-            sp = replace(sp, structured="json_schema", json_schema=json.dumps(tool_plan.schema), tools=True,
-                         tool_format=tool_plan.native or None, tool_mode=tool_plan.choice.mode,
-                         max_tool_calls=tool_plan.max_calls)
+            sp = replace(sp, constraint=tool_plan.constraint(info.capabilities.lazy_constraints))
         elif fmt is not None and fmt.type != "text":
             sp = _constrained(sp, fmt, conv.param("output.schema"))
         elif spec.grammar:
-            sp = replace(sp, grammar=spec.grammar)
-        # A grammar from the first token leaves no room to think (a native tool format starts lazily).
-        constrained = sp.structured is not None and not (tool_plan is not None and tool_plan.native
-                                                         and tool_plan.choice.mode == "auto")
-        rplan = reasoning.plan(spec, extra, conv.thinking, constrained)
-        base = GenerationRequest(request_id="", sampling=sp, messages=tuple(messages), tools_json=tools_json,
-                                 thinking=rplan.thinking if rplan is not None else None)
-        p = await self.prepare(spec, base, n, prefix, received)
-        p.tool_plan = tool_plan
-        p.skipped_tools = skipped
-        p.reasoning = rplan
-        return p
+            sp = replace(sp, constraint=Constraint("grammar", grammar=spec.grammar, part="grammar"))
+        # A JSON answer from the first token leaves no room to think (a native tool format starts
+        # lazily; a models.yaml grammar is written for the whole output, thinking included).
+        constrained = sp.constraint is not None and sp.constraint.part != "grammar" and not (
+            tool_plan is not None and tool_plan.native and tool_plan.choice.mode == "auto")
+        rplan = reasoning.plan(spec, template.traits if template is not None else Traits(), conv.thinking, constrained)
+        thinking = rplan.thinking if rplan is not None else None
+        text = await render_prompt(template, messages, template_tools, thinking)
+        base = GenerationRequest(request_id="", sampling=sp, prompt=text, templated=True, affinity=_head(messages))
+        return Rendered(base, tool_plan, skipped, rplan)
 
     async def conversation_events(self, p: Prepared) -> AsyncGenerator[tuple[int, OutputEvent], None]:
         """The output as neutral events, with the index of the choice each belongs to; `_Answers`
@@ -499,12 +518,48 @@ class _Answers:
 
 
 def _constrained(sp: SamplingParams, fmt: Output | None, param: str = "format") -> SamplingParams:
-    """The sampler held to an output format (a JSON object, or a JSON schema), by grammar."""
+    """The sampler held to an output format (a JSON object, or a JSON schema)."""
     if fmt is None or fmt.type == "text":
         return sp
-    if fmt.type == "json_schema" and fmt.schema is None:
+    if fmt.type == "json_object":
+        return replace(sp, constraint=Constraint("json", part="response_format"))
+    if fmt.schema is None:
         raise invalid("a json_schema format needs its schema", param=param)
-    return replace(sp, structured=fmt.type, json_schema=json.dumps(fmt.schema) if fmt.type == "json_schema" else None)
+    return replace(sp, constraint=Constraint("json", schema=json.dumps(fmt.schema), part="response_format.json_schema"))
+
+
+def _head(messages: list[ChatMessage]) -> str:
+    """A conversation's start, to its first user turn, hashed: what its later turns share."""
+    head: list[str] = []
+    for m in messages:
+        head.append(f"{m.role}\x00{m.content}")
+        if m.role == "user":
+            break
+    return hashlib.blake2b("\x01".join(head).encode(), digest_size=16).hexdigest()
+
+
+# Conversations longer than this (characters) are rendered off the event loop: a long render there
+# would hold back every running stream's next token at once.
+LONG_RENDER_CHARS = 16_384
+
+
+async def render_prompt(template: ChatTemplate | None, messages: list[ChatMessage],
+                        template_tools: list[dict[str, Any]] | None, thinking: bool | None) -> str:
+    """The conversation as the model's template writes it."""
+    if template is None:
+        raise invalid("this model has no chat template, so it answers raw prompts only, not chat messages",
+                      param="messages", code="invalid_value")
+
+    def render() -> str:
+        try:
+            return template.render(messages, template_tools, thinking)
+        except TemplateError as exc:
+            raise invalid(f"the model's chat template rejected the messages: {exc}", param="messages",
+                          code="invalid_value") from exc
+
+    if sum(len(m.content) for m in messages) > LONG_RENDER_CHARS:
+        return await asyncio.to_thread(render)
+    return render()
 
 
 def _call_id() -> str:

@@ -17,8 +17,13 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from engines.base import HERMES_CLOSE, HERMES_OPEN, ChatMessage, ToolCallRecord, arguments_value
+from engines.base import Constraint
+from gateway.chat.template import ChatMessage, ChatTemplate, ToolCallRecord, arguments_value
 from gateway.conversation import Conversation, ToolKind, ToolSpec
+
+# The Hermes / Qwen2.5 tool-call format: a chat template that writes these tags renders the tools
+# itself, and the model answers with `<tool_call>{"name": ..., "arguments": ...}</tool_call>` blocks.
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 # A custom (freeform) tool is called with one string: its input text.
@@ -69,6 +74,24 @@ class ToolPlan:
 
     def parser(self) -> StreamParser | HermesParser:
         return HermesParser() if self.native == "hermes" else StreamParser()
+
+    def constraint(self, lazy: bool) -> Constraint | None:
+        """What the output is held to. A native format in auto mode is free text until the model
+        opens a call (`lazy`: the engine can start a constraint at a trigger); an engine that
+        cannot gets no constraint there, and the parser reads its free text."""
+        schema = json.dumps(self.schema)
+        if not self.native:
+            return Constraint("json", schema=schema, part="tools")
+        auto = self.choice.mode == "auto"
+        if auto and not lazy:
+            return None
+        return Constraint("tagged", schema=schema, begin=HERMES_OPEN + "\n", end="\n" + HERMES_CLOSE, separator="\n",
+                          max_items=self.max_calls, triggers=(HERMES_OPEN,) if auto else (), part="tools")
+
+
+def native_format(template: ChatTemplate | None) -> str:
+    """The tool-call format a model's template renders itself ("hermes"), or "" for none."""
+    return "hermes" if template is not None and HERMES_OPEN in template.source.text else ""
 
 
 def plan(conv: Conversation, native: str = "") -> ToolPlan | None:
@@ -145,7 +168,7 @@ def render_native(conv: Conversation) -> list[ChatMessage]:
     ]
 
 
-def tools_json(conv: Conversation) -> str:
+def template_tools(conv: Conversation) -> list[dict[str, Any]]:
     """The tools as OpenAI's chat format lists them, which chat templates expect."""
     out = []
     for t in conv.tools or ():
@@ -155,7 +178,7 @@ def tools_json(conv: Conversation) -> str:
         if t.kind == "custom" or t.parameters is not None:
             fn["parameters"] = parameters_of(t)
         out.append({"type": "function", "function": fn})
-    return json.dumps(out, ensure_ascii=False)
+    return out
 
 
 def uses_tool_history(conv: Conversation) -> bool:

@@ -26,6 +26,7 @@ from engines.base import (
     EngineInfo,
     GenerationRequest,
     ModelLoadError,
+    SupervisorReport,
     TokenEvent,
 )
 from gateway.cluster.replica import Failed, ReplicaTag
@@ -82,7 +83,8 @@ class ServeEngine:
         except Exception as exc:  # noqa: BLE001 - any Ray failure means the model cannot load
             raise ModelLoadError(f"no replica of {self.model_id} could start: {exc}") from exc
         self.info = EngineInfo(d["runtime"], d["backend"], d["device"], d["version"], d["context_length"],
-                               self.slots, {**d["extra"], "cluster": "ray"})
+                               self.slots, template=d["template"], capabilities=d["capabilities"],
+                               extra={**d["extra"], "cluster": "ray"})
         self._see(ReplicaTag(d["replica"], d["node"], d["node_id"]))
         self._ready = True
         if self._refresh is None:
@@ -216,13 +218,23 @@ class ServeEngine:
         return EngineHealth(ready=ready, detail=self.deployment.get("message", ""), running=self._running,
                             waiting=self._waiting)
 
-    def cluster_status(self) -> dict[str, Any]:
+    def report(self) -> SupervisorReport:
         """For /health: Serve's view of the deployment and what this ingress saw of each replica."""
-        return {
+        return SupervisorReport("cluster", {
             "deployment": self.deployment,
             "replicas": {r: {"node": v.node, "served": v.served, "running": v.running, "lost": v.lost}
                          for r, v in self.replicas.items()},
-        }
+        })
+
+    def trust(self) -> None:
+        """Serve restarts its replicas itself."""
+
+    def retry_after(self) -> int:
+        return 0 if self._ready else 1
+
+    async def back(self) -> bool:
+        """Serve replaces a lost replica on its own schedule: nothing to wait for here."""
+        return False
 
     async def close(self) -> None:
         self._ready = False  # the deployment's replicas live on; Serve owns them

@@ -94,6 +94,7 @@ class ModelReplica:
             "replica": self.tag.replica, "node": self.tag.node, "node_id": self.tag.node_id,
             "runtime": info.runtime, "backend": info.backend, "device": info.device, "version": info.version,
             "context_length": info.context_length, "parallel": info.parallel, "extra": dict(info.extra),
+            "template": info.template, "capabilities": info.capabilities,
             "ready": h.ready, "running": h.running, "waiting": h.waiting, "served": self.served,
             "cancelled": self.cancelled, "fallback_reason": loaded.fallback_reason,
         }

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from engines.base import EngineConfig, GenerationRequest, SamplingParams
+from engines.base import Constraint, EngineConfig, GenerationRequest, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ async def exercise(engine: Any, parallel: int = 1, context_length: int = 2048, l
         GenerationRequest("check-long", greedy, prompt=long),
         GenerationRequest("check-logprobs", SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True,
                                                            logprobs=True, top_logprobs=2), prompt=_text(max(1, items // 3))),
-        GenerationRequest("check-grammar", SamplingParams(temperature=0.0, max_tokens=6, structured="json_object"),
+        GenerationRequest("check-grammar", SamplingParams(temperature=0.0, max_tokens=6, constraint=Constraint("json")),
                           prompt=PROMPT),
     ]
     reqs += [GenerationRequest(f"check-{i}", SamplingParams(temperature=0.8, seed=i, max_tokens=4, ignore_eos=True),

@@ -24,6 +24,7 @@ from engines.base import (
     ModelNotAvailable,
     ModelTooLarge,
     NoRoom,
+    Supervised,
 )
 from engines.llamacpp.ggml_backends import lower
 from engines.registry import create_engine
@@ -208,13 +209,11 @@ class ModelManager:
         when that is more (the host prefix cache fills it as conversations lose their slots)."""
         est = entry.need.on(device) if entry.need is not None else 0
         if device == "cpu":
-            status = getattr(entry.engine, "worker_status", None)
-            if status is not None:
+            if isinstance(entry.engine, Supervised):
                 try:
-                    st = status()
+                    rss = entry.engine.report().rss_bytes
                 except Exception:  # noqa: BLE001 - a worker between restarts has no numbers
-                    st = {}
-                rss = (st.get("rss_bytes") or 0) + ((st.get("standby") or {}).get("rss_bytes") or 0)
+                    rss = 0
                 if entry.need is not None and rss > est * (1 + ESTIMATE_SLACK) and not entry.over_estimate:
                     entry.over_estimate = True
                     self.metrics.memory_misses.labels(entry.spec.id).inc()
@@ -430,9 +429,8 @@ class ModelManager:
             if self.settings.functional_check:
                 self.checks.put(key, CheckResult(False, why, stage=stage), what)
             return None, why, stage
-        trust = getattr(engine, "trust", None)
-        if trust is not None:
-            trust()  # from now on a crash restarts the worker instead of failing the check
+        if isinstance(engine, Supervised):
+            engine.trust()  # from now on a crash restarts the worker instead of failing the check
         self.metrics.loads.labels(*labels, "ok").inc()
         if self.settings.functional_check:
             self.checks.put(key, CheckResult(True), what)

@@ -13,6 +13,7 @@ import hashlib
 import logging
 from collections import OrderedDict
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -28,6 +29,8 @@ from engines.base import (
     KvStats,
     ModelLoadError,
     PrefixCacheStats,
+    Supervised,
+    SupervisorReport,
     TokenEvent,
 )
 
@@ -38,16 +41,8 @@ PROMPT_KEY_CHARS = 512  # raw prompts: the key is this much of the start
 
 def affinity_key(request: GenerationRequest) -> str | None:
     """What the request shares with the other turns of its conversation (None: nothing to keep)."""
-    if request.messages:
-        head: list[str] = []
-        for m in request.messages:
-            head.append(f"{m.role}\x00{m.content}")
-            if m.role == "user":
-                break
-        text = "\x01".join(head)
-    elif request.prompt:
-        text = request.prompt[:PROMPT_KEY_CHARS]
-    else:
+    text = request.affinity or (request.prompt or "")[:PROMPT_KEY_CHARS]
+    if not text:
         return None
     return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
@@ -82,8 +77,7 @@ class WorkerGroup:
     def _info(self, first: Engine) -> EngineInfo:
         """The group as one engine: the (first reachable) worker's engine, with every worker's sequences."""
         i = first.info
-        return EngineInfo(i.runtime, i.backend, i.device, i.version, i.context_length,
-                          sum(m.info.parallel for m in self.members), dict(i.extra))
+        return replace(i, parallel=sum(m.info.parallel for m in self.members), extra=dict(i.extra))
 
     def pick(self, key: str | None) -> Engine:
         """The worker for a request: its conversation's worker while that one has room (or is no busier
@@ -147,14 +141,43 @@ class WorkerGroup:
                             waiting=sum(h.waiting for h in hs), busy_seconds=max((h.busy_seconds for h in hs), default=0.0),
                             prefix_cache=total, kv=KvStats.combine(kvs) if kvs else None)
 
-    def worker_status(self) -> dict[str, Any]:
-        members = []
+    def report(self) -> SupervisorReport:
+        members, rss = [], 0
         for i, m in enumerate(self.members):
-            status = getattr(m, "worker_status", None)
-            entry: dict[str, Any] = status() if status is not None else {}
+            entry: dict[str, Any] = {}
+            if isinstance(m, Supervised):
+                seen = m.report()
+                entry, rss = dict(seen.detail), rss + seen.rss_bytes
             entry.update(ready=m.health().ready, routed=self.served.get(i, 0))
             members.append(entry)
-        return {"workers": members, "affinity_hits": self.affinity_hits, "affinity_misses": self.affinity_misses}
+        detail = {"workers": members, "affinity_hits": self.affinity_hits, "affinity_misses": self.affinity_misses}
+        return SupervisorReport("worker", detail, rss)
+
+    def trust(self) -> None:
+        for m in self.members:
+            if isinstance(m, Supervised):
+                m.trust()
+
+    def retry_after(self) -> int:
+        """The soonest any worker serves again."""
+        waits = [m.retry_after() if isinstance(m, Supervised) else 0 for m in self.members]
+        return min(waits, default=0)
+
+    async def back(self) -> bool:
+        """The group serves while any worker does: it answers as soon as one is back."""
+        if any(m.health().ready for m in self.members):
+            return True
+        waits = [asyncio.ensure_future(m.back()) for m in self.members if isinstance(m, Supervised)]
+        if not waits:
+            return False
+        try:
+            for done in asyncio.as_completed(waits):
+                if await done:
+                    return True
+            return False
+        finally:
+            for w in waits:
+                w.cancel()
 
     async def close(self) -> None:
         results = await asyncio.gather(*(m.close() for m in self.members), return_exceptions=True)

@@ -30,6 +30,7 @@ from gateway.api.ollama.adapter import OLLAMA
 from gateway.api.openai.protocol import EmbeddingRequest
 from gateway.api.serving import Prepared, Service, model_spec
 from gateway.api.sse import until_disconnect
+from gateway.chat.template import traits_of
 from gateway.conversation import ArgumentsDelta, CallStarted, Finished, ReasoningDelta, TextDelta
 from gateway.models.gguf_info import GGUFError, parameter_size, read_gguf
 from gateway.models.memory import gguf_info
@@ -124,7 +125,7 @@ async def _check_think(request: Request, spec: ModelSpec, body: ol.ChatRequest |
         return
     manager: ModelManager = request.app.state.manager
     loaded = await until_disconnect(request, manager.get(spec))
-    if not reasoning.reasons(spec, loaded.engine.info.extra):
+    if not reasoning.reasons(spec, traits_of(loaded.engine.info)):
         raise invalid(f'"{body.model}" does not support thinking', param="think")
 
 

@@ -92,23 +92,34 @@ def thinking(req: ChatCompletionRequest) -> bool | None:
     return enable
 
 
+def checked_conversation(req: ChatCompletionRequest) -> Conversation:
+    """The request as the conversation model, after the checks the schema cannot make."""
+    conv = conversation(req)
+    if req.top_logprobs and not req.logprobs:
+        raise invalid("top_logprobs requires logprobs to be true", param="top_logprobs")
+    check_stream_options(req)
+    if req.max_tokens is not None and req.max_completion_tokens is not None and req.max_tokens != req.max_completion_tokens:
+        raise invalid("max_tokens and max_completion_tokens disagree; send one", param="max_tokens")
+    for i, m in enumerate(req.messages):
+        if m.role == "assistant" and m.content is None and not m.tool_calls:
+            raise invalid("assistant messages need content or tool_calls", param=f"messages[{i}].content")
+        if m.role == "tool" and not m.tool_call_id:
+            raise invalid("tool messages need tool_call_id", param=f"messages[{i}].tool_call_id")
+        if m.tool_calls and m.role != "assistant":
+            raise invalid("only assistant messages carry tool_calls", param=f"messages[{i}].tool_calls")
+    return conv
+
+
 class ChatService(Service):
     async def prepare_chat(self, req: ChatCompletionRequest, received: float) -> Prepared:
         spec = self.spec(req.model)
-        conv = conversation(req)
-        if req.top_logprobs and not req.logprobs:
-            raise invalid("top_logprobs requires logprobs to be true", param="top_logprobs")
-        check_stream_options(req)
-        if req.max_tokens is not None and req.max_completion_tokens is not None and req.max_tokens != req.max_completion_tokens:
-            raise invalid("max_tokens and max_completion_tokens disagree; send one", param="max_tokens")
-        for i, m in enumerate(req.messages):
-            if m.role == "assistant" and m.content is None and not m.tool_calls:
-                raise invalid("assistant messages need content or tool_calls", param=f"messages[{i}].content")
-            if m.role == "tool" and not m.tool_call_id:
-                raise invalid("tool messages need tool_call_id", param=f"messages[{i}].tool_call_id")
-            if m.tool_calls and m.role != "assistant":
-                raise invalid("only assistant messages carry tool_calls", param=f"messages[{i}].tool_calls")
-        return await self.prepare_conversation(spec, conv, req.n, "chatcmpl", received)
+        return await self.prepare_conversation(spec, checked_conversation(req), req.n, "chatcmpl", received)
+
+    async def apply_template(self, req: ChatCompletionRequest) -> str:
+        """The prompt a chat request renders to (llama-server's /apply-template): what the engine gets."""
+        spec = self.spec(req.model)
+        rendered = await self.render(spec, checked_conversation(req))
+        return rendered.request.prompt or ""
 
     async def complete(self, p: Prepared, model: str) -> ChatCompletion:
         """A whole answer: its text, or its calls (the complete ones, up to the first repeat)."""
