@@ -28,8 +28,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from engines.base import ChatMessage, EngineConfig, GenerationRequest, SamplingParams  # noqa: E402
+from engines.base import Engine, EngineConfig, GenerationRequest, SamplingParams  # noqa: E402
 from engines.registry import create_engine  # noqa: E402
+from gateway.chat.template import ChatMessage, compiled  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
@@ -55,6 +56,12 @@ def model_path(variant: str, backend: str) -> str:
     return str(convert(reg, spec, "onnx", precision, PROVIDER[backend], progress=lambda m: print(m, file=sys.stderr)))
 
 
+def chat_request(engine: Engine, messages: tuple[ChatMessage, ...], sp: SamplingParams, rid: str) -> GenerationRequest:
+    """A chat request rendered as the gateway renders it, with the model's own template."""
+    assert engine.info.template is not None
+    return GenerationRequest(rid, sp, prompt=compiled(engine.info.template).render(messages), templated=True)
+
+
 async def measure(variant: str, backend: str, tokens: int, runs: int, threads: int, prefill: int) -> dict[str, Any]:
     runtime = "llamacpp" if variant == "llamacpp" else variant.split("-", 1)[0]
     cfg = EngineConfig(model_path=model_path(variant, backend), context_length=2048, parallel=1,
@@ -64,8 +71,8 @@ async def measure(variant: str, backend: str, tokens: int, runs: int, threads: i
     t0 = time.perf_counter()
     await engine.load()
     load_s = time.perf_counter() - t0
-    req = GenerationRequest("bench", SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True),
-                            messages=(ChatMessage("user", PROMPT),))
+    req = chat_request(engine, (ChatMessage("user", PROMPT),),
+                       SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True), "bench")
     results = []
     try:
         for _ in range(runs + 1):
@@ -78,8 +85,8 @@ async def measure(variant: str, backend: str, tokens: int, runs: int, threads: i
         prompt_tokens = 0
         for i in range(runs if prefill else 0):
             text = f"Story {i}. " + LONG * max(1, prefill // 36)
-            long_req = GenerationRequest(f"prefill-{i}", SamplingParams(temperature=0.0, max_tokens=1),
-                                         messages=(ChatMessage("user", text),))
+            long_req = chat_request(engine, (ChatMessage("user", text),), SamplingParams(temperature=0.0, max_tokens=1),
+                                    f"prefill-{i}")
             start = time.perf_counter()
             last = None
             async for ev in engine.generate(long_req):

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from engines.base import ChatMessage, GenerationRequest, SamplingParams, TokenEvent
+from engines.base import GenerationRequest, SamplingParams, TokenEvent
 from engines.worker import wire
 
 
@@ -35,8 +35,10 @@ def _step(sequences: int) -> wire.Events:
 
 
 def main() -> None:
+    prompt = "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\n" + "Hi " * 200 + \
+        "<|im_end|>\n<|im_start|>assistant\n"
     request = GenerationRequest("chatcmpl-1", SamplingParams(temperature=0.7, top_p=0.9, max_tokens=128),
-                                messages=(ChatMessage("system", "You are helpful."), ChatMessage("user", "Hi " * 200)))
+                                prompt=prompt, templated=True)
     print(f"# wire encodings, {platform.processor() or platform.machine()}, Python {platform.python_version()}")
     print("| message | msgspec msgpack (µs, bytes) | pickle (µs, bytes) | json (µs, bytes) |")
     print("|---|---|---|---|")
