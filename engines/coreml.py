@@ -18,11 +18,13 @@ import sys
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
+from pydantic import BaseModel, ConfigDict
 
+from engines.attention import causal_mask
 from engines.base import (
     Capabilities,
     ContextLengthExceeded,
@@ -42,7 +44,9 @@ from engines.base import (
     token_prompt,
 )
 from engines.bridge import EventChannel, Job, WorkerPool, call_job, pool_health, stream_job
+from engines.host import HostCapabilities, PlatformRuntime
 from engines.registry import register_runtime
+from engines.runtimes import Device, Found, Offer, Preference, Runtime, Skip, register
 from engines.template_files import template_source
 from engines.text import StopMatcher, token_logprob, with_scored_prompt
 
@@ -71,13 +75,6 @@ def _load_mlmodel(path: str, compute_units: str) -> Any:
     import coremltools as ct
 
     return ct.models.MLModel(path, compute_units=getattr(ct.ComputeUnit, compute_units))
-
-
-def causal_mask(q_len: int, end: int) -> npt.NDArray[np.float16]:
-    """Additive mask for `q_len` new tokens after `end - q_len` cached ones (0 = attend)."""
-    start = end - q_len
-    allowed = np.arange(end)[None, :] <= (start + np.arange(q_len))[:, None]
-    return np.where(allowed, 0.0, -np.inf).astype(np.float16)[None, None]
 
 
 def sample(logits: npt.NDArray[np.float32], sp: SamplingParams, rng: np.random.Generator) -> int:
@@ -306,3 +303,46 @@ def _eos_ids(d: Path) -> list[int]:
 @register_runtime("coreml")
 def create_coreml(options: EngineConfig) -> CoreMLEngine:
     return CoreMLEngine(options)
+
+
+# --- the runtime descriptor ----------------------------------------------------------------
+
+
+class CoreMLOptions(BaseModel):
+    """CoreML's own engine options."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    compute_units: Literal["ALL", "CPU_AND_NE", "CPU_AND_GPU", "CPU_ONLY"] = "ALL"  # where the model may run
+
+
+def probe_coreml() -> PlatformRuntime:
+    ok, why = coreml_available()
+    if not ok:
+        return PlatformRuntime(False, why)
+    silicon = platform.machine() == "arm64"
+    return PlatformRuntime(True, "", "Apple silicon with Neural Engine" if silicon else "Intel Mac (no Neural Engine)")
+
+
+def _find(host: HostCapabilities, pref: Preference) -> Found:
+    if not host.coreml.available:
+        return [], [Skip("coreml/coreml", host.coreml.reason)]
+    return [Device(host.coreml.detail or "Apple Neural Engine", "ALL")], []
+
+
+def _report(host: HostCapabilities) -> list[str]:
+    rt = host.coreml
+    return [f"{'CoreML':<9} {'available: ' + rt.detail if rt.available else rt.reason}"]
+
+
+RUNTIME = register(Runtime(
+    name="coreml",
+    format="coreml",
+    offers=(Offer("coreml", _find),),
+    engine_module="engines.coreml",
+    probe=lambda host: replace(host, coreml=probe_coreml()),
+    report=_report,
+    install={"*": "pip install coremltools (on macOS)"},
+    convert="coreml",
+    options=CoreMLOptions,
+))

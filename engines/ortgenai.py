@@ -10,11 +10,14 @@ come from the raw logits of each step.
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import json
 import logging
 import os
+import platform
 import random
 import re
+import sys
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
@@ -42,7 +45,21 @@ from engines.base import (
     token_prompt,
 )
 from engines.bridge import EventChannel, Job, WorkerPool, call_job, pool_health, stream_job
+from engines.host import HostCapabilities, OrtBuild, PlatformRuntime, run_child
 from engines.registry import register_runtime
+from engines.runtimes import (
+    CROSS_RUNTIME_QUANT,
+    Device,
+    Finder,
+    Found,
+    Offer,
+    Preference,
+    Runtime,
+    Skip,
+    match_device,
+    register,
+    text_table,
+)
 from engines.template_files import template_source
 from engines.text import StopMatcher, token_logprob, with_scored_prompt
 
@@ -385,3 +402,120 @@ def guidance(c: Constraint) -> tuple[str, str]:
 @register_runtime("ortgenai")
 def create_ortgenai(options: EngineConfig) -> OrtGenAIEngine:
     return OrtGenAIEngine(options)
+
+
+# --- the runtime descriptor ----------------------------------------------------------------
+
+# ONNX Runtime execution providers, where they run and what provides them.
+EP_MATRIX: tuple[tuple[str, str, str, str], ...] = (
+    ("CPUExecutionProvider", "All", "N/A", "onnxruntime"),
+    ("CUDAExecutionProvider", "Lin/Win", "NVIDIA", "onnxruntime-gpu"),
+    ("DmlExecutionProvider", "Windows", "Any", "onnxruntime-directml"),
+    ("ROCMExecutionProvider", "Linux", "AMD", "onnxruntime-rocm"),
+    ("CoreMLExecutionProvider", "macOS/iOS", "Apple", "onnxruntime-silicon"),
+    ("TensorrtExecutionProvider", "Lin/Win", "NVIDIA", "onnxruntime-gpu"),
+    ("OpenVINOExecutionProvider", "All", "Intel", "onnxruntime-openvino"),
+)
+ORT_PACKAGES = (
+    "onnxruntime-genai", "onnxruntime-genai-cuda", "onnxruntime-genai-directml",
+    "onnxruntime", "onnxruntime-gpu", "onnxruntime-directml",
+)
+INSTALL = {"cpu": "pip install onnxruntime-genai", "cuda": "pip install onnxruntime-genai-cuda",
+           "directml": "pip install onnxruntime-genai-directml"}
+
+
+def _providers_child() -> dict[str, Any]:
+    try:
+        import onnxruntime
+    except Exception as exc:  # noqa: BLE001 - absence is reported
+        return {"providers": [], "error": f"onnxruntime cannot be imported: {exc}"}
+    return {"providers": list(onnxruntime.get_available_providers())}
+
+
+def probe_ort() -> OrtBuild:
+    packages = []
+    for name in ORT_PACKAGES:
+        try:
+            packages.append((name, importlib.metadata.version(name)))
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    if not packages:
+        return OrtBuild(error="no ONNX Runtime package is installed")
+    r = run_child("engines.ortgenai")
+    return OrtBuild(packages=tuple(packages), providers=tuple(r.get("providers", [])), error=r.get("error"))
+
+
+def probe_directml(ort: OrtBuild) -> PlatformRuntime:
+    if platform.system() != "Windows":
+        return PlatformRuntime(False, "DirectML needs Windows with a DirectX 12 adapter")
+    if not ort.has_package("onnxruntime-genai-directml"):
+        return PlatformRuntime(False, "onnxruntime-genai-directml is not installed (pip install onnxruntime-genai-directml)")
+    if ort.providers and "DmlExecutionProvider" not in ort.providers:
+        return PlatformRuntime(False, "ONNX Runtime here has no DmlExecutionProvider")
+    return PlatformRuntime(True, "", "onnxruntime-genai-directml")
+
+
+def _probe(host: HostCapabilities) -> HostCapabilities:
+    ort = probe_ort()
+    return replace(host, ort=ort, directml=probe_directml(ort))
+
+
+def _report(host: HostCapabilities) -> list[str]:
+    dml, o = host.directml, host.ort
+    lines = [f"{'DirectML':<9} {'available: ' + dml.detail if dml.available else dml.reason}"]
+    pk = ", ".join(f"{p} {v}" for p, v in o.packages) or "none"
+    lines.append(f"ONNX Runtime packages: {pk}" + (f" ({o.error})" if o.error and o.packages else ""))
+    eps = [("", "EXECUTION PROVIDER", "OS", "GPU", "PACKAGE")]
+    eps += [("[x]" if ep in o.providers else "[ ]", ep, os_, gpu, pkg) for ep, os_, gpu, pkg in EP_MATRIX]
+    return lines + text_table(eps)
+
+
+def ep_matrix(host: HostCapabilities) -> list[dict[str, Any]]:
+    """The execution providers, and which this host's ONNX Runtime has."""
+    return [{"provider": ep, "os": os_, "gpu": gpu, "package": pkg, "available": ep in host.ort.providers}
+            for ep, os_, gpu, pkg in EP_MATRIX]
+
+
+def _finder(engine: str) -> Finder:
+    def find(host: HostCapabilities, pref: Preference) -> Found:
+        what = f"ortgenai/{engine}"
+        if not host.ort.genai:
+            return [], [Skip(what, f"onnxruntime-genai is not installed ({INSTALL[engine]})")]
+        if engine == "cpu":
+            return [Device("cpu")], []
+        if engine == "cuda":
+            if not host.ort.has_package("onnxruntime-genai-cuda"):
+                return [], [Skip(what, f"onnxruntime-genai-cuda is not installed ({INSTALL['cuda']})")]
+            if not host.cuda.devices:
+                return [], [Skip(what, host.cuda.error or "no CUDA device", "unusable")]
+            return [Device(d.name, str(d.index), d.index) for d in host.cuda.devices
+                    if match_device(pref.device, d.index, d.name)], []
+        if not host.directml.available:
+            return [], [Skip(what, host.directml.reason)]
+        return [Device("DirectML adapter 0", "0", 0)], []
+
+    return find
+
+
+def _fingerprint(host: HostCapabilities, lib_path: str) -> str:
+    return ",".join(f"{p}={v}" for p, v in host.ort.packages)
+
+
+RUNTIME = register(Runtime(
+    name="ortgenai",
+    format="onnx",
+    offers=tuple(Offer(e, _finder(e)) for e in ("cpu", "cuda", "directml")),
+    engine_module="engines.ortgenai",
+    probe=_probe,
+    report=_report,
+    report_json=lambda host: {"ep_matrix": ep_matrix(host)},
+    install=INSTALL,
+    convert="onnx",
+    fingerprint=_fingerprint,
+    tolerances=((("llamacpp/cpu", "ortgenai/cpu", "quant"), CROSS_RUNTIME_QUANT),
+                (("ortgenai/cpu", "llamacpp/cpu", "quant"), CROSS_RUNTIME_QUANT)),
+))
+
+
+if __name__ == "__main__":  # the host probe's child: the providers of the installed onnxruntime
+    json.dump(_providers_child(), sys.stdout)

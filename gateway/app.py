@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from engines.base import EngineConfig, EngineHealth, Supervised
+from engines.runtimes import load_plugins
 from gateway.api.adapter import Protocols
 from gateway.api.admission import Admission
 from gateway.api.anthropic.adapter import ANTHROPIC
@@ -58,6 +59,7 @@ def create_app(
     functional check when engines come from the real registry (a test's fake factory runs
     only the in-process check). `cluster` gives the engines of models served by a Ray cluster
     (gateway.cluster)."""
+    load_plugins(settings.plugins)
     registry = registry or load_registry(settings.config)
     if settings.model:
         if registry.get(settings.model) is None:

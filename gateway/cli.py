@@ -10,6 +10,7 @@ from pathlib import Path
 
 from engines import gcpause
 from engines.envconfig import knobs
+from engines.runtimes import load_plugins
 from engines.tuning import EngineTuning
 from gateway.host.functional_check import CheckCache
 from gateway.host.hardware import probe_host
@@ -528,6 +529,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        load_plugins(Settings.from_env().plugins)
         return int(args.func(args))
     except SettingError as exc:  # a malformed GATEWAY_* variable: said as such, no traceback
         print(f"error: {exc}", file=sys.stderr)

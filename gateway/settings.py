@@ -146,6 +146,8 @@ class Settings(EnvSettings):
     crash_verdict_ttl: float = setting(
         1800.0, "seconds an engine that kept crashing stays recorded as failed", ge=0)
     worker_plugins: tuple[str, ...] = setting((), "modules a worker imports first (they register runtimes)")
+    plugins: tuple[str, ...] = setting(
+        (), "modules the gateway and its workers import first: each registers a runtime (docs/architecture.md)")
     # A stream whose engine died continues on the restarted (or next) engine from the tokens sent.
     failover_budget: int = setting(
         2, "failovers per request (0: a dying engine ends the stream with `engine_failed`)", ge=0)

@@ -11,7 +11,8 @@ import httpx
 import pytest
 import yaml
 
-from gateway.host.hardware import default_build_dirs, probe_host
+from engines.llamacpp.runtime import default_build_dirs
+from gateway.host.hardware import probe_host
 from tests.conftest import ROOT
 from tests.test_production import Gateway
 

@@ -24,7 +24,7 @@ OLD_DEFAULTS = {
     "metrics_api_key": None, "allowed_origins": (), "allowed_hosts": (), "functional_check": True,
     "isolate_check": True, "check_timeout": 300.0, "rank_by_speed": False, "workers": True,
     "worker_heartbeat_timeout": 3.0, "worker_step_timeout": 120.0, "worker_max_crashes": 3,
-    "worker_crash_window": 300.0, "worker_plugins": (), "parity_reference": None, "parity_sample": 0.05,
+    "worker_crash_window": 300.0, "worker_plugins": (), "plugins": (), "parity_reference": None, "parity_sample": 0.05,
     "parity_window": 20, "parity_queue": 16, "parity_enforce": False, "device_sampling": None, "cpu_variant": None,
     "crash_verdict_ttl": 1800.0, "worker_max_backoff": 30.0, "failover_budget": 2, "failover_wait": 120.0,
     "failover_replay": "exact", "responses_store": True, "responses_db": None, "responses_max": 10000,

@@ -5,14 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from engines.runtimes import runtime, runtimes, text_table
 from gateway.host.functional_check import CheckCache, fingerprint, run_isolated
-from gateway.host.hardware import EP_MATRIX, HostCapabilities, probe_host, vulkan_visible_env
+from gateway.host.hardware import HostCapabilities, probe_host
 from gateway.host.selection import Plan, Preference, SelectionError, plan
-from gateway.models.pool import describe, engine_config, fingerprint_parts, ladder, ladder_verdict
+from gateway.models.pool import describe, engine_config, fingerprint_parts, ladder, ladder_verdict, worker_env
 from gateway.models.registry import RegistryError, load_registry
 from gateway.settings import Settings
 from gateway.settings_flags import add_setting_options, given_settings
@@ -22,23 +22,24 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.1f} GiB" if n else "-"
 
 
-def _table(rows: Sequence[Sequence[str]], indent: str = "  ") -> list[str]:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return [indent + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
-
-
 def memory_verdict(spec: Any, cand: Any, config: Any, host: HostCapabilities, budgets: dict[str, int]) -> str:
     """What the candidate would take and whether it fits its budgets: "" when it cannot be estimated."""
     from gateway.models.memory import fit_config, gguf_info
     from gateway.models.pool import device_of
 
-    info = gguf_info(config.model_path) if cand.runtime == "llamacpp" else None
+    rt = runtime(cand.runtime)
+    info = gguf_info(config.model_path) if rt is not None and rt.memory_estimate else None
     if info is None or "cpu" not in budgets:
         return ""
     need, changed, exceeded = fit_config(info, config, device_of(cand, host), budgets)
     if exceeded:
         return f"DOES NOT FIT: needs {need.describe()}; budget {exceeded}"
     return f"needs {need.describe()}" + (f"; sized down to fit: {changed}" if changed else "")
+
+
+def runtime_facts(host: HostCapabilities) -> dict[str, Any]:
+    """What the runtimes add to `gateway devices --json` beside the host (ORT's ep_matrix, …)."""
+    return {k: v for rt in runtimes() for k, v in rt.report_json(host).items()}
 
 
 def render(host: HostCapabilities, plans: dict[str, Plan | str], checks: dict[str, Any],
@@ -61,49 +62,25 @@ def render(host: HostCapabilities, plans: dict[str, Plan | str], checks: dict[st
                 "x".join(map(str, d.max_compute_workgroup_size)), str(d.max_compute_workgroup_invocations),
                 f"{d.max_compute_shared_memory_bytes // 1024} KiB", str(d.subgroup_size or "-"),
             ))
-        lines += _table(rows)
+        lines += text_table(rows)
     for drv in vk.drivers:
         lines.append(f"  driver {drv.library or drv.manifest}: {'ok' if drv.ok else drv.error}")
     cu = host.cuda
     if cu.devices:
         lines.append(f"CUDA      driver {cu.driver_version or '?'}, CUDA {cu.cuda_version or '?'}"
                      + (f", CUDA_VISIBLE_DEVICES={cu.visible_devices}" if cu.visible_devices is not None else ""))
-        lines += _table([("#", "NAME", "MEMORY", "COMPUTE")] + [
+        lines += text_table([("#", "NAME", "MEMORY", "COMPUTE")] + [
             (str(d.index), d.name, _gib(d.memory_bytes), d.compute_capability) for d in cu.devices
         ])
     else:
         lines.append(f"CUDA      {cu.error}")
-    for name, rt in (("Metal", host.metal), ("DirectML", host.directml), ("CoreML", host.coreml)):
-        lines.append(f"{name:<9} {'available: ' + rt.detail if rt.available else rt.reason}")
-    et, et_vk = host.executorch, host.executorch_vulkan
-    lines.append(f"ExecuTorch {'available: ' + et.detail if et.available else et.reason}")
-    if et.available:
-        lines.append(f"  Vulkan   {'available: ' + et_vk.detail if et_vk.available else et_vk.reason}")
-    b = host.llamacpp
-    if b.installed:
-        lines.append(f"llama.cpp llama-cpp-python {b.version}, backends: {', '.join(b.backends) or '-'}")
-        lines += [f"  {name:<9} {desc} ({kind})" for name, desc, kind in b.devices]
-        if b.cpu_variants:
-            lines.append(f"  {cpu_variants_line(b)}")
-        if b.error:
-            lines.append(f"  {b.error}")
-    else:
-        lines.append(f"llama.cpp {b.error}")
-    for sb in host.llamacpp_builds:
-        state = f"backends: {', '.join(sb.backends) or '-'}" if sb.installed else (sb.error or "unusable")
-        lines.append(f"  side-by-side build {sb.lib_path}: {state}")
-        if sb.installed and sb.cpu_variants:
-            lines.append(f"    {cpu_variants_line(sb)}")
+    lines.append(f"{'Metal':<9} {'available: ' + host.metal.detail if host.metal.available else host.metal.reason}")
+    for rt in runtimes():
+        lines += rt.report(host)
     if budgets:
         lines.append("Memory    budgets for models: " + ", ".join(
             f"{'RAM' if d == 'cpu' else d} {_gib(b)}" for d, b in budgets.items())
             + " (--memory-budget, --gpu-memory-budget, --memory-reserve)")
-    o = host.ort
-    pk = ", ".join(f"{p} {v}" for p, v in o.packages) or "none"
-    lines.append(f"ONNX Runtime packages: {pk}" + (f" ({o.error})" if o.error and o.packages else ""))
-    eps = [("", "EXECUTION PROVIDER", "OS", "GPU", "PACKAGE")]
-    eps += [("[x]" if ep in o.providers else "[ ]", ep, os_, gpu, pkg) for ep, os_, gpu, pkg in EP_MATRIX]
-    lines += _table(eps)
     for model_id, p in plans.items():
         lines.append(f"Plan for {model_id}:")
         if isinstance(p, str):
@@ -131,21 +108,6 @@ def render(host: HostCapabilities, plans: dict[str, Plan | str], checks: dict[st
 def _without_ladder(check: dict[str, Any] | None) -> dict[str, Any] | None:
     """A check as JSON: the verdict (its reason names the rungs that failed before it)."""
     return None if check is None else {k: v for k, v in check.items() if k != "ladder"}
-
-
-def cpu_variants_line(b: Any) -> str:
-    """The build's CPU variants: which runs by default, which this CPU cannot run."""
-    from engines.llamacpp.ggml_backends import AMX_VARIANTS
-
-    parts = []
-    for name, score in b.cpu_variants:
-        if score <= 0:
-            continue
-        tag = " (loaded by default)" if name == b.cpu_variant else (" (AMX: only when asked for)" if name in AMX_VARIANTS else "")
-        parts.append(name + tag)
-    unsupported = [n for n, sc in b.cpu_variants if sc <= 0]
-    return ("CPU variants: " + ", ".join(parts)
-            + (f"; this CPU cannot run: {', '.join(unsupported)}" if unsupported else ""))
 
 
 def _devices(args: argparse.Namespace) -> int:
@@ -191,8 +153,7 @@ def _devices(args: argparse.Namespace) -> int:
                 key = fingerprint(cand.runtime, config, *fingerprint_parts(host, cand))
                 result = cache.get(key)
                 if result is None and (args.check or args.recheck):
-                    env = {**vulkan_visible_env(host.vulkan), **({"LLAMA_CPP_LIB_PATH": cand.lib_path} if cand.lib_path else {})}
-                    result = run_isolated(cand.runtime, config, settings.check_timeout, env)
+                    result = run_isolated(cand.runtime, config, settings.check_timeout, worker_env(host, cand))
                     cache.put(key, result, f"{mid} on {describe(cand, config)}")
                 rungs.append((config, result))
                 if result is None or result.ok:
@@ -206,10 +167,7 @@ def _devices(args: argparse.Namespace) -> int:
     if args.json:
         out = {
             "host": host.to_dict(),
-            "ep_matrix": [
-                {"provider": ep, "os": os_, "gpu": gpu, "package": pkg, "available": ep in host.ort.providers}
-                for ep, os_, gpu, pkg in EP_MATRIX
-            ],
+            **runtime_facts(host),
             "memory_budgets": budgets,
             "plans": {
                 mid: ({"error": p} if isinstance(p, str) else {

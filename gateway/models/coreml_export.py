@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from engines.coreml import causal_mask
+from engines.attention import causal_mask
 from gateway.models.decoder_parts import TOKENIZER_FILES, LlamaParts, load_hf
 
 log = logging.getLogger(__name__)

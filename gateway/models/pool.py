@@ -26,8 +26,8 @@ from engines.base import (
     NoRoom,
     Supervised,
 )
-from engines.llamacpp.ggml_backends import lower
 from engines.registry import create_engine
+from engines.runtimes import runtime
 from engines.worker.client import LocalWorker, RemoteWorker, Supervision, WorkerEngine
 from gateway.host.functional_check import (
     CheckCache,
@@ -37,7 +37,7 @@ from gateway.host.functional_check import (
     measure_decode,
     one_token,
 )
-from gateway.host.hardware import HostCapabilities, LlamaCppBuild, probe_host, vulkan_visible_env
+from gateway.host.hardware import HostCapabilities, probe_host, vulkan_visible_env
 from gateway.host.selection import Candidate, Plan, Preference, SelectionError, plan
 from gateway.metrics import Metrics
 from gateway.models.memory import MiB, Need, default_reserve, fit_config, gguf_info
@@ -234,7 +234,8 @@ class ModelManager:
     def _fit(self, spec: ModelSpec, cand: Candidate, config: EngineConfig) -> tuple[EngineConfig, Need | None, str]:
         """`config` sized down (fewer sequences, then a shorter context) where the model would not
         fit its device's budget; ModelTooLarge when it cannot fit even then."""
-        if cand.runtime != "llamacpp":
+        rt = runtime(cand.runtime)
+        if rt is None or not rt.memory_estimate:
             return config, None, ""
         info = gguf_info(config.model_path)
         if info is None or "cpu" not in self.budgets:
@@ -654,25 +655,11 @@ def supervision(settings: Settings) -> Supervision:
                        load_timeout_s=s.check_timeout, max_backoff_s=s.worker_max_backoff)
 
 
-def build_of(host: HostCapabilities, cand: Candidate) -> LlamaCppBuild:
-    """The llama.cpp build that serves `cand` (a side-by-side one, or the installed package)."""
-    return next((x for x in host.llamacpp_builds if x.lib_path and x.lib_path == cand.lib_path), host.llamacpp)
-
-
 def ladder(cand: Candidate, config: EngineConfig, host: HostCapabilities, settings: Settings) -> list[EngineConfig]:
-    """The ways to run `cand`, tried in order before the next candidate: as planned
-    (weights repacked, the build's CPU variant), then with repacking off (llama.cpp's --no-repack:
-    no AMX or interleaved buffers), then also on a lower CPU variant (AVX2 class below AVX-512)."""
-    if cand.runtime != "llamacpp":
-        return [config]
-    build = build_of(host, cand)
-    variant = settings.cpu_variant or build.cpu_variant
-    first = dataclasses.replace(config, cpu_variant=variant, repack=True)
-    out = [first, dataclasses.replace(first, repack=False)]
-    low = lower(list(build.cpu_variants), variant) if build.cpu_variants and variant else None
-    if low:
-        out.append(dataclasses.replace(first, repack=False, cpu_variant=low))
-    return out
+    """The ways to run `cand`, tried in order before the next candidate (its runtime's fallback
+    ladder: llama.cpp's turns repacking off, then takes a lower CPU variant)."""
+    rt = runtime(cand.runtime)
+    return [config] if rt is None else rt.ladder(config, host, cand.lib_path)
 
 
 def cached_ladder(checks: CheckCache, cand: Candidate, config: EngineConfig, host: HostCapabilities,
@@ -692,7 +679,7 @@ def ladder_verdict(cand: Candidate, rungs: list[tuple[EngineConfig, CheckResult 
             return last if last is None else dataclasses.replace(last, reason="; ".join(failed))
         if result.ok:
             if failed:
-                return dataclasses.replace(result, reason=f"runs with {rung(config)} after: " + "; ".join(failed))
+                return dataclasses.replace(result, reason=f"runs with {rung(cand, config)} after: " + "; ".join(failed))
             return result
         failed.append(f"{describe(cand, config)}: {result.reason}")
         last = result
@@ -702,21 +689,22 @@ def ladder_verdict(cand: Candidate, rungs: list[tuple[EngineConfig, CheckResult 
 def describe(cand: Candidate, config: EngineConfig) -> str:
     """A candidate and its rung, for reasons and logs: "llamacpp/cpu on cpu (CPU variant zen4, repack off)"."""
     where = f"{cand.label} on {cand.device}"
-    return where if cand.runtime != "llamacpp" else f"{where} ({rung(config)})"
+    how = rung(cand, config)
+    return f"{where} ({how})" if how else where
 
 
-def rung(config: EngineConfig) -> str:
-    """A llama.cpp rung of the ladder: "CPU variant zen4, repack off"."""
-    how = [f"CPU variant {config.cpu_variant}"] if config.cpu_variant else []
-    how.append(f"repack {'on' if config.repack else 'off'}")
-    return ", ".join(how)
+def rung(cand: Candidate, config: EngineConfig) -> str:
+    """The rung of its runtime's ladder `config` is ("" where the runtime has one way to run)."""
+    rt = runtime(cand.runtime)
+    return rt.rung(config) if rt is not None else ""
 
 
 def worker_env(host: HostCapabilities, cand: Candidate) -> dict[str, str]:
-    """The environment of a worker serving `cand`: Vulkan device visibility, and its llama.cpp build."""
+    """The environment of a worker serving `cand`: Vulkan device visibility, and its runtime build."""
     env = vulkan_visible_env(host.vulkan)
-    if cand.lib_path:
-        env["LLAMA_CPP_LIB_PATH"] = cand.lib_path
+    rt = runtime(cand.runtime)
+    if rt is not None:
+        env.update(rt.build_env(cand.lib_path))
     return env
 
 
@@ -730,7 +718,7 @@ def local_engine(cand: Candidate, config: EngineConfig, settings: Settings, host
     if not settings.workers:
         return create_engine(cand.runtime, config)
     return WorkerEngine(
-        LocalWorker(cand.runtime, config, env=worker_env(host, cand), plugins=settings.worker_plugins,
+        LocalWorker(cand.runtime, config, env=worker_env(host, cand), plugins=(*settings.plugins, *settings.worker_plugins),
                     log_level=settings.log_level, load_timeout_s=settings.check_timeout, standby=standby),
         EngineInfo(cand.runtime, cand.backend, cand.device, context_length=config.context_length,
                    parallel=config.parallel),
@@ -775,6 +763,7 @@ def engine_config(spec: ModelSpec, cand: Candidate, path: str, settings: Setting
         prefix_cache_mib=_first(settings.prefix_cache, spec.prefix_cache, -1),
         pinned_host_cache=settings.pinned_host_cache,
         prefill_budget=_first(settings.prefill_budget, spec.prefill_budget, 0),
+        cpu_variant=settings.cpu_variant or "",
         swa_full=spec.swa_full,
         kv_unified=kv_unified,
         sequences=sequences,
@@ -788,15 +777,8 @@ def _first(*values: int | None) -> int:
 
 def fingerprint_parts(host: HostCapabilities, cand: Candidate) -> tuple[str, str]:
     """(runtime build, driver) identities that a functional-check result depends on."""
-    if cand.runtime == "llamacpp":
-        b = build_of(host, cand)
-        # The CPU too: which variants run, and how fast, is the CPU's to say.
-        build = (f"llama-cpp-python {b.version} [{','.join(b.backends)}] {b.build_id} "
-                 f"cpu {host.cpu.model} {','.join(host.cpu.simd)}")
-    elif cand.runtime == "ortgenai":
-        build = ",".join(f"{p}={v}" for p, v in host.ort.packages)
-    else:
-        build = cand.runtime
+    rt = runtime(cand.runtime)
+    build = rt.fingerprint(host, cand.lib_path) if rt is not None and rt.fingerprint is not None else cand.runtime
     driver = ""
     if cand.backend == "vulkan":
         dev = next((d for d in host.vulkan.devices if d.index == cand.device_index), None)

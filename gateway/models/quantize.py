@@ -63,9 +63,11 @@ def main() -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    from engines.llamacpp.ggml_backends import ensure_loaded
+    from engines.runtimes import runtime
 
-    ensure_loaded()
+    llamacpp = runtime("llamacpp")
+    assert llamacpp is not None
+    llamacpp.prepare()  # its build's backends, loaded as its engine loads them
     import llama_cpp
 
     llama_cpp.llama_backend_init()

@@ -27,6 +27,8 @@ from typing import Any, Literal, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from engines.runtimes import runtimes
+
 log = logging.getLogger(__name__)
 
 
@@ -83,14 +85,20 @@ class Source(_Strict):
         return self
 
 
-# Formats `gateway convert` produces, and the order a converted artifact is preferred in when
-# models.yaml does not pin one: quality first, then the portable CPU build.
-CONVERTED_FORMATS = ("onnx", "coreml", "pte")
 _GLOB = re.compile(r"[*?\[]")  # an alias with these is a pattern
 PRECISION_ORDER = ("fp32", "fp16", "int4")
 PROVIDER_ORDER = ("cpu", "cuda", "dml", "xnnpack", "vulkan")
-# Formats whose artifact runs on one provider only: a program lowered for one ExecuTorch delegate.
-PROVIDER_BOUND = {"pte": ("xnnpack", "vulkan")}
+
+
+def converted_formats() -> dict[str, str]:
+    """Formats `gateway convert` produces -> its `--to` target (the runtimes that convert, in their order)."""
+    return {rt.format: rt.convert for rt in runtimes() if rt.convert}
+
+
+def provider_bound(fmt: str) -> tuple[str, ...]:
+    """The providers of a format whose artifact runs on one provider only (a program lowered for one
+    ExecuTorch delegate: pte -> xnnpack, vulkan); () for the others."""
+    return tuple(o.variant for rt in runtimes() if rt.format == fmt for o in rt.offers if o.variant)
 
 
 def split_format(fmt: str) -> tuple[str, str | None]:
@@ -479,10 +487,11 @@ class Registry:
             found = self.find_converted(spec, fmt, want)
             if found is not None:
                 return found
-            if src is None and fmt not in CONVERTED_FORMATS:
+            targets = converted_formats()
+            if src is None and fmt not in targets:
                 raise ModelUnavailable(f"model {spec.id!r} has no {fmt} format")
-            to = {"pte": "executorch"}.get(fmt, fmt)
-            extra = f" --delegate {want.provider}" if fmt == "pte" and want and want.provider else ""
+            to = targets.get(fmt, fmt)
+            extra = f" --delegate {want.provider}" if provider_bound(fmt) and want and want.provider else ""
             raise ModelUnavailable(
                 f"model {spec.id!r} has no converted {named} artifact in {self.converted_root(spec)}; "
                 f"run: gateway convert --model {spec.id} --to {to}{extra}"
@@ -500,13 +509,14 @@ class Registry:
     def formats(self, spec: ModelSpec) -> list[str]:
         """Every format the model has: those models.yaml lists, plus converted ones present."""
         out = list(spec.formats)
-        for fmt in CONVERTED_FORMATS:
+        for fmt in converted_formats():
             if fmt not in out and self.find_converted(spec, fmt) is not None:
                 out.append(fmt)
         # Per-provider entries for the formats whose artifacts are provider-bound (pte:xnnpack, ...).
-        for provider in PROVIDER_BOUND.get("pte", ()):
-            if f"pte:{provider}" not in out and self.local_path(spec, f"pte:{provider}") is not None:
-                out.append(f"pte:{provider}")
+        for fmt in converted_formats():
+            for provider in provider_bound(fmt):
+                if f"{fmt}:{provider}" not in out and self.local_path(spec, f"{fmt}:{provider}") is not None:
+                    out.append(f"{fmt}:{provider}")
         return out
 
     # --- converted artifacts -----------------------------------------------------------

@@ -26,6 +26,7 @@ import numpy as np
 import numpy.typing as npt
 
 from engines.base import Engine, EngineError, GenerationRequest, SamplingParams
+from engines.runtimes import runtimes
 from gateway.host.hardware import HostCapabilities, probe_host, vulkan_visible_env
 from gateway.host.selection import Preference, SelectionError, plan
 from gateway.models.pool import engine_config, local_engine
@@ -62,12 +63,6 @@ FloatArray = npt.NDArray[np.float64]
 # prompt at mean KL 0.016), so KL, perplexity and the divergence rule carry the verdict.
 GPU_VS_CPU_QUANT = ParityTolerance(max_mean_kl=0.1, max_kl=2.0, min_top1=0.5, max_ppl_ratio=1.15)
 
-# llama.cpp on a Q4_1 GGUF against ONNX Runtime GenAI on the same weights dequantised to fp32:
-# llama.cpp quantises activations to 8 bits in its dot products, ORT computes in fp32. Measured
-# on the CPU (6 prompts x 16 tokens): mean KL 0.005, max 0.084, top-1 0.948, perplexity 2.190 vs
-# 2.195.
-CROSS_RUNTIME_QUANT = ParityTolerance(max_mean_kl=0.02, max_kl=0.5, min_top1=0.8, max_ppl_ratio=1.05)
-
 # Two GPU builds against each other (both fp16 accumulation, different kernels): on the H100, the
 # Vulkan build against the CUDA build over 6 prompts x 32 tokens measured mean KL 0.024 (worst
 # prompt 0.041), max KL 0.425, top-1 0.911 (worst prompt 0.81) and perplexity ratio 1.05 at worst:
@@ -75,25 +70,13 @@ CROSS_RUNTIME_QUANT = ParityTolerance(max_mean_kl=0.02, max_kl=0.5, min_top1=0.8
 # leave about 2x room over the worst prompt; Q4_0-for-Q4_1 (mean KL 0.40) stays far outside.
 GPU_VS_GPU_QUANT = ParityTolerance(max_mean_kl=0.08, max_kl=1.0, min_top1=0.7, max_ppl_ratio=1.1)
 
-TOLERANCES: tuple[tuple[tuple[str, str, str], ParityTolerance], ...] = (
+# (reference, candidate, precision class) -> limits; an engine ("cpu") or a runtime's label ("llamacpp/cpu").
+_SAME_ENGINE: tuple[tuple[tuple[str, str, str], ParityTolerance], ...] = (
     (("cpu", "cpu", "quant"), ParityTolerance(max_mean_kl=1e-6, max_kl=1e-5, min_top1=1.0, max_ppl_ratio=1.0001)),
     (("cpu", "cpu", "*"), ParityTolerance(max_abs_logit=1e-5, min_top1=1.0)),
-    (("llamacpp/cpu", "ortgenai/cpu", "quant"), CROSS_RUNTIME_QUANT),
-    (("ortgenai/cpu", "llamacpp/cpu", "quant"), CROSS_RUNTIME_QUANT),
-    # ExecuTorch/XNNPACK on the fp32 export of the same weights: built-in prompts x 16 tokens,
-    # mean KL 0.0043, max 0.040, top-1 0.948, perplexity 2.215 vs 2.213 (docs/parity.md) - as ORT.
-    (("llamacpp/cpu", "executorch/cpu", "quant"), CROSS_RUNTIME_QUANT),
-    (("executorch/cpu", "llamacpp/cpu", "quant"), CROSS_RUNTIME_QUANT),
-    # The two Vulkan runtimes on the same weights: ExecuTorch's Vulkan delegate computes the fp32
-    # export in fp32 (its logits within 1.3e-4 of transformers and of XNNPACK). Against llama.cpp's
-    # Vulkan build: on lavapipe (2 prompts x 12 tokens) mean KL 0.0028, max 0.010, top-1 0.958 (one
-    # prompt 0.917); on the H100 (6 prompts x 32) mean KL 0.0011, max 0.011, top-1 0.979 (worst
-    # prompt 0.938), perplexity 2.082 vs 2.078 - inside the cross-runtime row with 4x room in KL.
-    # Against llama.cpp CPU (lavapipe, 2 prompts x 12): mean KL 0.0036, max 0.015, top-1 0.917.
-    (("llamacpp/vulkan", "executorch/vulkan", "quant"), CROSS_RUNTIME_QUANT),
-    (("executorch/vulkan", "llamacpp/vulkan", "quant"), CROSS_RUNTIME_QUANT),
-    (("llamacpp/cpu", "executorch/vulkan", "quant"), CROSS_RUNTIME_QUANT),
-    (("executorch/vulkan", "llamacpp/cpu", "quant"), CROSS_RUNTIME_QUANT),
+)
+# The rows below a runtime's own (engines/runtimes.py `tolerances`), which come first.
+_GENERIC: tuple[tuple[tuple[str, str, str], ParityTolerance], ...] = (
     (("cpu", "vulkan", "quant"), GPU_VS_CPU_QUANT),
     (("cpu", "cuda", "quant"), GPU_VS_CPU_QUANT),
     (("cuda", "vulkan", "quant"), GPU_VS_GPU_QUANT),
@@ -102,6 +85,12 @@ TOLERANCES: tuple[tuple[tuple[str, str, str], ParityTolerance], ...] = (
     (("*", "*", "f16"), ParityTolerance(max_abs_logit=1e-2, min_top1=0.99)),
     (("*", "*", "*"), ParityTolerance(max_abs_logit=1e-4, min_top1=0.99)),
 )
+
+
+def tolerances() -> tuple[tuple[tuple[str, str, str], ParityTolerance], ...]:
+    """The table, first match wins: the same engine, then each runtime's own rows, then the rest."""
+    own = tuple((key, ParityTolerance(**limits)) for rt in runtimes() for key, limits in rt.tolerances)
+    return _SAME_ENGINE + own + _GENERIC
 
 
 class ParityError(Exception):
@@ -132,7 +121,7 @@ def tolerance_for(
 ) -> ParityTolerance:
     """The table's limits for this comparison, with the model's `parity:` fields on top."""
     base = ParityTolerance()
-    for (r, c, p), tol in TOLERANCES:
+    for (r, c, p), tol in tolerances():
         if r in ("*", reference) and c in ("*", candidate) and p in ("*", precision):
             base = tol
             break

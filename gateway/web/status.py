@@ -15,8 +15,7 @@ from gateway.api.errors import APIError
 from gateway.api.openai.protocol import ErrorResponse
 from gateway.api.routes import error_responses
 from gateway.api.serving import model_spec
-from gateway.host.devices import memory_verdict, render
-from gateway.host.hardware import EP_MATRIX
+from gateway.host.devices import memory_verdict, render, runtime_facts
 from gateway.host.selection import Candidate, Plan, SelectionError
 from gateway.metrics import SLO_E2E_S, SLO_TPOT_S, SLO_TTFT_S
 from gateway.models.pool import Loaded, ModelBusy, ModelManager, cached_ladder, engine_config, ladder_verdict
@@ -255,8 +254,7 @@ async def devices(request: Request) -> DevicesResponse:
     host = manager.host
     return DevicesResponse(
         host=host.to_dict(),
-        ep_matrix=[{"provider": ep, "os": os_, "gpu": gpu, "package": pkg, "available": ep in host.ort.providers}
-                   for ep, os_, gpu, pkg in EP_MATRIX],
+        ep_matrix=runtime_facts(host).get("ep_matrix", []),
         plans=out,
         text=render(host, plans, checks, memory, manager.budgets),
     )

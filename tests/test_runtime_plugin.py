@@ -1,0 +1,159 @@
+"""A runtime is a plug-in: one module (tests/plugin_runtime.py) registers it, and `gateway devices`,
+selection and serving pick it up without a change to the gateway. Gateway code reaches the
+runtimes only through the registry."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+from pydantic import ValidationError
+
+from engines import runtimes
+from gateway.app import create_app
+from gateway.host.selection import Preference, SelectionError, plan
+from gateway.models.registry import ModelSpec, load_registry
+from gateway.settings import Settings
+from tests import hosts
+from tests.conftest import ServerThread
+
+ROOT = Path(__file__).resolve().parent.parent
+PLUGIN = "tests.plugin_runtime"
+YAML = """
+default: echo-model
+models:
+  - id: echo-model
+    formats: {echo: {path: echo.bin}}
+"""
+SPEC = ModelSpec.model_validate({"id": "echo-model", "formats": {"echo": {"path": "echo.bin"}}})
+
+
+@pytest.fixture
+def plugin() -> Iterator[runtimes.Runtime]:
+    module = importlib.import_module(PLUGIN)
+    runtimes.register(module.RUNTIME)
+    yield module.RUNTIME
+    runtimes.unregister(module.NAME)
+
+
+@pytest.fixture
+def config(tmp_path: Path) -> Path:
+    (tmp_path / "echo.bin").write_bytes(b"echo")
+    p = tmp_path / "models.yaml"
+    p.write_text(YAML)
+    return p
+
+
+def test_the_registry_lists_the_plugin_after_the_builtin_runtimes(plugin: runtimes.Runtime) -> None:
+    names = [r.name for r in runtimes.runtimes()]
+    assert names[:4] == ["llamacpp", "ortgenai", "coreml", "executorch"] and names[-1] == "echo"
+    assert runtimes.runtime("echo") is plugin
+    assert runtimes.engine_order() == ("cuda", "metal", "vulkan", "directml", "coreml", "cpu")
+
+
+def test_selection_plans_the_plugin_from_its_probe(plugin: runtimes.Runtime) -> None:
+    host = plugin.probe(hosts.CPU_ONLY)
+    p = plan(SPEC, host)
+    assert [(c.label, c.format) for c in p.candidates] == [("echo/cpu", "echo")]
+    # Without its probe's verdict it is out, with the reason; pinned, the other runtimes are not asked.
+    with pytest.raises(SelectionError, match="echo/cpu: runtime 'echo' was not probed"):
+        plan(SPEC, hosts.CPU_ONLY)
+    assert [c.label for c in plan(SPEC, host, Preference(runtime="echo")).candidates] == ["echo/cpu"]
+    # A GGUF model on the same host still goes to llama.cpp: the plug-in serves its own format only.
+    gguf = ModelSpec.model_validate({"id": "m", "formats": {"gguf": {"path": "m.gguf"}}})
+    assert [c.label for c in plan(gguf, host).candidates] == ["llamacpp/cpu"]
+
+
+def test_selection_is_pure_over_the_runtimes_it_is_given(plugin: runtimes.Runtime) -> None:
+    host = plugin.probe(hosts.CPU_ONLY)
+    builtin = [r for r in runtimes.runtimes() if r.name != "echo"]
+    with pytest.raises(SelectionError, match="llamacpp/cpu: model 'echo-model' has no gguf format") as e:
+        plan(SPEC, host, registered=builtin)
+    assert "echo/" not in str(e.value)
+
+
+def test_options_refuse_unknown_keys(plugin: runtimes.Runtime) -> None:
+    assert plugin.parse_options({"greeting": "hi"}).model_dump() == {"greeting": "hi"}
+    with pytest.raises(ValidationError, match="greting"):
+        plugin.parse_options({"greting": "hi"})
+    llamacpp = runtimes.runtime("llamacpp")
+    assert llamacpp is not None
+    assert llamacpp.parse_options({"kv_unified": True}).model_dump()["kv_unified"] is True
+    with pytest.raises(ValidationError, match="Extra inputs are not permitted"):
+        llamacpp.parse_options({"kv_unifed": True})
+    coreml = runtimes.runtime("coreml")
+    assert coreml is not None
+    with pytest.raises(ValidationError):
+        coreml.parse_options({"compute_units": "GPU_ONLY"})
+
+
+def test_gateway_devices_shows_the_plugin_and_plans_on_it(config: Path) -> None:
+    r = subprocess.run([sys.executable, "-m", "gateway.cli", "devices", "--json", "--config", str(config)],
+                       capture_output=True, text=True, timeout=240, cwd=ROOT,
+                       env={**os.environ, "GATEWAY_PLUGINS": PLUGIN})
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["host"]["runtimes"]["echo"]["available"] is True
+    assert out["echo"] == {"available": True}
+    assert [(c["runtime"], c["engine"]) for c in out["plans"]["echo-model"]["candidates"]] == [("echo", "cpu")]
+    table = subprocess.run([sys.executable, "-m", "gateway.cli", "devices", "--config", str(config)],
+                           capture_output=True, text=True, timeout=240, cwd=ROOT,
+                           env={**os.environ, "GATEWAY_PLUGINS": PLUGIN}).stdout
+    assert "Echo      available: echo runtime" in table and "1. echo/cpu on cpu" in table
+
+
+def test_a_gateway_serves_a_chat_through_the_plugin_in_a_worker(plugin: runtimes.Runtime, config: Path) -> None:
+    settings = Settings.from_env(env={}, config=str(config), plugins=(PLUGIN,), workers=True)
+    app = create_app(settings, load_registry(config, cache_dir=config.parent / "cache"),
+                     host=plugin.probe(hosts.CPU_ONLY))
+    server = ServerThread(app).start(wait_ready=False)
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        raw = client.chat.completions.with_raw_response.create(
+            model="echo-model", messages=[{"role": "user", "content": "hi"}])
+        assert raw.parse().choices[0].message.content == "hello from a plug-in runtime"
+        assert "echo" in raw.headers["x-engine"], dict(raw.headers)
+    finally:
+        server.stop()
+
+
+# --- the proof: gateway code imports no runtime adapter --------------------------------------
+
+ADAPTERS = ("engines.llamacpp", "engines.coreml", "engines.executorch", "engines.ortgenai")
+
+
+def adapter_imports(source: str) -> list[str]:
+    """The runtime adapters a module's source imports, at any depth of its code."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        found += [n for n in names if any(n == a or n.startswith(f"{a}.") for a in ADAPTERS)][:1]
+    return found
+
+
+def test_no_gateway_module_imports_a_runtime_adapter() -> None:
+    gateway = ROOT / "gateway"
+    found = {str(p.relative_to(ROOT)): hit for p in sorted(gateway.rglob("*.py"))
+             if (hit := adapter_imports(p.read_text()))}
+    assert not found, f"gateway code reaches runtimes only through engines.runtimes: {found}"
+
+
+def test_the_import_check_sees_every_form() -> None:
+    for source in ("from engines.llamacpp.ggml_backends import lower\n", "import engines.coreml\n",
+                   "from engines import executorch\n", "def f():\n    from engines.ortgenai import EP_MATRIX\n"):
+        assert adapter_imports(source), source
+    assert not adapter_imports("from engines.base import EngineConfig\nfrom engines.runtimes import runtime\n"
+                               "from engines.registry import create_engine\nimport engines.host\n")
