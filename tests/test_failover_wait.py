@@ -14,6 +14,7 @@ from engines.base import (
     EngineInfo,
     GenerationRequest,
     SamplingParams,
+    SupervisorReport,
     TokenEvent,
     Usage,
 )
@@ -40,18 +41,29 @@ class Restarted:
 
     info = EngineInfo("fake", "cpu", "cpu", capabilities=Capabilities(resume=True))
 
-    def __init__(self, says_back: bool) -> None:
-        if says_back:
-            self.back = self._back
+    def __init__(self) -> None:
         self.resumed: tuple[int, ...] = ()
-
-    async def _back(self) -> None:
-        return None
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
         self.resumed = request.resume_ids
         await asyncio.sleep(REPLAY_S)
         yield TokenEvent("t4", (4,), finish_reason="length", usage=Usage(5, 4))
+
+
+class RestartedWorker(Restarted):
+    """A supervised engine: it says when it is back."""
+
+    def report(self) -> SupervisorReport:
+        return SupervisorReport("worker", {})
+
+    def trust(self) -> None:
+        pass
+
+    def retry_after(self) -> int:
+        return 0
+
+    async def back(self) -> bool:
+        return True
 
 
 async def _run(engine: Restarted) -> list[TokenEvent]:
@@ -64,7 +76,7 @@ async def _run(engine: Restarted) -> list[TokenEvent]:
 
 
 async def test_a_replay_longer_than_the_wait_finishes_when_the_engine_says_it_is_back() -> None:
-    engine = Restarted(says_back=True)
+    engine = RestartedWorker()
     events = await _run(engine)
     assert engine.resumed == (1, 2, 3)
     assert "".join(e.text for e in events) == "t1 t2 t3 t4" and events[-1].finish_reason == "length"
@@ -73,4 +85,4 @@ async def test_a_replay_longer_than_the_wait_finishes_when_the_engine_says_it_is
 
 async def test_an_engine_that_cannot_say_it_is_back_has_the_wait_for_its_first_event() -> None:
     with pytest.raises(EngineCrashed, match="not back within"):
-        await _run(Restarted(says_back=False))
+        await _run(Restarted())
