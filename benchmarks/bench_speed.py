@@ -17,8 +17,8 @@ Servers:
   llama-server -bs        its backend sampling (experimental, off by default)
 
 With --baseline REV the gateway at git revision REV (a worktree made for the run, sharing this
-virtualenv) serves next to the current tree in the same rounds: a change's before and after on one
-machine in one run.
+virtualenv; or a directory holding that revision's files) serves next to the current tree in the
+same rounds: a change's before and after on one machine in one run.
 
 With --speculative N:M a second table compares prompt-lookup speculative decoding on prompts whose
 answers copy from them (the repository's own source files, "reformat this code"): the gateway
@@ -126,7 +126,11 @@ class Servers:
 
 
 def _worktree(rev: str, work: Path) -> Path:
-    """A checkout of `rev` for a baseline gateway (removed from git's list at exit; files stay in `work`)."""
+    """A checkout of `rev` for a baseline gateway (removed from git's list at exit; files stay in
+    `work`); a directory holding a checkout (e.g. `git archive REV | tar x -C DIR`, for a host
+    without the repository's history) is used as it is."""
+    if Path(rev).is_dir():
+        return Path(rev).resolve()
     tree = work / "baseline"
     subprocess.run(["git", "worktree", "add", "--detach", str(tree), rev], cwd=ROOT, check=True,
                    capture_output=True)
@@ -196,7 +200,8 @@ def main() -> int:
     ap.add_argument("--gateway-variant", action="append", default=[], metavar="NAME:VAR=VALUE[,VAR=VALUE]",
                     help="also a gateway with these environment settings, e.g. 'no host cache:GATEWAY_PREFIX_CACHE=0'")
     ap.add_argument("--baseline", default=None, metavar="REV",
-                    help="also serve the gateway at this git revision (before/after a change, one run)")
+                    help="also serve the gateway at this git revision, or from this directory holding one "
+                         "(before/after a change, one run)")
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="also write the table, the machine and every round's numbers here")
