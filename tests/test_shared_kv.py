@@ -356,7 +356,7 @@ async def test_a_conversation_whose_answer_tokenizes_differently_keeps_its_own_s
     e = await _engine(parallel=2, sequences=2)
     try:
         # A is the longer conversation: B's idle KV never outgrows A's running one (it would move
-        # to the host cache, `_trim_idle`).
+        # to the host cache, kv_pool.trim).
         b1, a1 = _conversation(TOPICS[1], 1), _conversation(TOPICS[0], 2)
         b = asyncio.ensure_future(_ask(e, b1, 4))  # B finishes first: its sequence is idle longest
         _, a_first = await _ask(e, a1, 24)

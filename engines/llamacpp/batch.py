@@ -394,6 +394,8 @@ class BatchScheduler:
     # --- the step ------------------------------------------------------------------------------
 
     def _step(self) -> None:
+        """One step: the decoding sequences' tokens, then prompt chunks, in one pass (or two:
+        `_split_pass` says why), and their outputs taken."""
         batch = self._batch
         n = 0
         # (slot, index of its first output, draft tokens whose outputs follow it)
