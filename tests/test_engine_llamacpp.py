@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from engines.base import Constraint, ContextLengthExceeded, EngineConfig, GenerationRequest, SamplingParams
-from engines.llamacpp.batch import IDLE_DETACH_S
 from engines.llamacpp.engine import LlamaCppEngine
+from engines.llamacpp.sampling import IDLE_DETACH_S
 from gateway.chat.template import ChatMessage
 from gateway.models.registry import load_registry
 from tests.chat import chat_request

@@ -12,7 +12,7 @@ import numpy.typing as npt
 import pytest
 
 from engines.base import EngineConfig, SamplingParams, TokenLogprob, Usage
-from engines.llamacpp import batch
+from engines.llamacpp import batch, host_transfer, kv_pool
 from engines.llamacpp.engine import LlamaCppEngine
 from gateway.chat.template import ChatMessage
 from gateway.models.registry import RegistryFile
@@ -166,7 +166,7 @@ async def test_idle_kv_gives_way_when_it_outgrows_the_running_requests(
     recently used first) and the next turns restore it from there, whole. Not before it has been
     idle for IDLE_TRIM_S, nor before the running passes have paid TRIM_PAYBACK times its copies
     for it: a conversation back sooner finds its KV in place."""
-    monkeypatch.setattr(batch, "IDLE_TRIM_S", grace)
+    monkeypatch.setattr(kv_pool, "IDLE_TRIM_S", grace)
     monkeypatch.setattr(batch, "TRIM_PAYBACK", payback)
     e = await _engine(parallel=2, sequences=4)
     try:
@@ -219,7 +219,7 @@ async def test_idle_kv_stays_when_saving_it_would_push_another_conversation_out_
     """A host cache with room for one conversation: X's idle KV goes there when a short request
     runs; later A's idle KV, which would push X out, stays on the device (X's next turn still
     restores from the host cache, A's finds its KV in place)."""
-    monkeypatch.setattr(batch, "IDLE_TRIM_S", 0.0)
+    monkeypatch.setattr(kv_pool, "IDLE_TRIM_S", 0.0)
     monkeypatch.setattr(batch, "TRIM_PAYBACK", 0.0)
     e = await _engine(parallel=2, sequences=4, prefix_cache_mib=16)
     try:
@@ -252,11 +252,11 @@ async def test_idle_kv_that_another_sequence_holds_leaves_without_a_save(monkeyp
     later gives way, it is not copied to the host cache: another sequence holds all of it but a
     tail that prefills again in a moment (on the H100 such a save of 1.4 GiB stopped every stream
     for 44 ms and pushed other conversations' entries out)."""
-    monkeypatch.setattr(batch, "IDLE_TRIM_S", 0.0)
+    monkeypatch.setattr(kv_pool, "IDLE_TRIM_S", 0.0)
     monkeypatch.setattr(batch, "TRIM_PAYBACK", 0.0)
     # A tail of 23 tokens prefills again in less than a second on any machine (this 2-core one's
     # first measured rate: 250 tokens/s); the whole conversation (~440 tokens) does not.
-    monkeypatch.setattr(batch, "MIN_SAVE_GAIN_S", 1.0)
+    monkeypatch.setattr(host_transfer, "MIN_SAVE_GAIN_S", 1.0)
     e = await _engine(parallel=2, sequences=4)
     try:
         first = _conversation(TOPICS[0], 3)
@@ -355,7 +355,7 @@ async def test_a_conversation_whose_answer_tokenizes_differently_keeps_its_own_s
     e = await _engine(parallel=2, sequences=2)
     try:
         # A is the longer conversation: B's idle KV never outgrows A's running one (it would move
-        # to the host cache, `_trim_idle`).
+        # to the host cache, kv_pool.trim).
         b1, a1 = _conversation(TOPICS[1], 1), _conversation(TOPICS[0], 2)
         b = asyncio.ensure_future(_ask(e, b1, 4))  # B finishes first: its sequence is idle longest
         _, a_first = await _ask(e, a1, 24)
@@ -401,7 +401,7 @@ async def test_the_memory_estimate_counts_a_shared_cache_as_llama_cpp_allocates_
 async def test_a_prompt_beside_running_streams_takes_a_pass_of_its_own_on_the_cpu(
         split: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # The shared layout on the CPU: a step with a running stream's token and a prompt chunk runs
-    # them as two passes (engines.llamacpp.batch, `_step`), and both outputs stay greedy.
+    # them as two passes (engines.llamacpp.batch, `_split_pass`), and both outputs stay greedy.
     monkeypatch.setenv("GATEWAY_SPLIT_MIXED", split)
     e = await _engine(parallel=2, sequences=2, n_batch=64)
     try:

@@ -9,6 +9,7 @@ from typing import Any
 
 from engines.base import EngineConfig, Usage
 from engines.llamacpp.engine import LlamaCppEngine
+from engines.llamacpp.slots import floor
 from gateway.chat.template import ChatMessage
 from gateway.models.registry import load_registry
 from tests.conftest import ROOT
@@ -70,7 +71,7 @@ async def test_the_window_cache_is_on_and_the_next_turn_reuses_the_sequence() ->
         reply, u1 = await _ask(e, first)
         assert u1.prompt_tokens > 1500
         # The window layers kept only their last positions: the oldest is far past 0.
-        pos_min = e._sched._floor(e._sched._slots[0]) - 512  # type: ignore[union-attr]
+        pos_min = floor(e._sched._mem, 512, e._sched._slots[0]) - 512  # type: ignore[union-attr]
         assert pos_min > 500, pos_min
         second = _chat(SYSTEM, "Which item comes first? Answer with one word.", reply, "And the second?")
         text, u2 = await _ask(e, second)

@@ -10,7 +10,8 @@ by recursive least squares with forgetting:
     seconds ~ a + b * tokens + c * (token x own cell) + d * (token x masked cell)
 
 and `per_masked_cell` is d: what an idle sequence's cells cost each token of a pass, the price
-`BatchScheduler._trim_idle` weighs against moving them to host memory and back.
+the shared KV cache's trim (engines/llamacpp/kv_pool.py) weighs against moving them to host memory
+and back.
 """
 
 from __future__ import annotations
