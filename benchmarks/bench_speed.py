@@ -83,14 +83,16 @@ def _bench(url: str, c: int, n: int, args: argparse.Namespace, out: Path, seed: 
 
 
 class Servers:
-    def __init__(self, args: argparse.Namespace, model: str, ctx: int) -> None:
+    def __init__(self, args: argparse.Namespace, model: str, ctx: int, config: Path | None = None) -> None:
         self.args, self.model, self.ctx = args, model, ctx
+        self.config = config  # the gateways' models.yaml (--gguf), unless one is given
         self.procs: dict[str, tuple[subprocess.Popen[bytes], int]] = {}
         self.threads = str(os.cpu_count() or 1)
 
     def gateway(self, name: str, env: dict[str, str], config: Path | None = None, tree: Path = ROOT) -> None:
         port = _port()
         full = {**os.environ, "GATEWAY_LOG_LEVEL": "warning", **env}
+        config = config or self.config
         if config is not None:
             full["GATEWAY_CONFIG"] = str(config)
         if tree != ROOT:  # its own code, in the gateway and in the engines' workers
@@ -203,6 +205,8 @@ def main() -> int:
                     help="also serve the gateway at this git revision, or from this directory holding one "
                          "(before/after a change, one run)")
     ap.add_argument("--skip-throughput", action="store_true")
+    ap.add_argument("--gguf", default=None, metavar="PATH",
+                    help="serve this GGUF as the model on every server (e.g. benchmarks/make_random_llama8b.py's)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="also write the table, the machine and every round's numbers here")
     args = ap.parse_args()
@@ -213,7 +217,7 @@ def main() -> int:
 
     reg = load_registry(ROOT / "models.yaml")
     spec = reg.models[MODEL]
-    model = str(reg.resolve(spec, "gguf"))
+    model = str(Path(args.gguf).resolve()) if args.gguf else str(reg.resolve(spec, "gguf"))
     bin_dir, version = "", ["version: (not run)"]
     if not args.no_llama_server:
         bin_dir = args.server_bin or subprocess.run(
@@ -225,14 +229,20 @@ def main() -> int:
     if not commit and (env := ROOT / "offline-bundle" / "bundle.env").exists():  # installed from an offline bundle
         commit = next((v for k, _, v in (x.partition("=") for x in env.read_text().splitlines()) if k == "BUNDLE_COMMIT"), "")
     report = [f"machine: {platform.machine()} {os.cpu_count()} cores, {platform.platform()}; commit {commit}",
-              f"gateway: {_build_id()}, --engine {args.backend}, workers on",
+              f"gateway: {_build_id()}, --engine {args.backend}, workers on; model {Path(model).name}",
               f"llama-server: {bin_dir} ({'; '.join(v for v in version if 'version' in v or 'built' in v)})",
               f"-np {args.np} and {spec.context_length} tokens per sequence on every server; {args.rounds} rounds "
               "alternated; medians [min-max] of the rounds", ""]
     everything: dict[str, Any] = {}
     work = Path(tempfile.mkdtemp(prefix="bench-speed-"))
+    gguf_config = None
+    if args.gguf:
+        data = yaml.safe_load((ROOT / "models.yaml").read_text())
+        next(x for x in data["models"] if x["id"] == MODEL)["formats"] = {"gguf": {"path": str(Path(args.gguf).resolve())}}
+        gguf_config = work / "gguf.yaml"
+        gguf_config.write_text(yaml.safe_dump(data))
     if not args.skip_throughput:
-        servers = Servers(args, model, spec.context_length)
+        servers = Servers(args, model, spec.context_length, gguf_config)
         servers.gateway("gateway", {})
         names = ["gateway"]
         # The other sampling path next to the default one (host on a CPU, device on a GPU).
@@ -242,7 +252,7 @@ def main() -> int:
             names.append(other)
         if args.baseline:
             base = f"gateway @{args.baseline}"
-            servers.gateway(base, {}, config=ROOT / "models.yaml", tree=_worktree(args.baseline, work))
+            servers.gateway(base, {}, config=gguf_config or ROOT / "models.yaml", tree=_worktree(args.baseline, work))
             names.append(base)
         for variant in args.gateway_variant:
             label, _, settings = variant.partition(":")
