@@ -3,19 +3,19 @@
 Serves the folder `gateway convert --to coreml` writes: `model.mlpackage` (inputs `input_ids`
 and `causal_mask`, states `keyCache`/`valueCache`, output `logits`), the Hugging Face tokenizer
 and chat template, and `coreml_config.json`.  Each request gets its own state: the prompt is
-prefilled in one prediction, then one token per prediction.  Sampling is done here in numpy.
+prefilled in one prediction, then one token per prediction.  Sampling is done in numpy
+(engines/stateful.py).
 Prediction needs macOS, so on any other host `load()` raises ModelLoadError with the reason;
 this path is unverified until run on a Mac.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import platform
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
@@ -25,30 +25,13 @@ import numpy.typing as npt
 from pydantic import BaseModel, ConfigDict
 
 from engines.attention import causal_mask
-from engines.base import (
-    Capabilities,
-    ContextLengthExceeded,
-    EngineClosed,
-    EngineConfig,
-    EngineHealth,
-    EngineInfo,
-    GenerationRequest,
-    InvalidGenerationRequest,
-    ModelLoadError,
-    SamplingParams,
-    TokenEvent,
-    TokenLogprob,
-    Usage,
-    new_token_budget,
-    resumed_tokens,
-    token_prompt,
-)
-from engines.bridge import EventChannel, Job, WorkerPool, call_job, pool_health, stream_job
+from engines.base import Capabilities, EngineConfig, EngineInfo, ModelLoadError
+from engines.bridge import WorkerPool
 from engines.host import HostCapabilities, PlatformRuntime
 from engines.registry import register_runtime
 from engines.runtimes import Device, Found, Offer, Preference, Runtime, Skip, register
+from engines.stateful import StatefulEngine, eos_ids, load_tokenizer
 from engines.template_files import template_source
-from engines.text import StopMatcher, token_logprob, with_scored_prompt
 
 log = logging.getLogger(__name__)
 
@@ -77,29 +60,7 @@ def _load_mlmodel(path: str, compute_units: str) -> Any:
     return ct.models.MLModel(path, compute_units=getattr(ct.ComputeUnit, compute_units))
 
 
-def sample(logits: npt.NDArray[np.float32], sp: SamplingParams, rng: np.random.Generator) -> int:
-    """Pick the next token: greedy at temperature 0, else top-k / top-p / min-p sampling."""
-    x = logits.astype(np.float64)
-    for token, bias in sp.logit_bias:
-        x[token] += bias
-    if sp.temperature <= 0.0:
-        return int(np.argmax(x))
-    x = x / sp.temperature
-    order = np.argsort(-x)
-    if sp.top_k > 0:
-        order = order[: sp.top_k]
-    p = np.exp(x[order] - x[order[0]])
-    p /= p.sum()
-    keep = len(p)
-    if sp.top_p < 1.0:
-        keep = int(np.searchsorted(np.cumsum(p), sp.top_p) + 1)
-    if sp.min_p > 0.0:
-        keep = min(keep, int((p >= sp.min_p * p[0]).sum()))
-    p = p[:keep] / p[:keep].sum()
-    return int(order[rng.choice(keep, p=p)])
-
-
-class CoreMLEngine:
+class CoreMLEngine(StatefulEngine):
     """A converted stateful CoreML model; `loader` is replaced in tests by a fake predictor."""
 
     def __init__(self, options: EngineConfig, loader: ModelLoader | None = None) -> None:
@@ -118,9 +79,6 @@ class CoreMLEngine:
 
     # --- lifecycle -----------------------------------------------------------------------
 
-    async def load(self) -> None:
-        await asyncio.to_thread(self._load_blocking)
-
     def _load_blocking(self) -> None:
         o = self.options
         loader = self._loader
@@ -134,13 +92,9 @@ class CoreMLEngine:
         d = Path(o.model_path)
         if not (d / "coreml_config.json").is_file() or not (d / "tokenizer.json").is_file():
             raise ModelLoadError(f"{d} is not a converted CoreML model folder; create one with `gateway convert --to coreml`")
-        try:
-            from tokenizers import Tokenizer
-        except ImportError as exc:
-            raise ModelLoadError("the CoreML engine needs tokenizers: pip install -e '.[coreml]'") from exc
+        self._tokenizer = load_tokenizer(d, "CoreML", "coreml")
         meta = json.loads((d / "coreml_config.json").read_text())
-        self._tokenizer = Tokenizer.from_file(str(d / "tokenizer.json"))
-        self._eos = frozenset(_eos_ids(d))
+        self._eos = frozenset(eos_ids(d))
         self._n_ctx = min(o.context_length, int(meta.get("context_length", o.context_length)))
         try:
             self._model = loader(str(d / "model.mlpackage"), o.compute_units)
@@ -151,32 +105,8 @@ class CoreMLEngine:
                             capabilities=Capabilities(resume=True))
         log.info("CoreML loaded %s: compute_units=%s ctx=%d", d, o.compute_units, self._n_ctx)
 
-    async def close(self) -> None:
-        pool, self._pool = self._pool, None
-        if pool is not None:
-            await asyncio.to_thread(pool.close)
+    def _release(self) -> None:
         self._model = None
-
-    def health(self) -> EngineHealth:
-        return pool_health(self._pool)
-
-    # --- text ------------------------------------------------------------------------------
-
-    async def tokenize(self, text: str) -> list[int]:
-        return self.encode(text)
-
-    def encode(self, text: str) -> list[int]:
-        return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
-
-    def piece(self, token: int) -> bytes:
-        return str(self._tokenizer.decode([token], skip_special_tokens=False)).encode("utf-8")
-
-    def prompt_tokens(self, request: GenerationRequest) -> list[int]:
-        """The request's prompt as token ids (text tokenized without added special tokens: a chat
-        template writes its own)."""
-        if request.prompt_ids:
-            return token_prompt(request.prompt_ids, self._tokenizer.get_vocab_size())
-        return self.encode(request.prompt or "")
 
     # --- generation ------------------------------------------------------------------------
 
@@ -191,114 +121,6 @@ class CoreMLEngine:
     def _new_state(self) -> Any:
         """A request's model state (its KV cache)."""
         return self._model.make_state()
-
-    def _prefill(self, prompt: list[int], state: Any) -> npt.NDArray[np.float32]:
-        """Logits of the prompt's tokens (at least its last) fed into `state`."""
-        return self._predict(prompt, len(prompt), state)
-
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
-        pool = self._pool
-        if pool is None:
-            raise ModelLoadError("model is not loaded")
-        sp = request.sampling
-        if sp.constraint is not None:
-            raise InvalidGenerationRequest(f"constrained output is not supported by the {self.info.runtime} runtime",
-                                           param=sp.constraint.part)
-        prompt = self.prompt_tokens(request)
-        # max_tokens 0 (only the prompt scored) never runs the generation below.
-        max_new = new_token_budget(prompt, self._n_ctx, sp.max_tokens if sp.prompt_logprobs is None else sp.max_tokens or 1)
-        resumed = resumed_tokens(request, max_new)
-        replay = request.resume_replay
-
-        def run(job: Job[None], channel: EventChannel) -> None:
-            self._generate_blocking(job, prompt, sp, max_new, channel, resumed, replay)
-
-        async for item in with_scored_prompt(prompt, sp, self.logits, self.piece, lambda: stream_job(pool, run)):
-            yield item
-
-    def _generate_blocking(
-        self, job: Job[None], prompt: list[int], sp: SamplingParams, max_new: int, channel: EventChannel,
-        resumed: tuple[int, ...] = (), replay: bool = True,
-    ) -> None:
-        state = self._new_state()
-        rng = np.random.default_rng(sp.seed)
-        stopper = StopMatcher(sp.stop)
-        generated: list[int] = list(resumed)
-        sent = ""
-        if resumed and not replay:
-            row = self._predict([*prompt, *resumed], len(prompt) + len(resumed), state)[-1]
-        else:
-            row = self._prefill(prompt, state)[-1]
-            # A failover: the tokens already sent, one per prediction as they were generated.
-            for i, t in enumerate(resumed, start=1):
-                if job.cancelled:
-                    return
-                row = self._predict([t], len(prompt) + i, state)[-1]
-        if resumed:  # the stop matcher's state, without emitting
-            full = self._tokenizer.decode(generated, skip_special_tokens=False)
-            if not full.endswith("\ufffd"):
-                stopper.push(full)
-                sent = full
-        while True:
-            if job.cancelled:
-                if job.closing:
-                    channel.emit(EngineClosed("the model was unloaded"))
-                return
-            if sp.ignore_eos:
-                row[list(self._eos)] = -np.inf
-            token = sample(row, sp, rng)
-            logprobs: tuple[TokenLogprob, ...] = ()
-            if sp.logprobs:
-                logprobs = (token_logprob(row, token, sp.top_logprobs, self.piece),)
-            generated.append(token)
-            finish: str | None = None
-            text = ""
-            if token in self._eos and not sp.ignore_eos:
-                finish = "stop"
-            else:
-                # Decode everything so far: byte-level tokens may end inside a character.
-                full = self._tokenizer.decode(generated, skip_special_tokens=False)
-                if not full.endswith("\ufffd"):
-                    text, sent = stopper.push(full[len(sent):]), full
-                if stopper.stopped:
-                    finish = "stop"
-                elif len(generated) >= max_new:
-                    finish = "length"
-            if finish is None:
-                channel.emit(TokenEvent(text=text, token_ids=(token,), logprobs=logprobs,
-                                        prompt_tokens=len(prompt) if len(generated) == 1 else 0))
-                row = self._predict([token], len(prompt) + len(generated), state)[-1]
-                continue
-            usage = Usage(prompt_tokens=len(prompt), completion_tokens=len(generated), queue_seconds=job.queue_seconds)
-            channel.emit(TokenEvent(text=text + stopper.flush(), token_ids=(token,), logprobs=logprobs,
-                                    finish_reason=finish, usage=usage, stop_sequence=stopper.matched))
-            return
-
-    async def embed(self, inputs: list[list[int]]) -> npt.NDArray[np.float32]:
-        raise InvalidGenerationRequest(
-            f"embeddings are not supported by the {self.info.runtime} runtime; serve this model with llama.cpp", param="model"
-        )
-
-    async def logits(self, token_ids: list[int]) -> npt.NDArray[np.float32]:
-        pool = self._pool
-        if pool is None:
-            raise ModelLoadError("model is not loaded")
-        if not token_ids:
-            raise InvalidGenerationRequest("no tokens to score")
-        if len(token_ids) > self._n_ctx:
-            raise ContextLengthExceeded(len(token_ids), self._n_ctx)
-        return await call_job(pool, lambda: self._predict(list(token_ids), len(token_ids), self._new_state()))
-
-
-def _eos_ids(d: Path) -> list[int]:
-    ids: list[int] = []
-    for name in ("generation_config.json", "config.json"):
-        p = d / name
-        if p.is_file():
-            value = json.loads(p.read_text()).get("eos_token_id")
-            ids += value if isinstance(value, list) else [value] if isinstance(value, int) else []
-    return ids
-
 
 @register_runtime("coreml")
 def create_coreml(options: EngineConfig) -> CoreMLEngine:

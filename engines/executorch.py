@@ -11,8 +11,8 @@ its own planned memory, KV included) and each of the pool's `parallel` threads u
 requests wait in the pool's bounded queue, as with ORT GenAI. A method remembers the tokens its
 cache holds, so a request that begins with the last one's tokens (a conversation's next turn)
 prefills only the rest. Prompts are fed in chunks of the program's `max_seq` tokens. Sampling,
-stop strings, resume after a failover and logits are the CoreML engine's (the same step loop over
-a different `_predict`).
+stop strings, resume after a failover and logits are those of every stateful KV-cache program
+(engines/stateful.py, the CoreML engine's too), over this runtime's `_predict`.
 
 XNNPACK programs run through the wheel's Python bindings (torch tensors in and out, the llama::
 kernels of the exported KV cache registered by the wheel's custom-ops library). Vulkan programs run
@@ -41,9 +41,8 @@ import numpy as np
 import numpy.typing as npt
 
 from engines import runtimes
-from engines.base import Capabilities, EngineConfig, ModelLoadError
+from engines.base import Capabilities, EngineConfig, EngineInfo, ModelLoadError
 from engines.bridge import WorkerPool
-from engines.coreml import CoreMLEngine, _eos_ids
 from engines.envconfig import knob
 from engines.host import HostCapabilities, PlatformRuntime
 from engines.registry import register_runtime
@@ -57,6 +56,7 @@ from engines.runtimes import (
     register,
     vulkan_devices,
 )
+from engines.stateful import StatefulEngine, eos_ids, load_tokenizer
 from engines.template_files import template_source
 from engines.tuning import EngineTuning
 
@@ -240,15 +240,21 @@ class _Slot:
         self.tokens: list[int] = []
 
 
-class ExecuTorchEngine(CoreMLEngine):
+class ExecuTorchEngine(StatefulEngine):
     """An exported ExecuTorch LLM program; `loader` (path -> program with load_method) is for tests."""
 
     def __init__(self, options: EngineConfig, loader: Any = None) -> None:
-        super().__init__(options)
+        self.options = options
+        self.info = EngineInfo(
+            runtime="executorch", backend=options.backend, device=options.device,
+            context_length=options.context_length, parallel=options.parallel,
+            extra={"delegate": DELEGATES.get(options.backend, options.backend)},
+        )
         self._program_loader: Callable[[str], Any] | None = loader
-        delegate = DELEGATES.get(options.backend, options.backend)
-        self.info = replace(self.info, runtime="executorch", backend=options.backend,
-                            extra={"delegate": delegate})
+        self._tokenizer: Any = None
+        self._pool: WorkerPool | None = None
+        self._eos: frozenset[int] = frozenset()
+        self._n_ctx = options.context_length
         self._program: Any = None
         self._local = threading.local()
         self._slots: list[_Slot] = []  # not yet taken by a pool thread
@@ -282,12 +288,8 @@ class ExecuTorchEngine(CoreMLEngine):
             if backend_name and backend_name not in backends:
                 raise ModelLoadError(f"this executorch runtime has no {backend_name} (it has {', '.join(backends)})")
             loader = _load_program
-        try:
-            from tokenizers import Tokenizer
-        except ImportError as exc:
-            raise ModelLoadError("the ExecuTorch engine needs tokenizers: pip install -e '.[executorch]'") from exc
-        self._tokenizer = Tokenizer.from_file(str(d / "tokenizer.json"))
-        self._eos = frozenset(_eos_ids(d))
+        self._tokenizer = load_tokenizer(d, "ExecuTorch", "executorch")
+        self._eos = frozenset(eos_ids(d))
         self._n_ctx = min(o.context_length, int(meta["context_length"]))
         self._max_seq = int(meta.get("max_seq", 1))
         try:
@@ -306,8 +308,7 @@ class ExecuTorchEngine(CoreMLEngine):
                                 "delegated_share": str(report.get("delegated_share", ""))})
         log.info("ExecuTorch loaded %s: delegate=%s ctx=%d methods=%d", d, want, self._n_ctx, o.parallel)
 
-    async def close(self) -> None:
-        await super().close()
+    def _release(self) -> None:
         for method in self._methods:  # the pool's threads have stopped: no step is running
             method.close()
         self._methods, self._slots = [], []
@@ -345,7 +346,6 @@ class ExecuTorchEngine(CoreMLEngine):
                 break
             keep += 1
         return self._predict(prompt[keep:], len(prompt), slot)
-
 
 
 def _load_program(path: str) -> Any:

@@ -18,7 +18,7 @@ import platform
 import random
 import re
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -29,7 +29,6 @@ from engines.base import (
     Capabilities,
     Constraint,
     ContextLengthExceeded,
-    EngineClosed,
     EngineConfig,
     EngineHealth,
     EngineInfo,
@@ -38,13 +37,9 @@ from engines.base import (
     ModelLoadError,
     SamplingParams,
     TokenEvent,
-    TokenLogprob,
-    Usage,
-    new_token_budget,
-    resumed_tokens,
     token_prompt,
 )
-from engines.bridge import EventChannel, Job, WorkerPool, call_job, pool_health, stream_job
+from engines.bridge import EventChannel, Job, WorkerPool, call_job, pool_health
 from engines.host import HostCapabilities, OrtBuild, PlatformRuntime, run_child
 from engines.registry import register_runtime
 from engines.runtimes import (
@@ -60,8 +55,8 @@ from engines.runtimes import (
     register,
     text_table,
 )
+from engines.steps import StepPlan, run_steps, step_plan, stream_steps
 from engines.template_files import template_source
-from engines.text import StopMatcher, token_logprob, with_scored_prompt
 
 log = logging.getLogger(__name__)
 
@@ -246,18 +241,9 @@ class OrtGenAIEngine:
         pool = self._pool
         if pool is None:
             raise ModelLoadError("model is not loaded")
-        sp = request.sampling
-        _check_supported(sp)
-        prompt = self.prompt_tokens(request)
-        # max_tokens 0 (only the prompt scored) never runs the generation below.
-        max_new = new_token_budget(prompt, self._n_ctx, sp.max_tokens if sp.prompt_logprobs is None else sp.max_tokens or 1)
-        resumed = resumed_tokens(request, max_new)
-        replay = request.resume_replay
-
-        def run(job: Job[None], channel: EventChannel) -> None:
-            self._generate_blocking(job, prompt, sp, max_new, channel, resumed, replay)
-
-        async for item in with_scored_prompt(prompt, sp, self.logits, self.piece, lambda: stream_job(pool, run)):
+        _check_supported(request.sampling)
+        plan = step_plan(request, self.prompt_tokens(request), self._n_ctx)
+        async for item in stream_steps(pool, plan, self.logits, self.piece, self._generate_blocking):
             yield item
 
     def search_options(self, sp: SamplingParams, prompt_len: int, max_new: int) -> dict[str, Any]:
@@ -281,66 +267,14 @@ class OrtGenAIEngine:
         )
         return opts
 
-    def _generate_blocking(
-        self, job: Job[None], prompt: list[int], sp: SamplingParams, max_new: int, channel: EventChannel,
-        resumed: tuple[int, ...] = (), replay: bool = True,
-    ) -> None:
-        og = self._og
+    def _generate_blocking(self, job: Job[None], channel: EventChannel, plan: StepPlan) -> None:
+        og, sp = self._og, plan.sampling
         params = og.GeneratorParams(self._model)
-        params.set_search_options(**self.search_options(sp, len(prompt), max_new))
+        params.set_search_options(**self.search_options(sp, len(plan.prompt), plan.max_new))
         if sp.constraint is not None:
             params.set_guidance(*guidance(sp.constraint))
-        gen = og.Generator(self._model, params)
-        stream = self._tokenizer.create_stream()
-        stopper = StopMatcher(sp.stop)
-        if not resumed:
-            gen.append_tokens(np.asarray(prompt, dtype=np.int32))
-        elif replay:
-            # A failover: the tokens already sent go in one per step, as they were generated (each
-            # runs the model on one token, as a decode step does), so greedy output goes on as an
-            # uninterrupted run's would; the repetition penalty sees them in the sequence.
-            gen.append_tokens(np.asarray(prompt, dtype=np.int32))
-            for t in resumed:
-                if job.cancelled:
-                    return
-                gen.append_tokens(np.asarray([t], dtype=np.int32))
-        else:
-            gen.append_tokens(np.asarray([*prompt, *resumed], dtype=np.int32))
-        for t in resumed:  # the detokenizer's and the stop matcher's state, without emitting
-            stopper.push(stream.decode(t))
-        n = len(resumed)
-        while True:
-            if job.cancelled:
-                if job.closing:
-                    channel.emit(EngineClosed("the model was unloaded"))
-                return
-            logprobs: tuple[TokenLogprob, ...] = ()
-            raw = gen.get_logits().reshape(-1).copy() if sp.logprobs else None
-            gen.generate_next_token()
-            token = int(gen.get_next_tokens()[0])
-            n += 1
-            if raw is not None:
-                logprobs = (token_logprob(raw, token, sp.top_logprobs, self.piece),)
-            finish: str | None = None
-            text = ""
-            if token in self._eos and not sp.ignore_eos:
-                finish = "stop"
-            else:
-                text = stopper.push(stream.decode(token))
-                if stopper.stopped:
-                    finish = "stop"
-                elif n >= max_new:
-                    finish = "length"
-            if finish is None:
-                channel.emit(TokenEvent(text=text, token_ids=(token,), logprobs=logprobs,
-                                        prompt_tokens=len(prompt) if n == len(resumed) + 1 else 0))
-                continue
-            usage = Usage(prompt_tokens=len(prompt), completion_tokens=n, queue_seconds=job.queue_seconds)
-            channel.emit(TokenEvent(
-                text=text + stopper.flush(), token_ids=(token,), logprobs=logprobs,
-                finish_reason=finish, usage=usage, stop_sequence=stopper.matched,
-            ))
-            return
+        steps = _GeneratorSteps(og.Generator(self._model, params), self._tokenizer.create_stream())
+        run_steps(job, channel.emit, plan, steps, self._eos, self.piece)
 
     async def embed(self, inputs: list[list[int]]) -> npt.NDArray[np.float32]:
         raise InvalidGenerationRequest(
@@ -365,6 +299,29 @@ class OrtGenAIEngine:
             return np.ascontiguousarray(gen.get_output("logits")[0], dtype=np.float32)
 
         return await call_job(pool, compute)
+
+
+class _GeneratorSteps:
+    """An `og.Generator` as the per-token loop drives it: ORT GenAI's search chooses each token (the
+    EOS mask of `ignore_eos` included), and its tokenizer stream decodes them one at a time."""
+
+    def __init__(self, gen: Any, stream: Any) -> None:
+        self._gen = gen
+        self._stream = stream
+
+    def feed(self, tokens: Sequence[int]) -> None:
+        self._gen.append_tokens(np.asarray(tokens, dtype=np.int32))
+
+    def next(self, logits: bool) -> tuple[int, npt.NDArray[np.float32] | None]:
+        # The logits the search is about to choose from (those of the last token fed or chosen).
+        raw: npt.NDArray[np.float32] | None = self._gen.get_logits().reshape(-1).copy() if logits else None
+        self._gen.generate_next_token()
+        return int(self._gen.get_next_tokens()[0]), raw
+
+    def text(self, tokens: Sequence[int]) -> str:
+        if len(tokens) == 1:
+            return str(self._stream.decode(tokens[0]))
+        return "".join(self._stream.decode(t) for t in tokens)
 
 
 def _check_supported(sp: SamplingParams) -> None:

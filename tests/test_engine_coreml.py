@@ -20,8 +20,9 @@ from engines.base import (
     ModelLoadError,
     SamplingParams,
 )
-from engines.coreml import CoreMLEngine, causal_mask, coreml_available, sample
+from engines.coreml import CoreMLEngine, causal_mask, coreml_available
 from engines.registry import create_engine
+from engines.stateful import sample
 from gateway.chat.template import ChatMessage
 from tests.chat import chat_request
 
