@@ -27,7 +27,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks.bench_vs_llama_server import MODEL, _bench, _port, _wait  # noqa: E402
-from engines.worker.client import rss_bytes  # noqa: E402
+from engines.worker.connections import rss_bytes  # noqa: E402
 
 
 def _build_id() -> str:

@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from engines.llamacpp.ggml_backends import AMX_VARIANTS, Variant, choose, lower, variants
-from engines.worker.client import Supervision
+from engines.worker.connections import Supervision
 from gateway.host.functional_check import CheckCache
 from tests.conftest import MODEL, ROOT
 from tests.test_production import Gateway, _chat

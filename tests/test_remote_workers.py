@@ -23,7 +23,8 @@ import pytest
 import yaml
 
 from engines.base import EngineInfo, GenerationRequest, ModelLoadError, SamplingParams
-from engines.worker.client import RemoteWorker, Supervision, WorkerEngine
+from engines.worker.client import WorkerEngine
+from engines.worker.connections import RemoteWorker, Supervision
 from tests.conftest import ROOT, free_port
 from tests.test_production import Gateway
 

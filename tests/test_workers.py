@@ -16,7 +16,8 @@ import pytest
 import yaml
 
 from engines.base import EngineConfig, EngineCrashed, EngineInfo, GenerationRequest, SamplingParams
-from engines.worker.client import LocalWorker, Supervision, WorkerEngine
+from engines.worker.client import WorkerEngine
+from engines.worker.connections import LocalWorker, Supervision
 from tests.conftest import MODEL, ROOT
 from tests.test_production import LONG, Gateway, Stream, _chat, _is_envelope
 

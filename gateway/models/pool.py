@@ -28,7 +28,8 @@ from engines.base import (
 )
 from engines.registry import create_engine
 from engines.runtimes import runtime
-from engines.worker.client import LocalWorker, RemoteWorker, Supervision, WorkerEngine
+from engines.worker.client import WorkerEngine
+from engines.worker.connections import LocalWorker, RemoteWorker, Supervision
 from gateway.host.functional_check import (
     CheckCache,
     CheckResult,
