@@ -38,7 +38,7 @@ class Constraint:
     separator: str = ""
     max_items: int = 1
     triggers: tuple[str, ...] = ()
-    part: str = "response_format"
+    part: str = ""
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """One generation: a prompt as text or as token ids, already rendered (chat messages are
+    """One generation: a prompt as text or as token ids, already rendered (a conversation is
     rendered by the gateway with the model's template: `templated`)."""
 
     request_id: str

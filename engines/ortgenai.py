@@ -329,7 +329,7 @@ def _check_supported(sp: SamplingParams) -> None:
     c = sp.constraint
     if c is not None and (c.kind == "grammar" or c.triggers):
         what = "GBNF grammars" if c.kind == "grammar" else "constraints that start at a trigger"
-        raise InvalidGenerationRequest(f"{what} are not supported by the ortgenai runtime", param=c.part)
+        raise InvalidGenerationRequest(f"{what} are not supported by the ortgenai runtime", param=c.part or None)
     unsupported = {
         "logit_bias": bool(sp.logit_bias),
         "presence_penalty": sp.presence_penalty != 0.0,

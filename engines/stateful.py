@@ -149,7 +149,7 @@ class StatefulEngine(ABC):
         c = request.sampling.constraint
         if c is not None:
             raise InvalidGenerationRequest(f"constrained output is not supported by the {self.info.runtime} runtime",
-                                           param=c.part)
+                                           param=c.part or None)
         plan = step_plan(request, self.prompt_tokens(request), self._n_ctx)
         async for item in stream_steps(pool, plan, self.logits, self.piece, self._generate_blocking):
             yield item

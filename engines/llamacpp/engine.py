@@ -592,7 +592,8 @@ class LlamaCppEngine:
         sampler = build_sampler(self._vocab, self._n_vocab, sp, grammar, self._eog, max_new, lazy)
         if sampler is None:
             assert c is not None
-            raise InvalidGenerationRequest(f"llama.cpp could not compile the grammar for {c.part}", param=c.part)
+            what = c.part or "the output constraint"
+            raise InvalidGenerationRequest(f"llama.cpp could not compile the grammar for {what}", param=c.part or None)
         channel = EventChannel()
         # A resumed job samples on the host: a device chain starts from a fresh state.
         on_host = grammar is not None or sp.logprobs or bool(resumed)
@@ -661,7 +662,7 @@ def compile_constraint(c: Constraint) -> bytes:
     try:
         body = _schema_grammar(c.schema) if c.schema else JSON_GBNF.encode()
     except Exception as exc:
-        raise InvalidGenerationRequest(f"unsupported JSON schema: {exc}", param=c.part) from exc
+        raise InvalidGenerationRequest(f"unsupported JSON schema: {exc}", param=c.part or None) from exc
     return body if c.kind == "json" else _tagged_grammar(body, c.begin, c.end, c.separator, c.max_items)
 
 
