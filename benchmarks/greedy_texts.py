@@ -78,7 +78,7 @@ def _answers(url: str, max_tokens: int) -> list[Any]:
             out.append({"status": r.status_code, "error": r.json().get("error", {}).get("message")})
             continue
         m = r.json()["choices"][0]["message"]
-        calls = [(c["function"]["name"], c["function"]["arguments"]) for c in m.get("tool_calls") or []]
+        calls = [[c["function"]["name"], c["function"]["arguments"]] for c in m.get("tool_calls") or []]
         out.append({"content": m.get("content"), "tool_calls": calls})
     return out
 
