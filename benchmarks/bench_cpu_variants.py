@@ -35,11 +35,13 @@ def _text(n_items: int) -> str:
 
 
 async def _child(model: str, variant: str, repack: bool, prompt_tokens: int, tokens: int, threads: int) -> dict[str, Any]:
-    from engines.base import EngineConfig, GenerationRequest, SamplingParams
+    from engines.base import GenerationRequest, SamplingParams
+    from engines.llamacpp.runtime import LlamaCppOptions
     from engines.registry import create_engine
 
-    eng = create_engine("llamacpp", EngineConfig(model_path=model, context_length=4096, parallel=1, n_batch=512,
-                                                 n_threads=threads, cpu_variant=variant, repack=repack))
+    eng = create_engine("llamacpp", LlamaCppOptions.engine_config(model_path=model, context_length=4096, parallel=1,
+                                                                  n_batch=512, n_threads=threads, cpu_variant=variant,
+                                                                  repack=repack))
     await eng.load()
     items = 1
     while len(await eng.tokenize(_text(items))) < prompt_tokens:

@@ -13,6 +13,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
+from pydantic import BaseModel
 
 
 @dataclass(frozen=True)
@@ -251,47 +252,13 @@ class EngineConfig:
     device: str = "cpu"  # human-readable device name
     device_key: str = ""  # the runtime's own device id (ggml "Vulkan0"/"CUDA0", ORT device id); "" = CPU
     chat_template: str | None = None  # Jinja; overrides the template shipped with the model
-    compute_units: str = "ALL"  # CoreML only: ALL, CPU_AND_NE, CPU_AND_GPU, CPU_ONLY
     pooling: str = "mean"  # embeddings: mean, cls or last
     normalize_embeddings: bool = True  # L2-normalise each embedding
-    # llama.cpp: run the sampler chain on the device (only token ids come back) for requests
-    # without a grammar or logprobs. "auto" = on for CUDA.
-    device_sampling: str = "auto"
-    # llama.cpp: speculative decoding from n-gram drafts (prompt lookup): the tokens after the
-    # latest earlier occurrence of the text's last `draft_ngram` tokens, up to `draft_max`, are
-    # verified in the same step. 0 = off.
-    draft_ngram: int = 0
-    draft_max: int = 0
-    draft_streams: int = 1  # draft only while at most this many sequences are decoding
-    # llama.cpp: repack the weights into the CPU's extra buffer types (AMX tiles, interleaved
-    # AVX blocks); False = llama.cpp's --no-repack. A rung of the fallback ladder.
-    repack: bool = True
-    # llama.cpp builds with loadable CPU variants: the variant to load ("" = auto, the fastest
-    # supported non-AMX one; see engines/llamacpp/ggml_backends.py). Applies per process.
-    cpu_variant: str = ""
-    # llama.cpp: the host-memory prefix cache (engines/llamacpp/prefix_cache.py), in MiB; -1 = a
-    # quarter of the memory available at load, at most 8 GiB; 0 = off.
-    prefix_cache_mib: int = -1
-    # llama.cpp: keep that cache in the device's page-locked host memory, pinned at load (DMA
-    # copies; engines/llamacpp/host_memory.py): "auto" = on CUDA/ROCm, "on" (any device with
-    # such memory, e.g. Vulkan), "off" = pageable memory (GATEWAY_PINNED_HOST_CACHE).
-    pinned_host_cache: str = "auto"
-    # llama.cpp: prompt tokens prefilled per step while other sequences are decoding (chunked
-    # prefill); 0 = the device class's default (engines/llamacpp/engine.py PREFILL_BUDGET).
-    prefill_budget: int = 0
-    # llama.cpp: keep every position in the KV of sliding-window layers (llama.cpp's --swa-full):
-    # more memory and slower long prompts, but any prefix of a sequence can be reused.
-    swa_full: bool = False
-    # llama.cpp: one KV stream shared by every sequence (llama-server's default) instead of one per
-    # sequence: a step's tokens of several sequences then go through the model together (a long
-    # prompt's chunk and the running streams' tokens share one pass over the weights), but a
-    # sequence's context is no longer its own (the sequences share context_length x parallel).
-    kv_unified: bool = False
-    # llama.cpp with kv_unified: requests decoded at once (0 = parallel). More than `parallel`
-    # share the KV of context_length x parallel tokens: concurrency is bounded by that memory, not
-    # by a sequence count. When it fills, idle sequences' KV goes to the host prefix cache first,
-    # then the newest request is paused (its KV saved there) and resumes when there is room.
-    sequences: int = 0
+    # The runtime's own options: an instance of its descriptor's `options` model
+    # (engines/runtimes.py: llama.cpp's LlamaCppOptions, CoreML's CoreMLOptions), validated where
+    # the config is made; None = that model's defaults. An engine reads its own typed model
+    # (`LlamaCppOptions.of(config)`), and refuses another runtime's.
+    options: BaseModel | None = None
 
 
 @dataclass(frozen=True)

@@ -22,14 +22,13 @@ from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
-from pydantic import BaseModel, ConfigDict
 
 from engines.attention import causal_mask
 from engines.base import Capabilities, EngineConfig, EngineInfo, ModelLoadError
 from engines.bridge import WorkerPool
 from engines.host import HostCapabilities, PlatformRuntime
 from engines.registry import register_runtime
-from engines.runtimes import Device, Found, Offer, Preference, Runtime, Skip, register
+from engines.runtimes import Device, Found, Offer, Preference, Runtime, RuntimeOptions, Skip, register
 from engines.stateful import StatefulEngine, eos_ids, load_tokenizer
 from engines.template_files import template_source
 
@@ -65,10 +64,11 @@ class CoreMLEngine(StatefulEngine):
 
     def __init__(self, options: EngineConfig, loader: ModelLoader | None = None) -> None:
         self.options = options
+        self.coreml_options = CoreMLOptions.of(options)
         self.info = EngineInfo(
             runtime="coreml", backend="coreml", device=options.device,
             context_length=options.context_length, parallel=options.parallel,
-            extra={"compute_units": options.compute_units},
+            extra={"compute_units": self.coreml_options.compute_units},
         )
         self._loader = loader
         self._model: Any = None
@@ -81,14 +81,15 @@ class CoreMLEngine(StatefulEngine):
 
     def _load_blocking(self) -> None:
         o = self.options
+        co = self.coreml_options
         loader = self._loader
         if loader is None:
             ok, reason = coreml_available()
             if not ok:
                 raise ModelLoadError(reason)
             loader = _load_mlmodel
-        if o.compute_units not in COMPUTE_UNITS:
-            raise ModelLoadError(f"unknown compute units {o.compute_units!r}; one of {', '.join(COMPUTE_UNITS)}")
+        if co.compute_units not in COMPUTE_UNITS:
+            raise ModelLoadError(f"unknown compute units {co.compute_units!r}; one of {', '.join(COMPUTE_UNITS)}")
         d = Path(o.model_path)
         if not (d / "coreml_config.json").is_file() or not (d / "tokenizer.json").is_file():
             raise ModelLoadError(f"{d} is not a converted CoreML model folder; create one with `gateway convert --to coreml`")
@@ -97,13 +98,13 @@ class CoreMLEngine(StatefulEngine):
         self._eos = frozenset(eos_ids(d))
         self._n_ctx = min(o.context_length, int(meta.get("context_length", o.context_length)))
         try:
-            self._model = loader(str(d / "model.mlpackage"), o.compute_units)
+            self._model = loader(str(d / "model.mlpackage"), co.compute_units)
         except Exception as exc:
             raise ModelLoadError(f"CoreML could not load {d}: {exc}") from exc
         self._pool = WorkerPool(o.parallel, o.max_queue, name="coreml")
         self.info = replace(self.info, context_length=self._n_ctx, template=template_source(d, o.chat_template),
                             capabilities=Capabilities(resume=True))
-        log.info("CoreML loaded %s: compute_units=%s ctx=%d", d, o.compute_units, self._n_ctx)
+        log.info("CoreML loaded %s: compute_units=%s ctx=%d", d, co.compute_units, self._n_ctx)
 
     def _release(self) -> None:
         self._model = None
@@ -130,10 +131,8 @@ def create_coreml(options: EngineConfig) -> CoreMLEngine:
 # --- the runtime descriptor ----------------------------------------------------------------
 
 
-class CoreMLOptions(BaseModel):
-    """CoreML's own engine options."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class CoreMLOptions(RuntimeOptions):
+    """CoreML's own engine options (EngineConfig.options of its engines)."""
 
     compute_units: Literal["ALL", "CPU_AND_NE", "CPU_AND_GPU", "CPU_ONLY"] = "ALL"  # where the model may run
 

@@ -13,15 +13,16 @@ factory); the built-in ones are imported on first use, others are named by the `
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import itertools
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, Self
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
-from engines.base import EngineConfig
+from engines.base import EngineConfig, ModelLoadError
 from engines.host import HostCapabilities, VulkanDevice
 
 # The built-in runtimes, preferred in this order where several offer an engine, and the modules
@@ -79,10 +80,35 @@ class Offer:
     variant: str | None = None
 
 
-class NoOptions(BaseModel):
-    """A runtime without options of its own."""
+class RuntimeOptions(BaseModel):
+    """A runtime's own engine options (a descriptor's `options`): frozen, unknown keys refused.
+    They travel in `EngineConfig.options`; an engine reads its own with `of`. (A plug-in may use
+    any pydantic model with extra="forbid"; this base only adds `of`.)"""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @classmethod
+    def of(cls, config: EngineConfig) -> Self:
+        """`config`'s options as this model: its defaults where the config carries none; options
+        of another runtime are refused (ModelLoadError)."""
+        o = config.options
+        if o is None:
+            return cls()
+        if not isinstance(o, cls):
+            raise ModelLoadError(f"this engine takes {cls.__name__}, but its configuration carries {type(o).__name__}")
+        return o
+
+    @classmethod
+    def engine_config(cls, **values: Any) -> EngineConfig:
+        """An EngineConfig from flat values: EngineConfig's own fields, the rest these options
+        (validated: a key neither knows is refused). For tools, benchmarks and tests."""
+        own = {f.name for f in dataclasses.fields(EngineConfig)} - {"options"}
+        return EngineConfig(**{k: v for k, v in values.items() if k in own},
+                            options=cls.model_validate({k: v for k, v in values.items() if k not in own}))
+
+
+class NoOptions(RuntimeOptions):
+    """A runtime without options of its own."""
 
 
 # (reference label, candidate label, precision class) and the limits (ParityTolerance's fields).
@@ -153,6 +179,50 @@ class Runtime:
     def parse_options(self, values: Mapping[str, Any]) -> BaseModel:
         """Its options from plain values; unknown keys are refused (pydantic.ValidationError)."""
         return self.options.model_validate(dict(values))
+
+    def load_options(self, values: Mapping[str, Any]) -> BaseModel:
+        """`parse_options`, its refusal a ModelLoadError that names each key it refuses."""
+        try:
+            return self.parse_options(values)
+        except ValidationError as exc:
+            raise ModelLoadError(options_error(self.name, self.options, exc)) from exc
+
+
+def options_error(name: str, model: type[BaseModel], exc: ValidationError) -> str:
+    """A refusal of runtime `name`'s options, key by key: "llamacpp: unknown option 'kv_unifed'
+    (its options: ...)"."""
+    parts = []
+    for e in exc.errors():
+        key = ".".join(str(p) for p in e["loc"])
+        parts.append(f"unknown option {key!r}" if e["type"] == "extra_forbidden" else f"option {key!r}: {e['msg']}")
+    return f"{name}: {'; '.join(parts)} (its options: {', '.join(model.model_fields) or 'none'})"
+
+
+# --- options across a process boundary ----------------------------------------------------
+#
+# An EngineConfig crosses to a worker process (engines/worker/wire.py, msgpack) and to a
+# functional check's child (JSON). Its options are a pydantic model, which neither encoding
+# knows: they travel beside the config as plain values (`option_values`), the config itself with
+# none, and the receiver validates them again with the runtime's own model (`with_option_values`),
+# looked up by the runtime's name, which travels with them. The receiver thus gets the same typed
+# model, and a key its runtime does not know (a gateway and a worker of different versions) is
+# refused by name.
+
+
+def option_values(config: EngineConfig) -> dict[str, Any] | None:
+    """`config`'s options as plain values (JSON and msgpack types); None where it carries none."""
+    return None if config.options is None else config.options.model_dump(mode="json")
+
+
+def with_option_values(runtime_name: str, config: EngineConfig, values: Mapping[str, Any] | None) -> EngineConfig:
+    """`config` carrying runtime `runtime_name`'s options validated from `values` (None: none);
+    ModelLoadError when they do not validate, or the runtime has no descriptor to validate them."""
+    if values is None:
+        return replace(config, options=None)
+    rt = runtime(runtime_name)
+    if rt is None:
+        raise ModelLoadError(f"options for runtime {runtime_name!r}, which is not registered here")
+    return replace(config, options=rt.load_options(values))
 
 
 _RUNTIMES: dict[str, Runtime] = {}

@@ -38,7 +38,7 @@ async def _crashes(engine: LlamaCppEngine, request: GenerationRequest) -> bool:
         return False
     extra = engine.info.extra
     for c in conds:
-        if c == "repack" and not engine.options.repack:
+        if c == "repack" and not engine.llama_options.repack:
             return False
         if c.startswith("variant="):
             want = c.split("=", 1)[1]

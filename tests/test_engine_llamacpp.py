@@ -13,6 +13,7 @@ import pytest
 
 from engines.base import Constraint, ContextLengthExceeded, EngineConfig, GenerationRequest, SamplingParams
 from engines.llamacpp.engine import LlamaCppEngine
+from engines.llamacpp.runtime import LlamaCppOptions
 from engines.llamacpp.sampling import IDLE_DETACH_S
 from gateway.chat.template import ChatMessage
 from gateway.models.registry import load_registry
@@ -24,7 +25,8 @@ async def _engine(model: str, cache: Path | None = None, **kw: object) -> LlamaC
     reg = load_registry(ROOT / "models.yaml", cache_dir=cache)
     spec = reg.models[model]
     path = reg.resolve(spec, "gguf")
-    e = LlamaCppEngine(EngineConfig(model_path=str(path), context_length=512, chat_template=spec.chat_template, **kw))  # type: ignore[arg-type]
+    e = LlamaCppEngine(LlamaCppOptions.engine_config(model_path=str(path), context_length=512, chat_template=spec.chat_template,
+                                                     **kw))
     await e.load()
     return e
 

@@ -19,6 +19,7 @@ import pytest
 
 from engines.base import EngineConfig, GenerationRequest, SamplingParams
 from engines.llamacpp.engine import LlamaCppEngine
+from engines.llamacpp.runtime import LlamaCppOptions
 from gateway.app import create_app
 from gateway.cli import main as cli
 from gateway.host.hardware import probe_host
@@ -119,9 +120,10 @@ async def _vulkan_engine(prefix_cache_mib: int) -> LlamaCppEngine:
     dev = next(d for d in devices() if d.backend == "Vulkan")
     reg = load_registry(ROOT / "models.yaml")
     spec = reg.models[MODEL]
-    e = LlamaCppEngine(EngineConfig(model_path=str(reg.resolve(spec, "gguf")), context_length=512, parallel=1,
-                                    chat_template=spec.chat_template, backend="vulkan", device=dev.description,
-                                    device_key=dev.name, prefix_cache_mib=prefix_cache_mib, pinned_host_cache="on"))
+    e = LlamaCppEngine(LlamaCppOptions.engine_config(
+        model_path=str(reg.resolve(spec, "gguf")), context_length=512, parallel=1, chat_template=spec.chat_template,
+        backend="vulkan", device=dev.description, device_key=dev.name, prefix_cache_mib=prefix_cache_mib,
+        pinned_host_cache="on"))
     await e.load()
     return e
 

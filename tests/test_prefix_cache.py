@@ -12,9 +12,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from engines.base import EngineConfig, GenerationRequest, SamplingParams, Usage
+from engines.base import GenerationRequest, SamplingParams, Usage
 from engines.llamacpp.engine import LlamaCppEngine
 from engines.llamacpp.prefix_cache import MIN_ENTRY_TOKENS, HostPrefixCache, common_prefix
+from engines.llamacpp.runtime import LlamaCppOptions
 from gateway.chat.template import ChatMessage
 from gateway.models.registry import load_registry
 from tests.chat import chat_request
@@ -31,8 +32,8 @@ def _path(model: str) -> tuple[str, Any]:
 
 async def _engine(parallel: int = 1, **kw: Any) -> LlamaCppEngine:
     path, spec = _path("smollm2-135m-instruct")
-    e = LlamaCppEngine(EngineConfig(model_path=path, context_length=2048, parallel=parallel,
-                                    chat_template=spec.chat_template, **kw))
+    e = LlamaCppEngine(LlamaCppOptions.engine_config(model_path=path, context_length=2048, parallel=parallel,
+                                                     chat_template=spec.chat_template, **kw))
     await e.load()
     return e
 
@@ -101,8 +102,8 @@ async def test_sixteen_conversations_on_two_slots_keep_their_prefixes() -> None:
 async def test_the_cache_never_exceeds_its_bound() -> None:
     path, spec = _path("smollm2-135m-instruct")
     # One conversation's state (~170 tokens) is several MiB for SmolLM2: 12 MiB holds a few.
-    e = LlamaCppEngine(EngineConfig(model_path=path, context_length=2048, parallel=1, chat_template=spec.chat_template,
-                                    prefix_cache_mib=12))
+    e = LlamaCppEngine(LlamaCppOptions.engine_config(model_path=path, context_length=2048, parallel=1,
+                                                     chat_template=spec.chat_template, prefix_cache_mib=12))
     await e.load()
     try:
         host = e._sched.host_cache  # type: ignore[union-attr]
@@ -145,8 +146,8 @@ def test_entries_of_another_engine_identity_are_never_restored() -> None:
 async def test_two_models_in_one_process_keep_their_own_entries() -> None:
     a = await _engine(parallel=1, prefix_cache_mib=128)
     path, spec = _path("gemma-3-270m")
-    b = LlamaCppEngine(EngineConfig(model_path=path, context_length=2048, parallel=1, chat_template=spec.chat_template,
-                                    prefix_cache_mib=128))
+    b = LlamaCppEngine(LlamaCppOptions.engine_config(model_path=path, context_length=2048, parallel=1,
+                                                     chat_template=spec.chat_template, prefix_cache_mib=128))
     await b.load()
     try:
         assert a._sched.host_cache is not b._sched.host_cache  # type: ignore[union-attr]

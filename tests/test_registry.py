@@ -194,7 +194,7 @@ def test_coreml_compute_units_are_validated_and_reach_the_engine(tmp_path: Path)
     p = _write(tmp_path, "models:\n  - id: m\n    compute_units: CPU_AND_NE\n    formats:\n      coreml: {converted: {}}\n")
     reg = load_registry(p, cache_dir=tmp_path)
     cfg = ModelManager(reg, Settings.from_env(env={}))._config(reg.models["m"], Candidate("coreml", "coreml", "ane", "ALL", "coreml"), "x")
-    assert cfg.compute_units == "CPU_AND_NE"
+    assert cfg.options is not None and cfg.options.model_dump() == {"compute_units": "CPU_AND_NE"}
     with pytest.raises(RegistryError, match="compute_units"):
         load_registry(_write(tmp_path, "models:\n  - id: m\n    compute_units: GPU\n    formats:\n      gguf: {path: m.gguf}\n"))
 

@@ -12,7 +12,7 @@ import httpx
 import pytest
 import yaml
 
-from engines.base import EngineConfig
+from engines.llamacpp.runtime import LlamaCppOptions
 from gateway.models.gguf_info import read_gguf
 from gateway.models.memory import (
     GiB,
@@ -98,7 +98,8 @@ def test_the_host_cache_is_in_the_estimate_and_shrinks_first() -> None:
 ])
 def test_each_model_gets_its_share_of_the_ram_left(prefix_cache_mib: int, used: int, want: object) -> None:
     smol = read_gguf(_path(SMOL))
-    config = EngineConfig(model_path=str(_path(SMOL)), context_length=2048, parallel=1, prefix_cache_mib=prefix_cache_mib)
+    config = LlamaCppOptions.engine_config(model_path=str(_path(SMOL)), context_length=2048, parallel=1,
+                                          prefix_cache_mib=prefix_cache_mib)
     budgets = {"cpu": 4 * GiB}
     need, _changed, exceeded = fit_config(smol, config, "cpu", budgets, used)
     bare = estimate(smol, 2048, 1)

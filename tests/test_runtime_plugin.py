@@ -95,6 +95,64 @@ def test_options_refuse_unknown_keys(plugin: runtimes.Runtime) -> None:
         coreml.parse_options({"compute_units": "GPU_ONLY"})
 
 
+def test_each_runtime_gets_its_own_options_from_models_yaml_and_the_settings(plugin: runtimes.Runtime) -> None:
+    from engines.llamacpp.runtime import LlamaCppOptions
+    from gateway.host.selection import Candidate
+    from gateway.models.pool import engine_config
+
+    spec = ModelSpec.model_validate({"id": "m", "formats": {"gguf": {"path": "m.gguf"}}, "kv_unified": True,
+                                     "swa_full": True, "speculative": {"ngram": 2}, "compute_units": "CPU_ONLY"})
+    settings = Settings.from_env(env={"GATEWAY_SEQUENCES": "8", "GATEWAY_PREFILL_BUDGET": "96"})
+    llama = engine_config(spec, Candidate("llamacpp", "cpu", "cpu", "", "gguf"), "m.gguf", settings)
+    assert llama.options == LlamaCppOptions(kv_unified=True, sequences=8, swa_full=True, prefill_budget=96,
+                                            draft_ngram=2, draft_max=16, draft_streams=1)
+    coreml = engine_config(spec, Candidate("coreml", "coreml", "ane", "ALL", "coreml"), "m", settings)
+    assert coreml.options is not None and coreml.options.model_dump() == {"compute_units": "CPU_ONLY"}
+    echo = engine_config(spec, Candidate("echo", "cpu", "cpu", "", "echo"), "m", settings)
+    assert echo.options == plugin.options()
+    # Without a descriptor (an engine factory registered alone) a config carries none.
+    assert engine_config(spec, Candidate("nameless", "cpu", "cpu", "", "x"), "m", settings).options is None
+
+
+def test_options_cross_to_a_worker_and_are_validated_there(plugin: runtimes.Runtime) -> None:
+    from dataclasses import replace
+
+    from engines.base import EngineConfig, ModelLoadError
+    from engines.coreml import CoreMLOptions
+    from engines.llamacpp.runtime import LlamaCppOptions
+    from engines.worker import wire
+
+    def across(runtime: str, config: EngineConfig) -> EngineConfig:
+        load = wire.decode_for_worker(wire.frame(wire.Load(runtime, config))[4:])
+        assert isinstance(load, wire.Load) and load.config.options is None  # the options travel apart
+        return load.engine_config()
+
+    config = LlamaCppOptions.engine_config(model_path="m.gguf", parallel=2, kv_unified=True, sequences=8,
+                                           cpu_variant="zen4", pinned_host_cache="off")
+    back = across("llamacpp", config)
+    assert back == config and isinstance(back.options, LlamaCppOptions)
+    plain = EngineConfig("m.gguf")
+    assert across("llamacpp", plain) == plain
+    greeting = replace(plain, options=plugin.parse_options({"greeting": "hey"}))
+    assert across("echo", greeting) == greeting
+    # Through JSON too (the functional check's child), the same way.
+    values = json.loads(json.dumps(runtimes.option_values(config)))
+    assert runtimes.with_option_values("llamacpp", replace(config, options=None), values) == config
+    # A key the worker's runtime does not know is refused by name, as are bad values.
+    with pytest.raises(ModelLoadError, match=r"llamacpp: unknown option 'kv_unifed'.*its options: device_sampling"):
+        wire.Load("llamacpp", plain, {"kv_unifed": True}).engine_config()
+    with pytest.raises(ModelLoadError, match="option 'draft_max'"):
+        wire.Load("llamacpp", plain, {"draft_max": -1}).engine_config()
+    with pytest.raises(ModelLoadError, match="not registered"):
+        wire.Load("nameless", plain, {"x": 1}).engine_config()
+    # An engine reads its own typed options, its defaults where none, and refuses another runtime's.
+    assert LlamaCppOptions.of(plain) == LlamaCppOptions()
+    with pytest.raises(ModelLoadError, match="takes LlamaCppOptions, but its configuration carries CoreMLOptions"):
+        LlamaCppOptions.of(replace(plain, options=CoreMLOptions()))
+    with pytest.raises(ValidationError, match="kv_unifed"):
+        LlamaCppOptions.engine_config(model_path="m.gguf", kv_unifed=True)
+
+
 def test_gateway_devices_shows_the_plugin_and_plans_on_it(config: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "gateway.cli", "devices", "--json", "--config", str(config)],
                        capture_output=True, text=True, timeout=240, cwd=ROOT,

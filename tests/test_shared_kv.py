@@ -11,9 +11,10 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from engines.base import EngineConfig, SamplingParams, TokenLogprob, Usage
+from engines.base import SamplingParams, TokenLogprob, Usage
 from engines.llamacpp import batch, host_transfer, kv_pool
 from engines.llamacpp.engine import LlamaCppEngine
+from engines.llamacpp.runtime import LlamaCppOptions
 from gateway.chat.template import ChatMessage
 from gateway.models.registry import RegistryFile
 from tests.chat import chat_request
@@ -22,7 +23,7 @@ from tests.test_prefix_cache import TOPICS, _ask, _conversation, _path
 
 async def _engine(**kw: Any) -> LlamaCppEngine:
     path, spec = _path("smollm2-135m-instruct")
-    e = LlamaCppEngine(EngineConfig(**{"model_path": path, "context_length": 2048, "kv_unified": True,
+    e = LlamaCppEngine(LlamaCppOptions.engine_config(**{"model_path": path, "context_length": 2048, "kv_unified": True,
                                        "prefix_cache_mib": 64, "chat_template": spec.chat_template, **kw}))
     await e.load()
     return e
@@ -329,8 +330,8 @@ async def test_sliding_window_sessions_in_a_shared_kv_keep_their_windows_for_the
                         for _ in range(n_words))
 
     path, spec = _path("gemma-3-270m")
-    e = LlamaCppEngine(EngineConfig(model_path=path, context_length=4096, parallel=2, kv_unified=True, sequences=4,
-                                    prefix_cache_mib=0, chat_template=spec.chat_template))
+    e = LlamaCppEngine(LlamaCppOptions.engine_config(model_path=path, context_length=4096, parallel=2, kv_unified=True,
+                                                     sequences=4, prefix_cache_mib=0, chat_template=spec.chat_template))
     await e.load()
     try:
         sessions = [[ChatMessage("user", "Instructions and tools:\n" + text_of(900, 1000 + i))] for i in range(4)]
@@ -386,8 +387,8 @@ async def test_the_memory_estimate_counts_a_shared_cache_as_llama_cpp_allocates_
     for model, ctx in (("gemma-3-270m", 4096), ("smollm2-135m-instruct", 2048)):
         caplog.clear()
         path, spec = _path(model)
-        e = LlamaCppEngine(EngineConfig(model_path=path, context_length=ctx, parallel=2, kv_unified=True, sequences=4,
-                                        prefix_cache_mib=0, chat_template=spec.chat_template))
+        e = LlamaCppEngine(LlamaCppOptions.engine_config(model_path=path, context_length=ctx, parallel=2, kv_unified=True,
+                                                         sequences=4, prefix_cache_mib=0, chat_template=spec.chat_template))
         await e.load()
         await e.close()
         allocated = sum(float(m.group(1)) for r in caplog.records

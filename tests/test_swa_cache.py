@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from engines.base import EngineConfig, Usage
+from engines.base import Usage
 from engines.llamacpp.engine import LlamaCppEngine
+from engines.llamacpp.runtime import LlamaCppOptions
 from engines.llamacpp.slots import floor
 from gateway.chat.template import ChatMessage
 from gateway.models.registry import load_registry
@@ -27,8 +28,8 @@ def _gemma() -> tuple[str, Any]:
 
 async def _engine(parallel: int = 1, prefix_cache_mib: int = 0, **kw: Any) -> LlamaCppEngine:
     path, spec = _gemma()
-    e = LlamaCppEngine(EngineConfig(model_path=path, context_length=4096, parallel=parallel,
-                                    chat_template=spec.chat_template, prefix_cache_mib=prefix_cache_mib, **kw))
+    e = LlamaCppEngine(LlamaCppOptions.engine_config(model_path=path, context_length=4096, parallel=parallel,
+                                                     chat_template=spec.chat_template, prefix_cache_mib=prefix_cache_mib, **kw))
     await e.load()
     return e
 

@@ -42,6 +42,7 @@ from engines.base import (
 from engines.bridge import EventChannel, settle_from_thread
 from engines.llamacpp.host_memory import HostMemory, PinnedHostMemory
 from engines.llamacpp.prefix_cache import HostPrefixCache, default_limit_bytes
+from engines.llamacpp.runtime import LlamaCppOptions
 from engines.registry import register_runtime
 from engines.text import with_scored_prompt
 from engines.tuning import engine_tuning
@@ -51,7 +52,7 @@ log = logging.getLogger(__name__)
 # Prompt tokens per step while other sequences decode (chunked prefill), by backend: a chunk costs
 # the running streams its compute in every step it shares with them (measured on a 2-core CPU and an
 # H100, docs/benchmarks/history.md#a-host-memory-prefix-cache-and-a-prefill-budget);
-# EngineConfig.prefill_budget / models.yaml `prefill_budget` override. The CPU's 128 (was 64; measured
+# LlamaCppOptions.prefill_budget / models.yaml `prefill_budget` override. The CPU's 128 (was 64; measured
 # on a 2-core AMD EPYC, docs/benchmarks/history.md#two-passes-on-the-cpu-and-a-prefill-budget-of-128):
 # ggml's CPU attention takes a prompt chunk in tiles of 64
 # query rows per head, 4 row ranges per thread, so on 2 threads a 64-token chunk of a 4-head model
@@ -193,13 +194,14 @@ class LlamaCppEngine:
 
     def __init__(self, options: EngineConfig) -> None:
         self.options = options
+        self.llama_options = LlamaCppOptions.of(options)
         self.info = EngineInfo(
             runtime="llamacpp",
             backend=options.backend,
             device=options.device,
             version=llama_cpp_version(),
             context_length=options.context_length,
-            parallel=_sequences(options),
+            parallel=_sequences(options, self.llama_options),
         )
         self._model: Any = None
         self._ctx: Any = None
@@ -244,6 +246,7 @@ class LlamaCppEngine:
         from engines.llamacpp.batch import BatchScheduler
 
         o = self.options
+        lo = self.llama_options
         if not os.path.isfile(o.model_path):
             raise ModelLoadError(f"model file not found: {o.model_path}")
         try:
@@ -256,15 +259,15 @@ class LlamaCppEngine:
         from engines.llamacpp.ggml_backends import ensure_loaded
 
         try:
-            variant = ensure_loaded(o.cpu_variant or None)
+            variant = ensure_loaded(lo.cpu_variant or None)
         except OSError as exc:
             raise ModelLoadError(str(exc)) from exc
-        if o.cpu_variant and variant and o.cpu_variant != variant:
-            raise ModelLoadError(f"CPU variant {o.cpu_variant} was asked for, but this process runs {variant} "
+        if lo.cpu_variant and variant and lo.cpu_variant != variant:
+            raise ModelLoadError(f"CPU variant {lo.cpu_variant} was asked for, but this process runs {variant} "
                                  "(a process loads one; engines in worker processes can each choose)")
         lc.llama_backend_init()
         mparams = lc.llama_model_default_params()
-        mparams.use_extra_bufts = o.repack
+        mparams.use_extra_bufts = lo.repack
         # An explicit device list, even an empty one: llama.cpp would otherwise spread the
         # model over every GPU the build sees, and a "CPU" engine would not be on the CPU.
         from engines.llamacpp.ggml_devices import backends, device_list
@@ -300,12 +303,12 @@ class LlamaCppEngine:
         cparams.n_ubatch = o.n_batch
         # With one KV cache shared by all (kv_unified), `sequences` may exceed `parallel`: the cache
         # still holds context_length x parallel tokens, and the scheduler runs as many requests as fit.
-        cparams.n_seq_max = _sequences(o)
+        cparams.n_seq_max = _sequences(o, lo)
         # One KV stream per sequence: each request gets its full context, whatever the others do.
         # (llama.cpp then splits a step into ubatches of equal tokens per sequence: the running
         # streams' tokens and a prompt's chunk go through the model one after the other.)
         # kv_unified: one stream for all, as llama-server; opt-in.
-        cparams.kv_unified = o.kv_unified
+        cparams.kv_unified = lo.kv_unified
         threads = o.n_threads or os.cpu_count() or 1
         cparams.n_threads = threads
         cparams.n_threads_batch = threads
@@ -314,12 +317,12 @@ class LlamaCppEngine:
         # llama-server does by default: their KV is a fraction of the context's, and a long prompt
         # prefills faster (13% at 7k tokens on Gemma-3-270M, 2 cores). The cost: a sequence's KV
         # serves only prefixes that end within the window of its end (the scheduler checks).
-        self._n_swa = 0 if o.swa_full else max(0, lc.llama_model_n_swa(model))
-        cparams.swa_full = o.swa_full
+        self._n_swa = 0 if lo.swa_full else max(0, lc.llama_model_n_swa(model))
+        cparams.swa_full = lo.swa_full
         # auto: CUDA only. On Vulkan it is 1.07-1.12x faster on the H100, but on lavapipe llama.cpp's
         # (experimental) backend sampling corrupted the heap ("double free", 2 starts of 3): opt in.
-        on_device = o.device_sampling == "on" or (o.device_sampling == "auto" and bool(wanted) and o.backend == "cuda")
-        on_device = on_device and not (o.draft_ngram and o.draft_max)  # drafts are verified on the host
+        on_device = lo.device_sampling == "on" or (lo.device_sampling == "auto" and bool(wanted) and o.backend == "cuda")
+        on_device = on_device and not (lo.draft_ngram and lo.draft_max)  # drafts are verified on the host
         if on_device:
             # One output per sequence and step: lets the device samplers size their buffers.
             cparams.n_outputs_max_per_seq = 1
@@ -333,9 +336,9 @@ class LlamaCppEngine:
         self._ctx = ctx
         self._eog = [t for t in range(self._n_vocab) if lc.llama_vocab_is_eog(self._vocab, t)]
         template = self._load_template(lc)
-        budget = o.prefill_budget or prefill_budget(o.backend)
+        budget = lo.prefill_budget or prefill_budget(o.backend)
         if warm_up_wanted(o.backend):
-            passes, took = warm_up(ctx, o.n_batch, _sequences(o), budget, self._n_ctx_seq)
+            passes, took = warm_up(ctx, o.n_batch, _sequences(o, lo), budget, self._n_ctx_seq)
             log.info("llama.cpp warm-up: %d passes in %.0f ms", passes, took * 1000)
         # What every scheduler of this engine shares (the long prompts' one too: `_open_side`).
         shared: dict[str, Any] = dict(
@@ -345,9 +348,9 @@ class LlamaCppEngine:
             piece=self.piece,
             is_eog=lambda t: lc.llama_vocab_is_eog(self._vocab, t),
             device_sampling=on_device,
-            draft_ngram=o.draft_ngram,
-            draft_max=o.draft_max,
-            draft_streams=o.draft_streams,
+            draft_ngram=lo.draft_ngram,
+            draft_max=lo.draft_max,
+            draft_streams=lo.draft_streams,
             prefill_budget=budget,
             n_swa=self._n_swa,
             # Requests sharing a prefix another is prefilling wait for it and copy it;
@@ -362,12 +365,12 @@ class LlamaCppEngine:
         identity = self._identity(lc, variant)
         self._sched = BatchScheduler(
             ctx=ctx,
-            n_parallel=_sequences(o),
-            host_cache=self._host_cache(o),
+            n_parallel=_sequences(o, lo),
+            host_cache=self._host_cache(o, lo),
             identity=identity,
-            kv_pool=lc.llama_n_ctx(ctx) if o.kv_unified else 0,
+            kv_pool=lc.llama_n_ctx(ctx) if lo.kv_unified else 0,
             n_cells=lc.llama_n_ctx(ctx),
-            split_mixed=o.kv_unified and split_mixed(o.backend),
+            split_mixed=lo.kv_unified and split_mixed(o.backend),
             **shared,
         )
         from engines.llamacpp.embed import Embedder
@@ -382,11 +385,11 @@ class LlamaCppEngine:
                                       lazy_constraints=True),
             extra={"precision": self._precision(lc), "embedding_width": str(self._embedder.width),
                    "sampling": "device" if on_device else "host",
-                   "speculative": f"ngram {o.draft_ngram}, up to {o.draft_max}, at most {o.draft_streams} streams" if o.draft_ngram and o.draft_max else "off",
-                   "repack": "on" if o.repack else "off",
+                   "speculative": f"ngram {lo.draft_ngram}, up to {lo.draft_max}, at most {lo.draft_streams} streams" if lo.draft_ngram and lo.draft_max else "off",
+                   "repack": "on" if lo.repack else "off",
                    "swa_cache": f"window {self._n_swa}" if self._n_swa else "full",
-                   "kv_layout": (f"shared by {_sequences(o)} sequences ({self._n_ctx_seq} x {o.parallel} tokens)"
-                                 if o.kv_unified else f"one per sequence ({o.parallel} x {self._n_ctx_seq} tokens)"),
+                   "kv_layout": (f"shared by {_sequences(o, lo)} sequences ({self._n_ctx_seq} x {o.parallel} tokens)"
+                                 if lo.kv_unified else f"one per sequence ({o.parallel} x {self._n_ctx_seq} tokens)"),
                    **({"long_prompt_context": f"from {long_min} uncached tokens"
                        + (f", {long_sms} SMs" if long_sms else "")} if long_min else {}),
                    **({"cpu_variant": variant} if variant else {})},
@@ -503,11 +506,11 @@ class LlamaCppEngine:
                             kv=replace(self._sched.kv_stats(), long_prompts_beside=self.long_prompts_beside))
 
     @staticmethod
-    def _host_cache(o: EngineConfig) -> HostPrefixCache | None:
-        if o.prefix_cache_mib == 0:
+    def _host_cache(o: EngineConfig, lo: LlamaCppOptions) -> HostPrefixCache | None:
+        if lo.prefix_cache_mib == 0:
             return None
-        limit = o.prefix_cache_mib << 20 if o.prefix_cache_mib > 0 else default_limit_bytes()
-        want = o.pinned_host_cache == "on" or (o.pinned_host_cache == "auto" and o.backend in ("cuda", "rocm", "hip"))
+        limit = lo.prefix_cache_mib << 20 if lo.prefix_cache_mib > 0 else default_limit_bytes()
+        want = lo.pinned_host_cache == "on" or (lo.pinned_host_cache == "auto" and o.backend in ("cuda", "rocm", "hip"))
         pinned = PinnedHostMemory.for_device(o.device_key, limit) if want else None
         return HostPrefixCache(limit, pinned if pinned is not None and pinned.pin() else HostMemory())
 
@@ -515,11 +518,12 @@ class LlamaCppEngine:
         """What a saved sequence state depends on: the model file, the build and device, the KV
         layout. Entries of another identity are never restored (engines/llamacpp/prefix_cache.py)."""
         o = self.options
+        lo = self.llama_options
         st = os.stat(o.model_path)
         return (f"{os.path.realpath(o.model_path)}:{st.st_size}:{st.st_mtime_ns}|llama-cpp-python "
-                f"{lc.__version__} {o.backend} {o.device_key or 'CPU'} {variant or ''} repack={o.repack}"
-                f"|ctx/seq={self._n_ctx_seq} parallel={o.parallel} sequences={_sequences(o)} type_k/v=f16 swa={self._n_swa or 'full'}"
-                f"{' unified' if o.kv_unified else ''}")
+                f"{lc.__version__} {o.backend} {o.device_key or 'CPU'} {variant or ''} repack={lo.repack}"
+                f"|ctx/seq={self._n_ctx_seq} parallel={o.parallel} sequences={_sequences(o, lo)} type_k/v=f16 swa={self._n_swa or 'full'}"
+                f"{' unified' if lo.kv_unified else ''}")
 
     # --- text ------------------------------------------------------------------------------
 
@@ -697,6 +701,6 @@ def create_llamacpp(options: EngineConfig) -> LlamaCppEngine:
     return LlamaCppEngine(options)
 
 
-def _sequences(o: EngineConfig) -> int:
+def _sequences(o: EngineConfig, lo: LlamaCppOptions) -> int:
     """Requests decoded at once: `sequences` where the KV is shared (kv_unified), else `parallel`."""
-    return max(o.sequences, o.parallel) if o.kv_unified else o.parallel
+    return max(lo.sequences, o.parallel) if lo.kv_unified else o.parallel

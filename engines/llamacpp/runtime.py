@@ -9,7 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from engines.base import EngineConfig
 from engines.host import (
@@ -27,6 +27,7 @@ from engines.runtimes import (
     Offer,
     Preference,
     Runtime,
+    RuntimeOptions,
     Skip,
     match_device,
     register,
@@ -37,10 +38,8 @@ INSTALL = "scripts/install-llama-cpp.sh {engine}"
 GGML_NAMES = {"cpu": "CPU", "vulkan": "Vulkan", "cuda": "CUDA", "metal": "Metal"}
 
 
-class LlamaCppOptions(BaseModel):
-    """llama.cpp's own engine options."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class LlamaCppOptions(RuntimeOptions):
+    """llama.cpp's own engine options (EngineConfig.options of its engines)."""
 
     # Run the sampler chain on the device (only token ids come back) for requests without a
     # grammar or logprobs. "auto" = on for CUDA.
@@ -275,19 +274,21 @@ def ladder(config: EngineConfig, host: HostCapabilities, lib_path: str) -> list[
     repacking off (llama.cpp's --no-repack: no AMX or interleaved buffers), then also on a lower
     CPU variant (AVX2 class below AVX-512)."""
     build = build_of(host, lib_path)
-    variant = config.cpu_variant or build.cpu_variant
-    first = replace(config, cpu_variant=variant, repack=True)
-    out = [first, replace(first, repack=False)]
+    lo = LlamaCppOptions.of(config)
+    variant = lo.cpu_variant or build.cpu_variant
+    first = lo.model_copy(update={"cpu_variant": variant, "repack": True})
+    out = [first, first.model_copy(update={"repack": False})]
     low = lower(list(build.cpu_variants), variant) if build.cpu_variants and variant else None
     if low:
-        out.append(replace(first, repack=False, cpu_variant=low))
-    return out
+        out.append(first.model_copy(update={"repack": False, "cpu_variant": low}))
+    return [replace(config, options=o) for o in out]
 
 
 def rung(config: EngineConfig) -> str:
     """A rung of the ladder: "CPU variant zen4, repack off"."""
-    how = [f"CPU variant {config.cpu_variant}"] if config.cpu_variant else []
-    how.append(f"repack {'on' if config.repack else 'off'}")
+    lo = LlamaCppOptions.of(config)
+    how = [f"CPU variant {lo.cpu_variant}"] if lo.cpu_variant else []
+    how.append(f"repack {'on' if lo.repack else 'off'}")
     return ", ".join(how)
 
 

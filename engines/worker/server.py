@@ -152,7 +152,7 @@ async def serve_local(sock: socket.socket) -> None:
     if not isinstance(first, wire.Hello) or not isinstance(load, wire.Load):
         raise wire.ProtocolError("a local worker expects Hello, then Load")
     try:
-        engine = create_engine(load.runtime, load.config)
+        engine = create_engine(load.runtime, load.engine_config())
         await engine.load()
     except Exception as exc:  # noqa: BLE001 - a failed load is the gateway's to report
         writer.write(wire.frame(wire.error_message(0, exc)))

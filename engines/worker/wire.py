@@ -11,6 +11,7 @@ step's events of every running sequence, not one frame per token.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from typing import Any
 
 import msgspec
@@ -33,6 +34,7 @@ from engines.base import (
     PrefixCacheStats,
     TokenEvent,
 )
+from engines.runtimes import option_values, with_option_values
 
 PROTOCOL = 1
 # A frame may carry the logits of a whole parity sequence (positions x vocabulary x 4 bytes).
@@ -57,10 +59,25 @@ class Hello(_Msg, tag="hello"):
 
 
 class Load(_Msg, tag="load"):
-    """Load `runtime` with `config` (local workers; a remote worker has its model already)."""
+    """Load `runtime` with `config` (local workers; a remote worker has its model already).
+
+    The config's options (a pydantic model, which msgpack does not know) travel apart, as plain
+    values in `options`, the config itself with none (done on construction); the worker validates
+    them again with the runtime's own options model (`engine_config`), so it reads the same typed
+    options, and one its runtime does not know is refused by name."""
 
     runtime: str
     config: EngineConfig
+    options: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.config.options is not None:
+            self.options = option_values(self.config)
+            self.config = replace(self.config, options=None)
+
+    def engine_config(self) -> EngineConfig:
+        """The config with its options validated again (ModelLoadError when they do not validate)."""
+        return with_option_values(self.runtime, self.config, self.options)
 
 
 class Generate(_Msg, tag="gen"):

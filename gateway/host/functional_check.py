@@ -25,11 +25,12 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from engines.base import Constraint, EngineConfig, GenerationRequest, SamplingParams
+from engines.base import Constraint, EngineConfig, GenerationRequest, ModelLoadError, SamplingParams
+from engines.runtimes import option_values, with_option_values
 
 log = logging.getLogger(__name__)
 
@@ -195,14 +196,19 @@ def fingerprint(runtime: str, config: EngineConfig, build: str, driver: str) -> 
         model = f"{config.model_path}:{st.st_size}:{int(st.st_mtime)}"
     except OSError:
         model = config.model_path
+    # The rung of llama.cpp's fallback ladder (its CPU variant and repacking): a verdict holds for
+    # one rung. Other runtimes' configs read as llama.cpp's defaults here, as they always have.
+    opts = option_values(config) or {}
     raw = "|".join((runtime, config.backend, config.device, config.device_key, model, build, driver,
-                    f"variant={config.cpu_variant}", f"repack={config.repack}"))
+                    f"variant={opts.get('cpu_variant', '')}", f"repack={opts.get('repack', True)}"))
     return hashlib.sha256(raw.encode()).hexdigest()[:24]
 
 
 def run_isolated(runtime: str, config: EngineConfig, timeout: float, env: dict[str, str] | None = None) -> CheckResult:
     """The check in a child process; any failure, hang or crash becomes a reason."""
-    payload = json.dumps({"runtime": runtime, "config": asdict(config)})
+    # The options travel as plain values beside the config, validated again in the child.
+    payload = json.dumps({"runtime": runtime, "config": asdict(replace(config, options=None)),
+                          "options": option_values(config)})
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(
@@ -226,9 +232,13 @@ def run_isolated(runtime: str, config: EngineConfig, timeout: float, env: dict[s
     return CheckResult(False, f"functional check failed (exit {proc.returncode}): {' | '.join(tail)}", dt)
 
 
-async def _child(runtime: str, config: EngineConfig) -> dict[str, Any]:
+async def _child(runtime: str, config: EngineConfig, options: dict[str, Any] | None = None) -> dict[str, Any]:
     from engines.registry import create_engine
 
+    try:
+        config = with_option_values(runtime, config, options)
+    except ModelLoadError as exc:
+        return {"ok": False, "reason": f"ModelLoadError: {exc}", "stage": "load"}
     engine = create_engine(runtime, config)
     stage = "load"
     try:
@@ -245,5 +255,5 @@ async def _child(runtime: str, config: EngineConfig) -> dict[str, Any]:
 if __name__ == "__main__":
     logging.basicConfig(level="WARNING", stream=sys.stderr)
     arg = json.loads(sys.argv[1])
-    result = asyncio.run(_child(arg["runtime"], EngineConfig(**arg["config"])))
+    result = asyncio.run(_child(arg["runtime"], EngineConfig(**arg["config"]), arg.get("options")))
     print(json.dumps(result), flush=True)

@@ -33,8 +33,9 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Protocol, runtime_checkable
 
+from engines.base import EngineConfig
 from gateway.models.gguf_info import GGUFError, GGUFInfo, read_gguf
 
 MiB = 1 << 20
@@ -170,9 +171,39 @@ def estimate(info: GGUFInfo, context: int, parallel: int, device: str = "cpu", w
     return Need(device, sum(host_parts.values()), sum(gpu_parts.values()), {**gpu_parts, **host_parts}, ctx, parallel)
 
 
-def shared_sequences(config: Any) -> int:
+@runtime_checkable
+class KvOptions(Protocol):
+    """What the estimate reads of a runtime's options (EngineConfig.options; llama.cpp's have
+    them): its KV layout and host prefix cache."""
+
+    @property
+    def kv_unified(self) -> bool: ...
+    @property
+    def sequences(self) -> int: ...
+    @property
+    def swa_full(self) -> bool: ...
+    @property
+    def prefix_cache_mib(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class _DefaultKv:
+    kv_unified: bool = False
+    sequences: int = 0
+    swa_full: bool = False
+    prefix_cache_mib: int = -1
+
+
+def kv_options(config: EngineConfig) -> KvOptions:
+    """`config`'s KV options; llama.cpp's defaults where its runtime's options have none."""
+    o = config.options
+    return o if isinstance(o, KvOptions) else _DefaultKv()
+
+
+def shared_sequences(config: EngineConfig) -> int:
     """The sequences sharing one KV cache in an EngineConfig (`kv_unified`), else 0."""
-    return max(config.sequences, config.parallel) if config.kv_unified else 0
+    kv = kv_options(config)
+    return max(kv.sequences, config.parallel) if kv.kv_unified else 0
 
 
 def fit(info: GGUFInfo, context: int, parallel: int, device: str, room_host: int, room_gpu: int | None,
@@ -253,16 +284,17 @@ def auto_host_cache(room: int) -> int:
     return min(HOST_CACHE_MAX, max(0, room) // 4) // MiB * MiB
 
 
-def fit_config(info: GGUFInfo, config: Any, device: str, budgets: dict[str, int], ram_used: int = 0
+def fit_config(info: GGUFInfo, config: EngineConfig, device: str, budgets: dict[str, int], ram_used: int = 0
                ) -> tuple[Need, str, str]:
     """`fit_budgets` for an EngineConfig, with its host prefix cache: the size it sets
     (`prefix_cache_mib` 0: none), or by default a quarter of the RAM budget left beside this model
     and the `ram_used` by others (auto_host_cache)."""
+    kv = kv_options(config)
     shared = shared_sequences(config)
-    if config.prefix_cache_mib >= 0:
-        cache = config.prefix_cache_mib * MiB
+    if kv.prefix_cache_mib >= 0:
+        cache = kv.prefix_cache_mib * MiB
     else:
-        bare = estimate(info, config.context_length, config.parallel, device, swa_full=config.swa_full, shared=shared)
+        bare = estimate(info, config.context_length, config.parallel, device, swa_full=kv.swa_full, shared=shared)
         cache = auto_host_cache(budgets["cpu"] - ram_used - bare.host)
-    return fit_budgets(info, config.context_length, config.parallel, device, budgets, swa_full=config.swa_full,
+    return fit_budgets(info, config.context_length, config.parallel, device, budgets, swa_full=kv.swa_full,
                        shared=shared, host_cache=cache)

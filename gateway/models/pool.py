@@ -27,7 +27,7 @@ from engines.base import (
     Supervised,
 )
 from engines.registry import create_engine
-from engines.runtimes import runtime
+from engines.runtimes import option_values, runtime
 from engines.worker.client import WorkerEngine
 from engines.worker.connections import LocalWorker, RemoteWorker, Supervision
 from gateway.host.functional_check import (
@@ -253,7 +253,12 @@ class ModelManager:
             log.warning("%s sized down to fit the memory budget of %s: %s (needs %s)", spec.id, device, changed,
                         need.describe())
             config = dataclasses.replace(config, parallel=need.parallel, context_length=need.context)
-        return dataclasses.replace(config, prefix_cache_mib=need.parts["host cache"] // MiB), need, changed
+        # The host cache the estimate sized, where the runtime's options have one (llama.cpp's).
+        values = option_values(config) or dict(rt.load_options({}).model_dump(mode="json"))
+        if "prefix_cache_mib" in values:
+            values["prefix_cache_mib"] = need.parts["host cache"] // MiB
+            config = dataclasses.replace(config, options=rt.load_options(values))
+        return config, need, changed
 
     def keep_alive_of(self, entry: Loaded) -> float:
         """Seconds `entry` stays loaded once idle (negative: until evicted)."""
@@ -742,8 +747,9 @@ def kv_sharing(spec: ModelSpec, settings: Settings) -> tuple[bool, int]:
 
 
 def engine_config(spec: ModelSpec, cand: Candidate, path: str, settings: Settings) -> EngineConfig:
-    """How `spec` is instantiated on `cand`."""
-    kv_unified, sequences = kv_sharing(spec, settings)
+    """How `spec` is instantiated on `cand`: with its runtime's own options (validated by the
+    runtime's options model) where the runtime is described."""
+    rt = runtime(cand.runtime)
     return EngineConfig(
         model_path=path,
         context_length=spec.context_length,
@@ -754,21 +760,32 @@ def engine_config(spec: ModelSpec, cand: Candidate, path: str, settings: Setting
         device=cand.device,
         device_key=cand.device_key,
         chat_template=spec.chat_template,
-        compute_units=spec.compute_units,
         pooling=spec.embedding.pooling,
         normalize_embeddings=spec.embedding.normalize,
-        device_sampling=settings.device_sampling or spec.device_sampling,
-        draft_ngram=spec.speculative.ngram if spec.speculative else 0,
-        draft_max=spec.speculative.max_draft if spec.speculative else 0,
-        draft_streams=spec.speculative.max_streams if spec.speculative else 0,
-        prefix_cache_mib=_first(settings.prefix_cache, spec.prefix_cache, -1),
-        pinned_host_cache=settings.pinned_host_cache,
-        prefill_budget=_first(settings.prefill_budget, spec.prefill_budget, 0),
-        cpu_variant=settings.cpu_variant or "",
-        swa_full=spec.swa_full,
-        kv_unified=kv_unified,
-        sequences=sequences,
+        options=rt.load_options(runtime_option_values(spec, settings).get(rt.name, {})) if rt is not None else None,
     )
+
+
+def runtime_option_values(spec: ModelSpec, settings: Settings) -> dict[str, dict[str, Any]]:
+    """The runtimes' own options as models.yaml (its keys spread flat in a model's entry) and the
+    settings give them, by runtime: the command line over models.yaml over the default."""
+    kv_unified, sequences = kv_sharing(spec, settings)
+    return {
+        "llamacpp": {
+            "device_sampling": settings.device_sampling or spec.device_sampling,
+            "draft_ngram": spec.speculative.ngram if spec.speculative else 0,
+            "draft_max": spec.speculative.max_draft if spec.speculative else 0,
+            "draft_streams": spec.speculative.max_streams if spec.speculative else 0,
+            "prefix_cache_mib": _first(settings.prefix_cache, spec.prefix_cache, -1),
+            "pinned_host_cache": settings.pinned_host_cache,
+            "prefill_budget": _first(settings.prefill_budget, spec.prefill_budget, 0),
+            "cpu_variant": settings.cpu_variant or "",
+            "swa_full": spec.swa_full,
+            "kv_unified": kv_unified,
+            "sequences": sequences,
+        },
+        "coreml": {"compute_units": spec.compute_units},
+    }
 
 
 def _first(*values: int | None) -> int:
