@@ -77,7 +77,7 @@ def grammar_compile(model_path: str, n: int = 20) -> dict[str, float]:
     engine per schema) and llama.cpp's parse of the GBNF into a sampler (done per request)."""
     import llama_cpp as lc
 
-    from engines.llamacpp.engine import _schema_grammar
+    from engines.llamacpp.grammar import _schema_grammar
     from gateway.api.tools import Tool, ToolChoice, output_schema
 
     params = {"type": "object", "properties": {"order_id": {"type": "string"}, "express": {"type": "boolean"},

@@ -9,11 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import functools
-import json
 import logging
 import os
-import re
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -25,7 +22,6 @@ import numpy.typing as npt
 
 from engines.base import (
     Capabilities,
-    Constraint,
     ContextLengthExceeded,
     EngineConfig,
     EngineHealth,
@@ -40,7 +36,18 @@ from engines.base import (
     token_prompt,
 )
 from engines.bridge import EventChannel, settle_from_thread
+from engines.llamacpp.grammar import compile_constraint, pattern
 from engines.llamacpp.host_memory import HostMemory, PinnedHostMemory
+from engines.llamacpp.load_settings import (
+    _route_native_logs,
+    llama_cpp_version,
+    long_prompt_settings,
+    prefill_budget,
+    split_mixed,
+    trim_payback,
+    warm_up,
+    warm_up_wanted,
+)
 from engines.llamacpp.prefix_cache import HostPrefixCache, default_limit_bytes
 from engines.llamacpp.runtime import LlamaCppOptions
 from engines.registry import register_runtime
@@ -49,144 +56,8 @@ from engines.tuning import engine_tuning
 
 log = logging.getLogger(__name__)
 
-# Prompt tokens per step while other sequences decode (chunked prefill), by backend: a chunk costs
-# the running streams its compute in every step it shares with them (measured on a 2-core CPU and an
-# H100, docs/benchmarks/history.md#a-host-memory-prefix-cache-and-a-prefill-budget);
-# LlamaCppOptions.prefill_budget / models.yaml `prefill_budget` override. The CPU's 128 (was 64; measured
-# on a 2-core AMD EPYC, docs/benchmarks/history.md#two-passes-on-the-cpu-and-a-prefill-budget-of-128):
-# ggml's CPU attention takes a prompt chunk in tiles of 64
-# query rows per head, 4 row ranges per thread, so on 2 threads a 64-token chunk of a 4-head model
-# (Gemma-3-270M) fills its tiles by half and costs about what 128 tokens do (8 streams beside a
-# 17.9k-token prompt: steps 424 vs 396 ms, the prompt through in 1.43x its time alone vs 2.28x).
-PREFILL_BUDGET = {"cpu": 128, "vulkan": 256, "cuda": 512, "metal": 256, "rocm": 512}
-
-
-# Prompts longer than this (characters of text) are rendered and tokenized off the event loop.
+# Prompts longer than this (characters of text) are tokenized off the event loop.
 LONG_RENDER_CHARS = 16_384
-
-
-def prefill_budget(backend: str) -> int:
-    return PREFILL_BUDGET.get(backend, 256)
-
-
-def split_mixed(backend: str) -> bool:
-    """Whether a step of the shared layout (kv_unified) runs its running streams' tokens and its
-    prompt chunks as two passes (BatchScheduler._step says why): on the CPU, whose attention
-    skips the masked tiles of a pass; GATEWAY_SPLIT_MIXED=on/off overrides it (for measuring)."""
-    choice = engine_tuning().split_mixed
-    return backend == "cpu" if choice == "auto" else choice == "on"
-
-
-def trim_payback() -> float:
-    """What idle KV must have cost the running passes before it leaves a shared cache, in its
-    copies' time: batch.TRIM_PAYBACK, or GATEWAY_TRIM_PAYBACK (a number >= 0; e.g. 0 or 1e9 for
-    side-by-side runs). A malformed value stops the load with a message that names it."""
-    from engines.llamacpp.batch import TRIM_PAYBACK
-
-    value = engine_tuning().trim_payback
-    return TRIM_PAYBACK if value is None else value
-
-
-def long_prompt_settings() -> tuple[int, int]:
-    """(GATEWAY_LONG_PROMPT_TOKENS, GATEWAY_LONG_PROMPT_SMS): a prompt with at least that many
-    tokens no sequence or host-cache entry holds, arriving while other requests decode, is
-    prefilled (and then decoded) in a second llama_context beside them instead of in chunks
-    inside their steps (0: off, the default); on a CUDA build patched with
-    benchmarks/patches/ggml-cuda-green-contexts.patch, that context's kernels keep to that many SMs
-    (0: all) and the decoding streams have the rest. Opt-in and for measuring (on an H100 and an H200:
-    docs/benchmarks/history.md#green-contexts)."""
-    tuning = engine_tuning()
-    return tuning.long_prompt_tokens, tuning.long_prompt_sms
-
-
-def warm_up_wanted(backend: str) -> bool:
-    """Whether the engine runs `warm_up` at load: on the CUDA build (CUDA, ROCm), whose first pass
-    of each new shape is slow (measured on the H100); GATEWAY_WARMUP=on/off overrides it. Not on
-    Vulkan: its first passes were not measured to stall on a GPU, and on a software device
-    (lavapipe, which ggml reports as a GPU) the passes took 200-250 s of every load, on 2 cores."""
-    choice = engine_tuning().warmup
-    return backend in ("cuda", "rocm") if choice == "auto" else choice == "on"
-
-
-def warm_up(ctx: Any, n_batch: int, n_seqs: int, budget: int, n_ctx_seq: int) -> tuple[int, float]:
-    """Run one pass of each shape serving will use, then empty the KV cache: (passes, seconds).
-
-    The CUDA build loads a kernel on its first launch, and its kernels are specialised by the
-    number of tokens in a pass, so the first pass of each new shape stalls the step. Measured on
-    the H100 (Llama-3-8B-shaped Q4_K_M, 32 streams, shared KV): the first step with 32 streams'
-    tokens beside a 256-token prompt chunk took 416 ms (the next ones 50 ms), and being one step
-    of every stream at once, it alone set their inter-token p99. Warmed here: 1-8 sequences
-    decoding (the matrix-vector kernels come in 1-8 columns), 16, 32, 64 and every sequence
-    decoding, a prompt chunk of the prefill budget beside the streams, and a full batch of
-    prompt. Every sequence asks for logits, as a decoding one does."""
-    import llama_cpp as lc
-    mem = lc.llama_get_memory(ctx)
-    batch = lc.llama_batch_init(n_batch, 0, 1)
-    decoding = sorted({k for k in (*range(1, 9), 16, 32, 64, n_seqs) if k <= min(n_seqs, n_batch)})
-    shapes = [(k, 0) for k in decoding]
-    beside = min(n_seqs - 1, 32)
-    longest = min(n_batch, n_ctx_seq)
-    if budget < longest:
-        shapes.append((beside, min(budget, n_batch - beside)))
-    shapes.append((0, longest))
-    t0 = time.perf_counter()
-    passes = 0
-    try:
-        for streams, chunk in shapes:
-            n = 0
-            rows = [(seq, 1) for seq in range(streams)] + ([(n_seqs - 1, chunk)] if chunk else [])
-            for seq, count in rows:
-                for i in range(count):
-                    batch.token[n], batch.pos[n], batch.n_seq_id[n] = 0, i, 1
-                    batch.seq_id[n][0] = seq
-                    batch.logits[n] = i == count - 1
-                    n += 1
-            batch.n_tokens = n
-            rc = lc.llama_decode(ctx, batch)
-            lc.llama_memory_clear(mem, True)
-            if rc != 0:
-                log.warning("warm-up pass of %d tokens failed (%d); serving without the rest", n, rc)
-                break
-            passes += 1
-        lc.llama_synchronize(ctx)
-    finally:
-        lc.llama_memory_clear(mem, True)
-        lc.llama_batch_free(batch)
-    return passes, time.perf_counter() - t0
-
-
-native_log = logging.getLogger("llama.cpp")
-# ggml.h: NONE=0, DEBUG=1, INFO=2, WARN=3, ERROR=4, CONT=5 (llama_cpp/_logger.py still has the old order).
-_GGML_LEVELS = {1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}
-_log_callback: Any = None
-
-
-def _route_native_logs(lc: Any) -> None:
-    """Send llama.cpp's own log lines to Python logging (INFO lines are debug noise for us)."""
-    global _log_callback
-    if _log_callback is not None:
-        return
-    last = [logging.DEBUG]
-
-    @lc.llama_log_callback  # type: ignore[misc, untyped-decorator, unused-ignore]
-    def callback(level: int, text: bytes, _user: Any) -> None:
-        lvl = last[0] if level == 5 else _GGML_LEVELS.get(level, logging.DEBUG)
-        last[0] = lvl
-        lvl = logging.DEBUG if lvl == logging.INFO else lvl
-        if native_log.isEnabledFor(lvl):
-            native_log.log(lvl, "%s", text.decode("utf-8", errors="replace").rstrip())
-
-    _log_callback = callback
-    lc.llama_log_set(callback, ctypes.c_void_p(0))
-
-
-def llama_cpp_version() -> str:
-    try:
-        import llama_cpp
-
-        return str(llama_cpp.__version__)
-    except Exception:  # noqa: BLE001 - absence is reported, not raised
-        return ""
 
 
 class LlamaCppEngine:
@@ -237,16 +108,10 @@ class LlamaCppEngine:
             raise
 
     def _load_parts(self) -> None:
-        try:
-            import llama_cpp as lc
-        except ImportError as exc:
-            raise ModelLoadError(
-                f"llama-cpp-python is not installed ({exc}); run scripts/install-llama-cpp.sh"
-            ) from exc
-        from engines.llamacpp.batch import BatchScheduler
-
+        """The load, step by step: the library and its settings, the CPU variant, the weights,
+        the context, the template, the scheduler (and the long prompts' one), what it is."""
+        lc = _llama_cpp()
         o = self.options
-        lo = self.llama_options
         if not os.path.isfile(o.model_path):
             raise ModelLoadError(f"model file not found: {o.model_path}")
         try:
@@ -256,8 +121,31 @@ class LlamaCppEngine:
         except ValueError as exc:
             raise ModelLoadError(str(exc)) from exc
         _route_native_logs(lc)
+        variant = self._cpu_variant()
+        lc.llama_backend_init()
+        on_gpu = bool(o.device_key)
+        model = self._load_model(lc, on_gpu)
+        cparams, on_device = self._context_params(lc, model, on_gpu)
+        ctx = self._new_context(lc, model, cparams)
+        template = self._load_template(lc)
+        identity = self._identity(lc, variant)
+        shared = self._start(lc, ctx, identity, on_device, tuning, payback)
+        if long_min:
+            self._open_side(lc, model, cparams, o, long_min, long_sms, identity, shared)
+        self.info = replace(self.info, context_length=self._n_ctx_seq, template=template,
+                            capabilities=Capabilities(resume=True, embeddings=True, lazy_constraints=True,
+                                                      constraints=frozenset({"json", "grammar", "tagged"})),
+                            extra=self._facts(lc, variant, on_device, long_min, long_sms))
+        log.info(
+            "llama.cpp loaded %s: backend=%s device=%s ctx/seq=%d parallel=%d vocab=%d",
+            o.model_path, o.backend, o.device, self._n_ctx_seq, o.parallel, self._n_vocab,
+        )
+
+    def _cpu_variant(self) -> str | None:
+        """Load ggml's backends, with the CPU variant asked for (a process loads one)."""
         from engines.llamacpp.ggml_backends import ensure_loaded
 
+        lo = self.llama_options
         try:
             variant = ensure_loaded(lo.cpu_variant or None)
         except OSError as exc:
@@ -265,28 +153,31 @@ class LlamaCppEngine:
         if lo.cpu_variant and variant and lo.cpu_variant != variant:
             raise ModelLoadError(f"CPU variant {lo.cpu_variant} was asked for, but this process runs {variant} "
                                  "(a process loads one; engines in worker processes can each choose)")
-        lc.llama_backend_init()
-        mparams = lc.llama_model_default_params()
-        mparams.use_extra_bufts = lo.repack
-        # An explicit device list, even an empty one: llama.cpp would otherwise spread the
-        # model over every GPU the build sees, and a "CPU" engine would not be on the CPU.
+        return variant
+
+    def _load_model(self, lc: Any, on_gpu: bool) -> Any:
+        """The weights, on the engine's device only; on the CPU, the file pages repacking copied released."""
         from engines.llamacpp.ggml_devices import backends, device_list
 
-        wanted = [o.device_key] if o.device_key else []
-        devices, missing = device_list(wanted)
+        o = self.options
+        mparams = lc.llama_model_default_params()
+        mparams.use_extra_bufts = self.llama_options.repack
+        # An explicit device list, even an empty one: llama.cpp would otherwise spread the
+        # model over every GPU the build sees, and a "CPU" engine would not be on the CPU.
+        devices, missing = device_list([o.device_key] if on_gpu else [])
         if missing:
             raise ModelLoadError(
                 f"this llama-cpp-python build has no device {', '.join(missing)} "
                 f"(its backends: {', '.join(backends())})"
             )
         mparams.devices = ctypes.cast(devices, ctypes.c_void_p)
-        mparams.n_gpu_layers = (o.n_gpu_layers or -1) if wanted else 0
+        mparams.n_gpu_layers = (o.n_gpu_layers or -1) if on_gpu else 0
         mparams.main_gpu = 0
         model = lc.llama_model_load_from_file(o.model_path.encode(), mparams)
         if not model:
             raise ModelLoadError(f"llama.cpp could not load {o.model_path} on {o.device} ({o.device_key or 'CPU'})")
         self._model = model
-        if not wanted:  # weights in RAM: the file pages of repacked tensors are copies no one reads
+        if not on_gpu:  # weights in RAM: the file pages of repacked tensors are copies no one reads
             from engines.llamacpp.mapped import release
 
             log.debug("model file pages released after load: %.0f MiB", release(o.model_path) / 2**20)
@@ -297,6 +188,11 @@ class LlamaCppEngine:
         if self._n_ctx_seq < o.context_length:
             log.warning("context_length %d is above the %d tokens the model was trained on: serving %d",
                         o.context_length, n_ctx_train, self._n_ctx_seq)
+        return model
+
+    def _context_params(self, lc: Any, model: Any, on_gpu: bool) -> tuple[Any, bool]:
+        """The context's parameters, and whether sampling runs on the device."""
+        o, lo = self.options, self.llama_options
         cparams = lc.llama_context_default_params()
         cparams.n_ctx = self._n_ctx_seq * o.parallel
         cparams.n_batch = o.n_batch
@@ -321,26 +217,37 @@ class LlamaCppEngine:
         cparams.swa_full = lo.swa_full
         # auto: CUDA only. On Vulkan it is 1.07-1.12x faster on the H100, but on lavapipe llama.cpp's
         # (experimental) backend sampling corrupted the heap ("double free", 2 starts of 3): opt in.
-        on_device = lo.device_sampling == "on" or (lo.device_sampling == "auto" and bool(wanted) and o.backend == "cuda")
+        on_device = lo.device_sampling == "on" or (lo.device_sampling == "auto" and on_gpu and o.backend == "cuda")
         on_device = on_device and not (lo.draft_ngram and lo.draft_max)  # drafts are verified on the host
         if on_device:
             # One output per sequence and step: lets the device samplers size their buffers.
             cparams.n_outputs_max_per_seq = 1
+        return cparams, on_device
+
+    def _new_context(self, lc: Any, model: Any, cparams: Any) -> Any:
         ctx = lc.llama_init_from_model(model, cparams)
         if not ctx:
             lc.llama_model_free(model)
             self._model = None
             raise ModelLoadError(
-                f"llama.cpp could not create a context of {cparams.n_ctx} tokens on {o.device}"
+                f"llama.cpp could not create a context of {cparams.n_ctx} tokens on {self.options.device}"
             )
         self._ctx = ctx
         self._eog = [t for t in range(self._n_vocab) if lc.llama_vocab_is_eog(self._vocab, t)]
-        template = self._load_template(lc)
+        return ctx
+
+    def _start(self, lc: Any, ctx: Any, identity: str, on_device: bool, tuning: Any,
+               payback: float) -> dict[str, Any]:
+        """Warm the device up, then start the scheduler and the embedder; returns what every
+        scheduler of this engine shares (the long prompts' one too: `_open_side`)."""
+        from engines.llamacpp.batch import BatchScheduler
+        from engines.llamacpp.embed import Embedder
+
+        o, lo = self.options, self.llama_options
         budget = lo.prefill_budget or prefill_budget(o.backend)
         if warm_up_wanted(o.backend):
             passes, took = warm_up(ctx, o.n_batch, _sequences(o, lo), budget, self._n_ctx_seq)
             log.info("llama.cpp warm-up: %d passes in %.0f ms", passes, took * 1000)
-        # What every scheduler of this engine shares (the long prompts' one too: `_open_side`).
         shared: dict[str, Any] = dict(
             n_vocab=self._n_vocab,
             n_batch=o.n_batch,
@@ -362,7 +269,6 @@ class LlamaCppEngine:
             # What idle KV must have cost before it leaves a shared cache, in its copies' time.
             trim_payback=payback,
         )
-        identity = self._identity(lc, variant)
         self._sched = BatchScheduler(
             ctx=ctx,
             n_parallel=_sequences(o, lo),
@@ -373,31 +279,28 @@ class LlamaCppEngine:
             split_mixed=lo.kv_unified and split_mixed(o.backend),
             **shared,
         )
-        from engines.llamacpp.embed import Embedder
-
-        self._embedder = Embedder(model, self._n_ctx_seq, self._n_vocab, threads, o.pooling, o.normalize_embeddings)
+        threads = o.n_threads or os.cpu_count() or 1
+        self._embedder = Embedder(self._model, self._n_ctx_seq, self._n_vocab, threads, o.pooling,
+                                  o.normalize_embeddings)
         self._sched.embedder = self._embedder
+        return shared
+
+    def _facts(self, lc: Any, variant: str | None, on_device: bool, long_min: int, long_sms: int) -> dict[str, str]:
+        """What this engine is, for people (health, `gateway devices`)."""
+        o, lo = self.options, self.llama_options
+        facts = {"precision": self._precision(lc), "embedding_width": str(self._embedder.width),
+                 "sampling": "device" if on_device else "host",
+                 "speculative": (f"ngram {lo.draft_ngram}, up to {lo.draft_max}, at most {lo.draft_streams} streams"
+                                 if lo.draft_ngram and lo.draft_max else "off"),
+                 "repack": "on" if lo.repack else "off",
+                 "swa_cache": f"window {self._n_swa}" if self._n_swa else "full",
+                 "kv_layout": (f"shared by {_sequences(o, lo)} sequences ({self._n_ctx_seq} x {o.parallel} tokens)"
+                               if lo.kv_unified else f"one per sequence ({o.parallel} x {self._n_ctx_seq} tokens)")}
         if long_min:
-            self._open_side(lc, model, cparams, o, long_min, long_sms, identity, shared)
-        self.info = replace(
-            self.info, context_length=self._n_ctx_seq, template=template,
-            capabilities=Capabilities(resume=True, embeddings=True, constraints=frozenset({"json", "grammar", "tagged"}),
-                                      lazy_constraints=True),
-            extra={"precision": self._precision(lc), "embedding_width": str(self._embedder.width),
-                   "sampling": "device" if on_device else "host",
-                   "speculative": f"ngram {lo.draft_ngram}, up to {lo.draft_max}, at most {lo.draft_streams} streams" if lo.draft_ngram and lo.draft_max else "off",
-                   "repack": "on" if lo.repack else "off",
-                   "swa_cache": f"window {self._n_swa}" if self._n_swa else "full",
-                   "kv_layout": (f"shared by {_sequences(o, lo)} sequences ({self._n_ctx_seq} x {o.parallel} tokens)"
-                                 if lo.kv_unified else f"one per sequence ({o.parallel} x {self._n_ctx_seq} tokens)"),
-                   **({"long_prompt_context": f"from {long_min} uncached tokens"
-                       + (f", {long_sms} SMs" if long_sms else "")} if long_min else {}),
-                   **({"cpu_variant": variant} if variant else {})},
-        )
-        log.info(
-            "llama.cpp loaded %s: backend=%s device=%s ctx/seq=%d parallel=%d vocab=%d",
-            o.model_path, o.backend, o.device, self._n_ctx_seq, o.parallel, self._n_vocab,
-        )
+            facts["long_prompt_context"] = f"from {long_min} uncached tokens" + (f", {long_sms} SMs" if long_sms else "")
+        if variant:
+            facts["cpu_variant"] = variant
+        return facts
 
     def _precision(self, lc: Any) -> str:
         """The weights' type as llama.cpp names it ("f16", "q4_1", ...), last word of the model desc."""
@@ -592,7 +495,7 @@ class LlamaCppEngine:
         resumed = list(resumed_tokens(request, max_new))
         c = sp.constraint
         grammar = compile_constraint(c) if c is not None else None
-        lazy = [_pattern(t) for t in c.triggers] if c is not None else []
+        lazy = [pattern(t) for t in c.triggers] if c is not None else []
         sampler = build_sampler(self._vocab, self._n_vocab, sp, grammar, self._eog, max_new, lazy)
         if sampler is None:
             assert c is not None
@@ -656,44 +559,12 @@ class LlamaCppEngine:
             self._sched.cancel(job)
 
 
-def compile_constraint(c: Constraint) -> bytes:
-    """`c` as a GBNF grammar. Raises InvalidGenerationRequest (naming `c.part`) for a schema that
-    llama.cpp's converter does not take."""
-    if c.kind == "grammar":
-        return (c.grammar or "").encode()
-    from llama_cpp.llama_grammar import JSON_GBNF
-
+def _llama_cpp() -> Any:
     try:
-        body = _schema_grammar(c.schema) if c.schema else JSON_GBNF.encode()
-    except Exception as exc:
-        raise InvalidGenerationRequest(f"unsupported JSON schema: {exc}", param=c.part or None) from exc
-    return body if c.kind == "json" else _tagged_grammar(body, c.begin, c.end, c.separator, c.max_items)
-
-
-def _gbnf_literal(text: str) -> str:
-    return json.dumps(text, ensure_ascii=False)
-
-
-@functools.lru_cache(maxsize=256)
-def _tagged_grammar(item: bytes, begin: str, end: str, separator: str, max_items: int) -> bytes:
-    """One to `max_items` items joined by `separator`, each `begin` item `end`."""
-    body = re.sub(rb"^root ::=", b"tagged-item ::=", item, count=1, flags=re.MULTILINE)
-    more = f"({_gbnf_literal(separator)} tagged-one){{0,{max_items - 1}}}" if max_items > 1 else ""
-    head = f"root ::= tagged-one {more}\ntagged-one ::= {_gbnf_literal(begin)} tagged-item {_gbnf_literal(end)}\n"
-    return head.encode() + body
-
-
-def _pattern(trigger: str) -> bytes:
-    """A trigger text as a lazy grammar's pattern (a regular expression matching it literally)."""
-    return re.sub(r"([\\^$.|?*+()\[\]{}])", r"\\\1", trigger).encode()
-
-
-@functools.lru_cache(maxsize=256)
-def _schema_grammar(schema: str) -> bytes:
-    """GBNF for a JSON schema, cached: tool definitions repeat on every request of an agent."""
-    from llama_cpp.llama_grammar import json_schema_to_gbnf
-
-    return str(json_schema_to_gbnf(schema)).encode()
+        import llama_cpp as lc
+    except ImportError as exc:
+        raise ModelLoadError(f"llama-cpp-python is not installed ({exc}); run scripts/install-llama-cpp.sh") from exc
+    return lc
 
 
 @register_runtime("llamacpp")
