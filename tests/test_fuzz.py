@@ -214,6 +214,7 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 
 # Every operation of the document; test_every_operation_is_fuzzed keeps this list complete.
 OPERATIONS = [("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("POST", "/v1/embeddings"),
+              ("POST", "/apply-template"),
               ("GET", "/v1/models"), ("GET", "/v1/models/{model_id}"), ("GET", "/health"), ("GET", "/metrics"),
               ("GET", "/health/ready"), ("GET", "/health/live"),
               ("GET", "/api/status"), ("GET", "/api/devices"),
