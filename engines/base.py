@@ -373,6 +373,11 @@ class ModelLoadError(EngineError):
     """The model could not be loaded on this runtime/device."""
 
 
+class LoadInterrupted(ModelLoadError):
+    """The load was stopped from outside (its process killed by a SIGKILL that neither the gateway
+    nor the kernel's OOM killer sent): nothing was learnt about the engine, so no verdict on it is kept."""
+
+
 class ModelTooLarge(ModelLoadError):
     """The model does not fit its device's memory budget even alone (the message has the numbers)."""
 

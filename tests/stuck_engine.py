@@ -46,3 +46,19 @@ class StuckEngine:
 
     async def close(self) -> None:
         self._never.set()
+
+
+@register_runtime("slow-load")
+class SlowLoadEngine(StuckEngine):
+    """Its load writes the worker's pid to $SLOW_LOAD_PID_FILE and takes a minute (or, with
+    $SLOW_LOAD_CRASH set, crashes the worker itself with SIGSEGV)."""
+
+    async def load(self) -> None:
+        import os
+        import signal
+        from pathlib import Path
+
+        Path(os.environ["SLOW_LOAD_PID_FILE"]).write_text(str(os.getpid()))
+        if os.environ.get("SLOW_LOAD_CRASH"):
+            os.kill(os.getpid(), signal.SIGSEGV)
+        await asyncio.sleep(60)

@@ -467,3 +467,40 @@ def test_a_stream_continues_on_the_next_engine_when_its_own_gives_up(tmp_path: P
         assert f'gateway_failovers_total{{model="{MODEL}",reason="next_engine"}} 1.0' in metrics
     finally:
         g.stop()
+
+
+# --- a load stopped from outside is not the engine's verdict -------------------------------------
+
+
+async def _load_and(tmp_path: Path, crash: bool) -> BaseException:
+    """Load the slow-loading stand-in; SIGKILL its worker from here (or let it crash itself)."""
+    import asyncio
+
+    pid_file = tmp_path / "pid"
+    env = {"SLOW_LOAD_PID_FILE": str(pid_file), **({"SLOW_LOAD_CRASH": "1"} if crash else {})}
+    conn = LocalWorker("slow-load", EngineConfig("unused"), env=env, plugins=("tests.stuck_engine",))
+    opening = asyncio.ensure_future(conn.open())
+    if not crash:
+        for _ in range(300):
+            if pid_file.exists() and pid_file.read_text():
+                break
+            await asyncio.sleep(0.05)
+        os.kill(int(pid_file.read_text()), signal.SIGKILL)
+    try:
+        await asyncio.wait_for(opening, 30)
+    except BaseException as exc:  # noqa: BLE001 - the outcome under test
+        return exc
+    raise AssertionError("the load went on")
+
+
+async def test_a_load_killed_from_outside_is_interrupted_not_failed(tmp_path: Path) -> None:
+    """A `kill -9` (an operator, a supervisor) during a load says nothing about the engine: the
+    pool does not keep it as the engine's failed check (which would stop it being tried again)."""
+    from engines.base import LoadInterrupted, ModelLoadError
+
+    killed = await _load_and(tmp_path, crash=False)
+    assert isinstance(killed, LoadInterrupted), killed
+    assert "SIGKILL from outside while loading" in str(killed)
+    crashed = await _load_and(tmp_path, crash=True)
+    assert isinstance(crashed, ModelLoadError) and not isinstance(crashed, LoadInterrupted), crashed
+    assert "SIGSEGV" in str(crashed)

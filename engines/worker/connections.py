@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from engines.base import EngineConfig, ModelLoadError
+from engines.base import EngineConfig, LoadInterrupted, ModelLoadError
 from engines.worker import wire
 
 log = logging.getLogger(__name__)
@@ -225,6 +225,7 @@ class LocalWorker:
         try:
             # Its own session: a terminal's Ctrl-C reaches the gateway, which drains and then
             # closes the socket; the worker never outlives it (the socket, and PR_SET_PDEATHSIG).
+            oom_base = oom_kills()
             process = await asyncio.create_subprocess_exec(
                 *args, pass_fds=(theirs.fileno(),), env={**os.environ, **self.env}, start_new_session=True,
             )
@@ -237,7 +238,15 @@ class LocalWorker:
             writer.write(wire.frame(wire.Load(self.runtime, self.config)))
             ready = await _expect_ready(reader, self.load_timeout_s)
         except (asyncio.IncompleteReadError, ConnectionError) as exc:
-            raise ModelLoadError(f"the worker {await _exit_of(process)} while loading") from exc
+            if writer is not None:
+                writer.close()
+            else:
+                ours.close()
+            how = await _exit_of(process)
+            now = oom_kills()
+            if process.returncode == -signal.SIGKILL and not (now is not None and oom_base is not None and now > oom_base):
+                raise LoadInterrupted(f"the worker {how} from outside while loading") from exc
+            raise ModelLoadError(f"the worker {how} while loading") from exc
         except BaseException:
             # Cancelled (a standby dropped, a load abandoned) or timed out: the process is killed
             # and reaped here, so that no unreaped child outlives the task that started it.

@@ -20,6 +20,7 @@ from engines.base import (
     EngineConfig,
     EngineError,
     EngineInfo,
+    LoadInterrupted,
     ModelLoadError,
     ModelNotAvailable,
     ModelTooLarge,
@@ -433,7 +434,7 @@ class ModelManager:
             why = str(exc) or type(exc).__name__
             if stage == "load" and "killed by" in why:
                 stage = ""  # the worker crashed while loading: another rung may not
-            if self.settings.functional_check:
+            if self.settings.functional_check and not isinstance(exc, LoadInterrupted):
                 self.checks.put(key, CheckResult(False, why, stage=stage), what)
             return None, why, stage
         if isinstance(engine, Supervised):
