@@ -52,8 +52,8 @@ def test_the_check_sees_a_long_function() -> None:
 ADAPTERS = ("openai", "anthropic", "ollama")
 
 
-def _engine_imports(source: str) -> list[str]:
-    """The modules of the `engines` package a module's source imports (at any depth of its code)."""
+def imports_of(source: str, packages: tuple[str, ...]) -> list[str]:
+    """The modules of `packages` a module's source imports (at any depth of its code), one per import."""
     found = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
@@ -62,8 +62,13 @@ def _engine_imports(source: str) -> list[str]:
             names = [a.name for a in node.names]
         else:
             continue
-        found += [n for n in names if n == "engines" or n.startswith("engines.")][:1]
+        found += [n for n in names if any(n == p or n.startswith(f"{p}.") for p in packages)][:1]
     return found
+
+
+def _engine_imports(source: str) -> list[str]:
+    """The modules of the `engines` package a module's source imports."""
+    return imports_of(source, ("engines",))
 
 
 def test_no_protocol_adapter_imports_the_engines() -> None:

@@ -4,7 +4,6 @@ runtimes only through the registry."""
 
 from __future__ import annotations
 
-import ast
 import importlib
 import json
 import os
@@ -24,6 +23,7 @@ from gateway.models.registry import ModelSpec, load_registry
 from gateway.settings import Settings
 from tests import hosts
 from tests.conftest import ServerThread
+from tests.test_code_shape import imports_of
 
 ROOT = Path(__file__).resolve().parent.parent
 PLUGIN = "tests.plugin_runtime"
@@ -190,16 +190,7 @@ ADAPTERS = ("engines.llamacpp", "engines.coreml", "engines.executorch", "engines
 
 def adapter_imports(source: str) -> list[str]:
     """The runtime adapters a module's source imports, at any depth of its code."""
-    found = []
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-        elif isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        else:
-            continue
-        found += [n for n in names if any(n == a or n.startswith(f"{a}.") for a in ADAPTERS)][:1]
-    return found
+    return imports_of(source, ADAPTERS)
 
 
 def test_no_gateway_module_imports_a_runtime_adapter() -> None:
