@@ -78,14 +78,15 @@ def grammar_compile(model_path: str, n: int = 20) -> dict[str, float]:
     import llama_cpp as lc
 
     from engines.llamacpp.grammar import _schema_grammar
-    from gateway.api.tools import Tool, ToolChoice, output_schema
+    from gateway.chat.formats.base import Tool, ToolChoice, call_cap
+    from gateway.chat.formats.rewrite import output_schema
 
     params = {"type": "object", "properties": {"order_id": {"type": "string"}, "express": {"type": "boolean"},
                                                "items": {"type": "array", "items": {"type": "object", "properties": {
                                                    "sku": {"type": "string"}, "qty": {"type": "integer"}}}}},
               "required": ["order_id"]}
     tools = [Tool(f"tool_{i}", "", params) for i in range(4)]
-    schema = json.dumps(output_schema(tools, ToolChoice("auto"), True))
+    schema = json.dumps(output_schema(tools, ToolChoice("auto"), True, call_cap(tools, ToolChoice("auto"), True)))
     cold, warm, parse = [], [], []
     mp = lc.llama_model_default_params()
     mp.vocab_only = True

@@ -17,14 +17,28 @@ from pydantic import BaseModel
 
 
 @dataclass(frozen=True)
+class Tagged:
+    """One kind of item of a "tagged" constraint: `begin`, a body, `end`. The body is JSON
+    matching `schema` (its text; None = any JSON object), or with `body="xml"` the schema's
+    properties as `<parameter=NAME>` blocks (a string's text as it is, other values as JSON, each
+    followed by a newline and `</parameter>`): the XML tool calls of some families."""
+
+    begin: str
+    schema: str | None = None
+    end: str = ""
+    body: Literal["json", "xml"] = "json"
+
+
+@dataclass(frozen=True)
 class Constraint:
     """What the output must match, in terms any runtime can compile (its capabilities say which
     kinds it can: `Capabilities.constraints`).
 
     - "json": one JSON value matching `schema` (a JSON schema's text; None = any JSON object);
     - "grammar": `grammar`, a GBNF grammar (llama.cpp's format);
-    - "tagged": one to `max_items` items joined by `separator`, each `begin` + JSON matching
-      `schema` + `end` (a model family's tool calls, between the family's tags).
+    - "tagged": `prefix`, then one to `max_items` items joined by `separator`, then `suffix`;
+      each item is one of `items` (a model family's tool calls: one alternative per tool, or one
+      for all of them, between the family's tags).
     With `triggers` the output is free text until it writes one of them; the constraint applies
     from there on (the trigger's text is the constrained text's start). `part` names the request
     part it comes from, in the gateway's neutral field names (the protocol adapter names the
@@ -34,8 +48,9 @@ class Constraint:
     kind: Literal["json", "grammar", "tagged"]
     schema: str | None = None
     grammar: str | None = None
-    begin: str = ""
-    end: str = ""
+    items: tuple[Tagged, ...] = ()
+    prefix: str = ""
+    suffix: str = ""
     separator: str = ""
     max_items: int = 1
     triggers: tuple[str, ...] = ()

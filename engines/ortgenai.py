@@ -347,13 +347,30 @@ _COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator
 
 
 def guidance(c: Constraint) -> tuple[str, str]:
-    """`c` as ORT GenAI guidance: (kind, data)."""
-    schema = json.dumps({**json.loads(c.schema or '{"type": "object"}'), "x-guidance": _COMPACT})
+    """`c` as ORT GenAI guidance: (kind, data). Raises InvalidGenerationRequest for an XML body."""
     if c.kind == "json":
-        return "json_schema", schema
-    one = f"{json.dumps(c.begin)} %json{schema} {json.dumps(c.end)}"
-    more = f" ({json.dumps(c.separator)} item){{0,{c.max_items - 1}}}" if c.max_items > 1 else ""
-    return "lark_grammar", f"start: item{more}\nitem: {one}\n"
+        return "json_schema", _compact(c.schema)
+    alts = []
+    for item in c.items:
+        if item.body != "json":
+            raise InvalidGenerationRequest("XML-bodied tool calls are not supported by the ortgenai runtime",
+                                           param=c.part or None)
+        alts.append(_seq(_lit(item.begin), f"%json{_compact(item.schema)}", _lit(item.end)))
+    more = f"({_seq(_lit(c.separator), 'item')}){{0,{c.max_items - 1}}}" if c.max_items > 1 else ""
+    return "lark_grammar", f"start: {_seq(_lit(c.prefix), 'item', more, _lit(c.suffix))}\nitem: {' | '.join(alts)}\n"
+
+
+def _lit(text: str) -> str:
+    """A text as a Lark literal ("" for none: Lark has no empty literal)."""
+    return json.dumps(text) if text else ""
+
+
+def _seq(*terms: str) -> str:
+    return " ".join(t for t in terms if t)
+
+
+def _compact(schema: str | None) -> str:
+    return json.dumps({**json.loads(schema or '{"type": "object"}'), "x-guidance": _COMPACT})
 
 
 @register_runtime("ortgenai")

@@ -115,6 +115,7 @@ class Conversation:
     sampling: Sampling = field(default_factory=Sampling)
     # Where the adapter's own names for these fields are, for error messages ("tools", "tool_choice.name").
     params: dict[str, str] = field(default_factory=dict)
+    effort: str | None = None  # how hard a model with reasoning levels thinks: "low" | "medium" | "high"
 
     def param(self, what: str) -> str:
         return self.params.get(what, what)

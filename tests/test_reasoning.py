@@ -11,9 +11,9 @@ import httpx
 import pytest
 
 from engines.base import EngineConfig, TemplateSource
-from gateway.api.reasoning import Splitter
 from gateway.app import create_app
 from gateway.chat.template import ChatMessage, ChatTemplate, Traits
+from gateway.chat.thinking import Splitter
 from gateway.models.registry import load_registry
 from gateway.settings import Settings
 from tests import hosts

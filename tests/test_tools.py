@@ -14,7 +14,8 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from gateway.api.tools import ArgumentsDelta, CallStarted, ContentDelta, StreamParser
+from gateway.chat.formats.base import ArgumentsDelta, CallStarted, ContentDelta
+from gateway.chat.formats.jsonscan import StreamParser
 from tests.conftest import MODEL
 
 WEATHER = {

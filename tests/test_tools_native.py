@@ -16,8 +16,8 @@ import yaml
 
 from engines.base import EngineConfig
 from engines.llamacpp.engine import LlamaCppEngine
-from gateway.api.tools import native_format
 from gateway.app import create_app
+from gateway.chat import formats
 from gateway.chat.template import ChatMessage, ToolCallRecord, template_of
 from gateway.models.registry import load_registry
 from gateway.settings import Settings
@@ -114,7 +114,7 @@ async def test_the_template_renders_tools_calls_and_results() -> None:
     engine = LlamaCppEngine(EngineConfig(model_path=str(path), chat_template=HERMES, parallel=1))
     await engine.load()
     try:
-        assert native_format(template_of(engine.info)) == "hermes"
+        assert formats.detect(template_of(engine.info)).name == "hermes"
         msgs = (ChatMessage("user", "Weather in Paris?"),
                 ChatMessage("assistant", "", tool_calls=(ToolCallRecord("c1", "get_weather", '{"city": "Paris"}'),)),
                 ChatMessage("tool", '{"temp_c": 18}', tool_call_id="c1"))

@@ -8,7 +8,7 @@ import functools
 import json
 import re
 
-from engines.base import Constraint, InvalidGenerationRequest
+from engines.base import Constraint, InvalidGenerationRequest, Tagged
 
 
 def compile_constraint(c: Constraint) -> bytes:
@@ -19,23 +19,65 @@ def compile_constraint(c: Constraint) -> bytes:
     from llama_cpp.llama_grammar import JSON_GBNF
 
     try:
-        body = _schema_grammar(c.schema) if c.schema else JSON_GBNF.encode()
+        if c.kind == "json":
+            return _schema_grammar(c.schema) if c.schema else JSON_GBNF.encode()
+        return _tagged_grammar(c.items, c.prefix, c.suffix, c.separator, c.max_items)
+    except InvalidGenerationRequest:
+        raise
     except Exception as exc:
         raise InvalidGenerationRequest(f"unsupported JSON schema: {exc}", param=c.part or None) from exc
-    return body if c.kind == "json" else _tagged_grammar(body, c.begin, c.end, c.separator, c.max_items)
 
 
 def _gbnf_literal(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
+_RULE = re.compile(rb"^([a-zA-Z0-9-]+)\s*::=", re.MULTILINE)
+_TOKEN = re.compile(rb'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|[a-zA-Z0-9-]+|.', re.DOTALL)
+
+
+def _namespaced(grammar: bytes, prefix: str) -> bytes:
+    """A grammar's rules renamed `prefix-NAME` (its `root` becomes `prefix`), so that several
+    grammars can be joined into one: names are renamed outside string literals and classes."""
+    names = set(_RULE.findall(grammar))
+    ns = prefix.encode()
+
+    def rename(m: re.Match[bytes]) -> bytes:
+        tok = m.group(0)
+        if tok not in names:
+            return tok
+        return ns if tok == b"root" else ns + b"-" + tok
+
+    return _TOKEN.sub(rename, grammar)
+
+
+def _item_body(item: Tagged, name: str) -> bytes:
+    """The rules of one item's body, its start rule named `name`."""
+    from llama_cpp.llama_grammar import JSON_GBNF
+
+    if item.body == "xml":
+        return _xml_body(item.schema, name)
+    body = _schema_grammar(item.schema) if item.schema else JSON_GBNF.encode()
+    return _namespaced(body, name)
+
+
+def _xml_body(schema: str | None, name: str) -> bytes:
+    raise InvalidGenerationRequest("XML-bodied tool calls are not compiled by the llama.cpp runtime yet")
+
+
 @functools.lru_cache(maxsize=256)
-def _tagged_grammar(item: bytes, begin: str, end: str, separator: str, max_items: int) -> bytes:
-    """One to `max_items` items joined by `separator`, each `begin` item `end`."""
-    body = re.sub(rb"^root ::=", b"tagged-item ::=", item, count=1, flags=re.MULTILINE)
-    more = f"({_gbnf_literal(separator)} tagged-one){{0,{max_items - 1}}}" if max_items > 1 else ""
-    head = f"root ::= tagged-one {more}\ntagged-one ::= {_gbnf_literal(begin)} tagged-item {_gbnf_literal(end)}\n"
-    return head.encode() + body
+def _tagged_grammar(items: tuple[Tagged, ...], prefix: str, suffix: str, separator: str, max_items: int) -> bytes:
+    """`prefix`, one to `max_items` items joined by `separator`, `suffix`; each item one of `items`."""
+    rules: list[bytes] = []
+    alts: list[str] = []
+    for k, item in enumerate(items):
+        body = f"tagged-body{k}"
+        alts.append(f"{_gbnf_literal(item.begin)} {body} {_gbnf_literal(item.end)}")
+        rules.append(_item_body(item, body))
+    more = f" ({_gbnf_literal(separator)} tagged-one){{0,{max_items - 1}}}" if max_items > 1 else ""
+    head = (f"root ::= {_gbnf_literal(prefix)} tagged-one{more} {_gbnf_literal(suffix)}\n"
+            f"tagged-one ::= {' | '.join(f'( {a} )' for a in alts)}\n")
+    return head.encode() + b"\n".join(rules)
 
 
 def pattern(trigger: str) -> bytes:

@@ -27,6 +27,9 @@ from gateway.api.errors import APIError, ServerShutdown, invalid, record
 from gateway.api.failover import FailoverPolicy, resumable
 from gateway.api.guards import Drain
 from gateway.api.notes import header_value
+from gateway.chat import formats
+from gateway.chat.formats import base as parts
+from gateway.chat.formats.base import Format, Reader
 from gateway.chat.template import ChatMessage, ChatTemplate, TemplateError, Traits, template_of
 from gateway.conversation import (
     ArgumentsDelta,
@@ -115,6 +118,7 @@ class Rendered:
     tool_plan: tools.ToolPlan | None  # the output is a constrained tool-call answer
     skipped_tools: tuple[str, ...]  # tools left out: the model does not call tools (models.yaml)
     reasoning: reasoning.ReasoningPlan | None  # None: the model does not reason
+    format: Format  # the model family's format of calls and reasoning
 
 
 @dataclass
@@ -130,6 +134,7 @@ class Prepared:
     tool_plan: tools.ToolPlan | None = None  # the output is a constrained tool-call answer
     skipped_tools: tuple[str, ...] = ()  # tools left out: the model does not call tools (models.yaml)
     reasoning: reasoning.ReasoningPlan | None = None  # None: the model does not reason
+    format: Format = formats.GENERIC  # the model family's format of calls and reasoning
     created: int = field(default_factory=lambda: int(time.time()))
     on_complete: CompletionHook | None = None
     # How each choice's engine stream is opened (with failover); None: the engine's own generate.
@@ -323,6 +328,7 @@ class Service:
         p.tool_plan = r.tool_plan
         p.skipped_tools = r.skipped_tools
         p.reasoning = r.reasoning
+        p.format = r.format
         return p
 
     async def render(self, spec: ModelSpec, conv: Conversation) -> Rendered:
@@ -340,29 +346,26 @@ class Service:
             conv = replace(conv, tools=None, tool_choice=None)
         info = (await self.manager.get(spec)).engine.info
         template = template_of(info)
-        native = ""
-        if conv.tools and (conv.tool_choice is None or conv.tool_choice.mode != "none"):
-            # The serving template decides the tool format: its own (rendered by the template) or ours.
-            native = tools.native_format(template)
+        fmt = formats.named(spec.tool_format) if spec.tool_format else formats.detect(template)
         try:
-            tool_plan = tools.plan(conv, native)
+            tool_plan = tools.plan(conv, fmt)
         except tools.ToolRequestError as exc:
             raise invalid(str(exc), param=exc.param) from None
         template_tools = None
-        if tool_plan is not None and tool_plan.native:
-            messages = tools.render_native(conv)
-            template_tools = tools.template_tools(conv)
-        elif native and conv.uses_tool_history:
-            messages = tools.render_native(conv)
-        elif tool_plan is not None or conv.uses_tool_history:
-            messages = tools.render(conv, tool_plan)
+        if tool_plan is not None:
+            messages = tool_plan.format.turns(conv, tool_plan.calls)
+            if tool_plan.format.native:
+                template_tools = tools.template_tools(conv)
+        elif conv.uses_tool_history:
+            # Past calls in the family's own shape (or rewritten, for a template without tools).
+            messages = fmt.turns(conv, None)
         else:
             messages = [ChatMessage(role=t.role, content=t.text) for t in conv.turns]
-        fmt = conv.output
+        out = conv.output
         if tool_plan is not None:
             sp = replace(sp, constraint=tool_plan.constraint(info.capabilities.lazy_constraints))
-        elif fmt is not None and fmt.type != "text":
-            sp = _constrained(sp, fmt, conv.param("output.schema"))
+        elif out is not None and out.type != "text":
+            sp = _constrained(sp, out, conv.param("output.schema"))
         elif spec.grammar:
             sp = replace(sp, constraint=Constraint("grammar", grammar=spec.grammar, part="grammar"))
         # A JSON answer from the first token leaves no room to think (a native tool format starts
@@ -371,9 +374,9 @@ class Service:
             tool_plan is not None and tool_plan.native and tool_plan.choice.mode == "auto")
         rplan = reasoning.plan(spec, template.traits if template is not None else Traits(), conv.thinking, constrained)
         thinking = rplan.thinking if rplan is not None else None
-        text = await render_prompt(template, messages, template_tools, thinking)
+        text = await render_prompt(fmt, template, messages, template_tools, thinking, conv.effort)
         base = GenerationRequest(request_id="", sampling=sp, prompt=text, templated=True, affinity=_head(messages))
-        return Rendered(base, tool_plan, skipped, rplan)
+        return Rendered(base, tool_plan, skipped, rplan, fmt)
 
     async def conversation_events(self, p: Prepared) -> AsyncGenerator[tuple[int, OutputEvent], None]:
         """The output as neutral events, with the index of the choice each belongs to; `_Answers`
@@ -402,7 +405,7 @@ class Service:
                         out.finish[i], out.calls[i], out.whole[i] = e.reason, e.calls, e.whole
                         if e.usage is not None:
                             out.usages.append(e.usage)
-        out.raw = ["".join(answers.raw.get(i, ())) for i in range(n)]
+        out.raw = [answers.raw(i) for i in range(n)]
         return out
 
 
@@ -422,46 +425,68 @@ class _Answers:
         self.usages = p.usages  # each choice's, converted as its last event passed
         self.plan = p.tool_plan
         self.rplan = p.reasoning
-        self.parsers: dict[int, tools.StreamParser | tools.HermesParser] = {}
+        self.format = p.tool_plan.format if p.tool_plan is not None else p.format
+        self.readers: dict[int, Reader] = {}
         self.held: dict[int, list[OutputEvent]] = {}  # the call in progress, per choice
         self.released: dict[int, int] = {}  # calls given out, per choice
         self.ended: set[int] = set()  # choices whose answer ended at a repeat
         self.ids: dict[tuple[int, int], str] = {}
         self.kinds = {t.name: t.kind for t in p.tool_plan.tools} if p.tool_plan is not None else {}
-        self.splitters: dict[int, reasoning.Splitter] = {}
         self.thought_tokens: dict[int, int] = {}
-        self.raw: dict[int, list[str]] = {}  # a tool answer's text as the model wrote it, per choice
+        self._split = self.rplan is not None and self.rplan.split
+        self._opened = self.rplan is not None and self.rplan.opened
+        # None: the text is the answer as it is (no tools, no reasoning to split off).
+        self._reads = self.format.reader(None, self._split, self._opened) is not None or self.plan is not None
+
+    def _reader(self, i: int) -> Reader:
+        r = self.readers.get(i)
+        if r is None:
+            r = self.format.reader(self.plan.calls if self.plan is not None else None, self._split, self._opened)
+            assert r is not None
+            self.readers[i] = r
+        return r
 
     def events(self, i: int, ev: TokenEvent) -> list[OutputEvent]:
         """The events one engine event makes; its tokens' logprobs lead them, when it has any."""
-        thought, text = self._split(i, ev)
-        out: list[OutputEvent] = list(thought)
-        if self.plan is not None:
-            self.raw.setdefault(i, []).append(text)  # what a call cut short is answered with
-            out += self._tool_answer(i, ev, text)
-        else:
-            if text or (ev.logprobs and not thought):
-                out.append(TextDelta(text))
+        if not self._reads:
+            out: list[OutputEvent] = []
+            if ev.text or ev.logprobs:
+                out.append(TextDelta(ev.text))
             if ev.finish_reason is not None:
                 out.append(self._finished(i, ev, ev.finish_reason))
+        elif self.plan is not None:
+            out = self._tool_answer(i, ev)
+        else:
+            out = self._read(i, ev)
         if ev.logprobs and out:
             out.insert(0, Scored(ev.logprobs))
         return out
 
-    def _split(self, i: int, ev: TokenEvent) -> tuple[list[ReasoningDelta], str]:
-        """The engine event's text as reasoning, and the answer's text that follows it."""
-        if self.rplan is None or not self.rplan.split:
-            return [], ev.text
-        sp = self.splitters.get(i)
-        if sp is None:
-            sp = self.splitters[i] = reasoning.Splitter(self.rplan.opened)
-        parts = sp.feed(ev.text)
-        if sp.touched:
+    def _parts(self, i: int, ev: TokenEvent) -> list[parts.Event]:
+        """The reader's events for the engine event's text (the reader flushed at the end)."""
+        r = self._reader(i)
+        parts = r.feed(ev.text)
+        if r.touched:
             self.thought_tokens[i] = self.thought_tokens.get(i, 0) + len(ev.token_ids)
         if ev.finish_reason is not None:
-            parts += sp.flush()
-        return ([ReasoningDelta(t) for k, t in parts if k == "reasoning"],
-                "".join(t for k, t in parts if k == "text"))
+            parts += r.flush()
+        return parts
+
+    def _read(self, i: int, ev: TokenEvent) -> list[OutputEvent]:
+        """An answer without tools: reasoning and text."""
+        out: list[OutputEvent] = [ReasoningDelta(e.text) if isinstance(e, parts.ReasoningDelta) else TextDelta(e.text)
+                                  for e in self._parts(i, ev) if isinstance(e, (parts.ReasoningDelta, parts.ContentDelta))]
+        if ev.logprobs and not out:
+            out.append(TextDelta(""))
+        if ev.finish_reason is not None:
+            out.append(self._finished(i, ev, ev.finish_reason))
+        return out
+
+    def raw(self, i: int) -> str:
+        """A tool answer's text as the model wrote it, its reasoning aside (a call cut short is
+        answered with it)."""
+        r = self.readers.get(i)
+        return r.answer if r is not None else ""
 
     def _finished(self, i: int, ev: TokenEvent, reason: str, calls: tuple[ToolCall, ...] = (),
                   whole: bool = True) -> Finished:
@@ -470,31 +495,27 @@ class _Answers:
                         self.usages.get(i) if ev.usage is not None else None, ev.stop_sequence)
 
     def _tool_finished(self, i: int, ev: TokenEvent, whole: bool) -> Finished:
-        parser = self.parsers[i]
         calls = tuple(ToolCall(self.ids[(i, k)], n, a or "{}", self.kinds.get(n, "function"))
-                      for k, (n, a) in enumerate(parser.calls[:self.released.get(i, 0)]))
+                      for k, (n, a) in enumerate(self._reader(i).calls[:self.released.get(i, 0)]))
         return self._finished(i, ev, "tool_calls" if calls else (ev.finish_reason or "stop"), calls, whole)
 
     def _release(self, i: int) -> list[OutputEvent] | None:
         """The held call is complete: its events, or None when it repeats an earlier call."""
-        parser, n = self.parsers[i], self.released.get(i, 0)
-        if _first_repeat(parser.calls[:n + 1]) is not None:
+        calls, n = self._reader(i).calls, self.released.get(i, 0)
+        if _first_repeat(calls[:n + 1]) is not None:
             self.ended.add(i)
             return None
         self.released[i] = n + 1
         out, self.held[i] = self.held.get(i, []), []
         return out
 
-    def _tool_answer(self, i: int, ev: TokenEvent, text: str) -> list[OutputEvent]:
-        assert self.plan is not None
-        parser = self.parsers.get(i)
-        if parser is None:
-            parser = self.parsers[i] = self.plan.parser()
+    def _tool_answer(self, i: int, ev: TokenEvent) -> list[OutputEvent]:
+        reader = self._reader(i)
         out: list[OutputEvent] = []
         if i in self.ended:
             return [self._tool_finished(i, ev, True)] if ev.finish_reason is not None else []
-        for e in parser.feed(text):
-            if isinstance(e, tools.CallStarted):
+        for e in self._parts(i, ev):
+            if isinstance(e, parts.CallStarted):
                 if self.held.get(i):
                     done = self._release(i)
                     if done is None:
@@ -502,19 +523,17 @@ class _Answers:
                     out += done
                 self.ids[(i, e.index)] = _call_id()
                 self.held[i] = [CallStarted(e.index, self.ids[(i, e.index)], e.name, self.kinds.get(e.name, "function"))]
-            elif isinstance(e, tools.ArgumentsDelta):
+            elif isinstance(e, parts.ArgumentsDelta):
                 self.held.setdefault(i, []).append(ArgumentsDelta(e.index, e.text))
+            elif isinstance(e, parts.ReasoningDelta):
+                out.append(ReasoningDelta(e.text))
             else:
                 out.append(TextDelta(e.text))
-        if i not in self.ended and parser.done and self.held.get(i):
+        if i not in self.ended and reader.done and self.held.get(i):
             out += self._release(i) or []
         if ev.finish_reason is None:
             return out
-        if i in self.ended:
-            return out + [self._tool_finished(i, ev, True)]
-        # A partial tag held back is text after all.
-        out += [TextDelta(e.text) for e in parser.flush() if isinstance(e, tools.ContentDelta)]
-        return out + [self._tool_finished(i, ev, parser.done)]
+        return out + [self._tool_finished(i, ev, True if i in self.ended else reader.done)]
 
 
 def _constrained(sp: SamplingParams, fmt: Output | None, param: str = "format") -> SamplingParams:
@@ -543,16 +562,17 @@ def _head(messages: list[ChatMessage]) -> str:
 LONG_RENDER_CHARS = 16_384
 
 
-async def render_prompt(template: ChatTemplate | None, messages: list[ChatMessage],
-                        template_tools: list[dict[str, Any]] | None, thinking: bool | None) -> str:
-    """The conversation as the model's template writes it."""
+async def render_prompt(fmt: Format, template: ChatTemplate | None, messages: list[ChatMessage],
+                        template_tools: list[dict[str, Any]] | None, thinking: bool | None,
+                        effort: str | None = None) -> str:
+    """The conversation as the model's template (through its family's format) writes it."""
     if template is None:
         raise invalid("this model has no chat template, so it answers raw prompts only, not chat messages",
                       param="messages", code="invalid_value")
 
     def render() -> str:
         try:
-            return template.render(messages, template_tools, thinking)
+            return fmt.render(template, messages, template_tools, thinking, effort)
         except TemplateError as exc:
             raise invalid(f"the model's chat template rejected the messages: {exc}", param="messages",
                           code="invalid_value") from exc

@@ -255,6 +255,9 @@ class ModelSpec(_Strict):
     tools: bool = Field(default=True, description="the model calls tools; false for models too small to (their "
                         "requests' tools are skipped and named in X-Skipped-Tools, and the model answers in text; "
                         "tool_choice required or named is a 400)")
+    tool_format: str | None = Field(default=None, description="the model family's format of tool calls and reasoning "
+                                    "(hermes, llama3, mistral, qwen3-coder, deepseek, harmony, ...; json: the "
+                                    "gateway's rewrite); detected from the chat template when unset")
     compute_units: Literal["ALL", "CPU_AND_NE", "CPU_AND_GPU", "CPU_ONLY"] = Field(
         default="ALL", description="CoreML only: where the model may run"
     )
@@ -306,6 +309,15 @@ class ModelSpec(_Strict):
                                           "after the system prompt (Ollama's MESSAGE)")
     license: str = ""
     created: CreatedInfo | None = Field(default=None, description="set by Ollama's /api/create and /api/copy")
+
+    @field_validator("tool_format")
+    @classmethod
+    def _known_format(cls, v: str | None) -> str | None:
+        from gateway.chat import formats
+
+        if v is not None and v not in formats.names():
+            raise ValueError(f"unknown tool_format {v!r}; one of {', '.join(formats.names())}")
+        return v
 
     @field_validator("reasoning", "device_sampling", mode="before")
     @classmethod

@@ -1,0 +1,37 @@
+"""Model families' formats of tool calls and reasoning, chosen from the model's chat template.
+
+`detect` reads a template's source as llama-server does, most specific format first; models.yaml's
+`tool_format:` names one instead (`named`). A template that renders no tools gets the generic
+format: the gateway's own rewrite (gateway/chat/formats/rewrite.py).
+"""
+
+from __future__ import annotations
+
+from gateway.chat.formats.base import Format
+from gateway.chat.formats.hermes import Hermes
+from gateway.chat.formats.rewrite import Generic
+from gateway.chat.template import ChatTemplate
+
+GENERIC = Generic()
+# Most specific first: a later format's tags may appear in an earlier one's template.
+FORMATS: tuple[Format, ...] = (Hermes(),)
+
+
+def detect(template: ChatTemplate | None) -> Format:
+    """The format a model's template speaks (the generic one when it renders no tools)."""
+    if template is None:
+        return GENERIC
+    text = template.source.text
+    return next((f for f in FORMATS if f.detects(text)), GENERIC)
+
+
+def named(name: str) -> Format:
+    """A format by name (models.yaml `tool_format:`). Raises KeyError."""
+    for f in (*FORMATS, GENERIC):
+        if f.name == name:
+            return f
+    raise KeyError(name)
+
+
+def names() -> list[str]:
+    return [f.name for f in (*FORMATS, GENERIC)]
