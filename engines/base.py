@@ -107,6 +107,9 @@ class GenerationRequest:
     # output) is what an uninterrupted run had; False, in one prefill batch (faster; llama.cpp's
     # batch-size-dependent rounding can then change a near-tie later on).
     resume_replay: bool = True
+    # Special tokens whose text the output shows (a model family's tags that its vocabulary holds
+    # as control tokens, e.g. `[TOOL_CALLS]`, `<|channel|>`): other control tokens stay unseen.
+    shown: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -290,7 +290,7 @@ class BatchScheduler:
             slot.stopper = StopMatcher(job.sampling.stop)
             if job.resumed:
                 for t in job.prompt_ids[-job.resumed:]:
-                    slot.stopper.push(slot.detok.push(self._piece(t)))
+                    slot.stopper.push(slot.detok.push(job.shown.get(t) or self._piece(t)))
                 slot.n_generated = job.resumed
                 slot.n_cached_prompt = min(keep, len(job.prompt_ids) - job.resumed)
             if self._draft_ngram:

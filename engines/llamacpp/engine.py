@@ -89,6 +89,7 @@ class LlamaCppEngine:
         self._n_ctx_seq = options.context_length
         self._n_swa = 0
         self._pieces: dict[int, bytes] = {}
+        self._shown_ids: dict[str, list[int]] = {}
         self._eog: list[int] = []
         self._bos_text = ""
         self._embedder: Any = None
@@ -447,6 +448,17 @@ class LlamaCppEngine:
             self._pieces[token] = out
         return out
 
+    def _shown(self, texts: tuple[str, ...]) -> dict[int, bytes]:
+        """The tokens of `texts` that the vocabulary holds as single special tokens, with their text."""
+        out: dict[int, bytes] = {}
+        for text in texts:
+            ids = self._shown_ids.get(text)
+            if ids is None:
+                ids = self._shown_ids[text] = self.encode(text, add_special=False)
+            if len(ids) == 1 and not self.piece(ids[0]):
+                out[ids[0]] = self.piece(ids[0], special=True)
+        return out
+
     async def tokenize(self, text: str) -> list[int]:
         return self.encode(text)
 
@@ -505,7 +517,7 @@ class LlamaCppEngine:
         # A resumed job samples on the host: a device chain starts from a fresh state.
         on_host = grammar is not None or sp.logprobs or bool(resumed)
         job = GenJob(prompt_ids=prompt, sampling=sp, max_new_tokens=max_new, sampler=sampler, emit=channel.emit,
-                     device_key=None if on_host else sampler_key(sp, max_new))
+                     device_key=None if on_host else sampler_key(sp, max_new), shown=self._shown(request.shown))
         if resumed and request.resume_replay:
             job.forced.extend(resumed)
         elif resumed:

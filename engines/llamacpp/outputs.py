@@ -65,7 +65,7 @@ class Outputs:
         if self._is_eog(token) and not sp.ignore_eos:
             finish = "stop"
         else:
-            text = slot.stopper.push(slot.detok.push(self._piece(token)))
+            text = slot.stopper.push(slot.detok.push(job.shown.get(token) or self._piece(token)))
             if slot.stopper.stopped:
                 finish = "stop"
             elif slot.n_generated >= job.max_new_tokens:
@@ -88,7 +88,7 @@ class Outputs:
         token = job.forced.popleft()
         lc.llama_sampler_accept(job.sampler, token)
         slot.n_generated += 1
-        slot.stopper.push(slot.detok.push(self._piece(token)))
+        slot.stopper.push(slot.detok.push(job.shown.get(token) or self._piece(token)))
         slot.pending = token
         if self._remember is not None:
             self._remember(slot, token)

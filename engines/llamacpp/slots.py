@@ -44,6 +44,8 @@ class GenJob:
     # Fed one per step instead, as they were generated: each output takes the next of these in
     # place of a sample (the sampler accepts it), and its text is not sent again.
     forced: deque[int] = field(default_factory=deque)
+    # Control tokens whose text the output shows (GenerationRequest.shown), with that text.
+    shown: dict[int, bytes] = field(default_factory=dict)
 
 
 @dataclass(eq=False)

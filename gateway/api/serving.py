@@ -375,7 +375,8 @@ class Service:
         rplan = reasoning.plan(spec, template.traits if template is not None else Traits(), conv.thinking, constrained)
         thinking = rplan.thinking if rplan is not None else None
         text = await render_prompt(fmt, template, messages, template_tools, thinking, conv.effort)
-        base = GenerationRequest(request_id="", sampling=sp, prompt=text, templated=True, affinity=_head(messages))
+        base = GenerationRequest(request_id="", sampling=sp, prompt=text, templated=True, affinity=_head(messages),
+                                 shown=fmt.shown)
         return Rendered(base, tool_plan, skipped, rplan, fmt)
 
     async def conversation_events(self, p: Prepared) -> AsyncGenerator[tuple[int, OutputEvent], None]:
@@ -502,7 +503,7 @@ class _Answers:
     def _release(self, i: int) -> list[OutputEvent] | None:
         """The held call is complete: its events, or None when it repeats an earlier call."""
         calls, n = self._reader(i).calls, self.released.get(i, 0)
-        if _first_repeat(calls[:n + 1]) is not None:
+        if parts.first_repeat(calls[:n + 1]) is not None:
             self.ended.add(i)
             return None
         self.released[i] = n + 1
@@ -585,16 +586,3 @@ async def render_prompt(fmt: Format, template: ChatTemplate | None, messages: li
 def _call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
-
-def _first_repeat(calls: list[tuple[str, str]]) -> int | None:
-    """The position of the first call identical (name and arguments, ignoring spacing) to an earlier one."""
-    seen: set[tuple[str, str]] = set()
-    for k, (name, args) in enumerate(calls):
-        try:
-            key = (name, json.dumps(json.loads(args or "{}"), sort_keys=True))
-        except ValueError:
-            key = (name, args)
-        if key in seen:
-            return k
-        seen.add(key)
-    return None

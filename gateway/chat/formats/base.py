@@ -8,6 +8,7 @@ conversation (`turns`), what its output is held to (`constraint`) and how that o
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
@@ -206,12 +207,20 @@ class Format:
     """One family's format. Subclasses set the class variables and override what differs.
 
     `native`: the template renders tools, calls and results itself (else the gateway rewrites
-    them into plain turns: the generic format). `think`: the family's reasoning tags."""
+    them into plain turns: the generic format). `think`: the family's reasoning tags; `tags`:
+    those of its calls."""
 
     name: ClassVar[str]
     title: ClassVar[str]
     native: ClassVar[bool] = True
     think: ClassVar[tuple[str, str]] = (THINK_OPEN, THINK_CLOSE)
+    tags: ClassVar[tuple[str, ...]] = ()  # the texts of its calls' tags
+
+    @property
+    def shown(self) -> tuple[str, ...]:
+        """The family's tags: shown in the output even where the vocabulary makes them control
+        tokens (which engines otherwise leave out of the text)."""
+        return (*self.tags, *self.think)
 
     def detects(self, template: str) -> bool:
         """Whether a chat template's source speaks this format."""
@@ -252,8 +261,6 @@ class Format:
 
 def call_arguments(kind: str, arguments: str) -> str:
     """A call's arguments as the model writes them: a custom tool's input text becomes {"input": ...}."""
-    import json
-
     return json.dumps({"input": arguments}, ensure_ascii=False) if kind == "custom" else arguments
 
 
@@ -265,3 +272,18 @@ def tagged(calls: Calls, items: Sequence[Tagged], *, prefix: str = "", suffix: s
         return None
     return Constraint("tagged", items=tuple(items), prefix=prefix, suffix=suffix, separator=separator,
                       max_items=calls.max_calls, triggers=tuple(triggers) if calls.lazy else (), part="tools")
+
+
+def first_repeat(calls: list[tuple[str, str]]) -> int | None:
+    """The position of the first call identical (name and arguments, ignoring spacing) to an earlier
+    one (small models repeat a call until max_tokens)."""
+    seen: set[tuple[str, str]] = set()
+    for k, (name, args) in enumerate(calls):
+        try:
+            key = (name, json.dumps(json.loads(args or "{}"), sort_keys=True))
+        except ValueError:
+            key = (name, args)
+        if key in seen:
+            return k
+        seen.add(key)
+    return None

@@ -26,6 +26,7 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 class Hermes(Format):
     name = "hermes"
     title = "Hermes <tool_call> JSON"
+    tags = (OPEN, CLOSE)
 
     def detects(self, template: str) -> bool:
         return OPEN in template
