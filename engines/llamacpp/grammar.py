@@ -90,4 +90,11 @@ def _schema_grammar(schema: str) -> bytes:
     """GBNF for a JSON schema, cached: tool definitions repeat on every request of an agent."""
     from llama_cpp.llama_grammar import json_schema_to_gbnf
 
-    return str(json_schema_to_gbnf(schema)).encode()
+    # llama-cpp-python's converter lets a string hold raw control characters, which JSON forbids
+    # (a model that writes one would answer with arguments no JSON parser reads): excluded, as
+    # llama.cpp's own converter does.
+    return str(json_schema_to_gbnf(schema)).replace(_LOOSE_CHAR, _JSON_CHAR).encode()
+
+
+_LOOSE_CHAR = 'char ::= [^"\\\\] |'
+_JSON_CHAR = 'char ::= [^"\\\\\\x7F\\x00-\\x1F] |'

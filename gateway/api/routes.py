@@ -30,6 +30,8 @@ from gateway.api.openai.protocol import (
 )
 from gateway.api.serving import Prepared, model_spec
 from gateway.api.sse import until_disconnect
+from gateway.chat import formats
+from gateway.chat.template import template_of
 
 router = APIRouter()
 
@@ -175,6 +177,8 @@ def _card(request: Request, spec: Any) -> ModelCard:
         loaded=manager.is_loaded(spec.id),
         endpoints=spec.endpoints(),
         description=spec.description,
+        tool_format=spec.tool_format or (formats.detect(template_of(loaded.engine.info)).name
+                                         if loaded is not None else None),
     )
 
 

@@ -346,7 +346,7 @@ class Service:
             conv = replace(conv, tools=None, tool_choice=None)
         info = (await self.manager.get(spec)).engine.info
         template = template_of(info)
-        fmt = formats.named(spec.tool_format) if spec.tool_format else formats.detect(template)
+        fmt = formats.serving(spec.tool_format, template)
         try:
             tool_plan = tools.plan(conv, fmt)
         except tools.ToolRequestError as exc:

@@ -331,6 +331,8 @@ class ModelCard(_Response):
     loaded: bool
     endpoints: list[str]  # which API endpoints serve it: chat.completions, completions, embeddings
     description: str = ""
+    # The family format of its tool calls and reasoning (models.yaml's, or its template's once loaded).
+    tool_format: str | None = None
 
 
 class EmbeddingRequest(_Request):

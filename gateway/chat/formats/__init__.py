@@ -25,6 +25,11 @@ def detect(template: ChatTemplate | None) -> Format:
     return next((f for f in FORMATS if f.detects(text)), GENERIC)
 
 
+def serving(name: str | None, template: ChatTemplate | None) -> Format:
+    """The format a model is served with: models.yaml's `tool_format`, else its template's."""
+    return named(name) if name else detect(template)
+
+
 def named(name: str) -> Format:
     """A format by name (models.yaml `tool_format:`). Raises KeyError."""
     for f in (*FORMATS, GENERIC):

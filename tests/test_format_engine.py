@@ -1,0 +1,152 @@
+"""Each family's format through the real engine and every protocol, on tiny random-weight GGUFs
+that carry the family's real chat template and special tokens (scripts/tiny_gguf.py). Their words
+are noise, but with a tool call required the grammar makes the call well-formed: the name one of
+the tools, the arguments valid for its schema, between the family's own tags (which are control
+tokens here, as in the real models' vocabularies)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import anthropic
+import httpx
+import jsonschema
+import openai
+import pytest
+import yaml
+
+from gateway.app import create_app
+from gateway.models.registry import load_registry
+from gateway.settings import Settings
+from tests.conftest import ROOT, ServerThread
+from tests.formats import TEMPLATES
+
+sys.path.insert(0, str(ROOT / "scripts"))
+import tiny_gguf  # noqa: E402
+
+# Arguments a random model finishes quickly: bounded strings and enums.
+PARAMS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                           "unit": {"type": "string", "enum": ["c", "f"]}},
+          "required": ["city", "unit"], "additionalProperties": False}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                            "parameters": PARAMS}}
+TIME = {"type": "function", "function": {"name": "get_time", "description": "The time now",
+                                         "parameters": {"type": "object", "properties": {}}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@dataclass(frozen=True)
+class Family:
+    format: str  # the format the gateway must detect
+    template: str  # tests/templates/<template>.jinja
+    specials: tuple[str, ...]  # the special tokens of the real vocabulary that the format uses
+    eos: str
+    bos: str | None = None
+
+
+FAMILIES = {
+    "hermes": Family("hermes", "NousResearch-Hermes-3-Llama-3.1-8B-tool_use",
+                     ("<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"), "<|im_end|>"),
+}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    tmp = tmp_path_factory.mktemp("families")
+    models = []
+    for name, f in FAMILIES.items():
+        path = tiny_gguf.write(tmp / f"{name}.gguf", (TEMPLATES / f"{f.template}.jinja").read_text(), f.specials,
+                               f.eos, f.bos)
+        models.append({"id": f"tiny-{name}", "formats": {"gguf": {"path": str(path)}}, "parallel": 1,
+                       "context_length": 4096})
+    cfg = tmp / "models.yaml"
+    cfg.write_text(yaml.safe_dump({"models": models}))
+    settings = Settings.from_env(env={}, config=str(cfg), parallel=1, engine="cpu")
+    server = ServerThread(create_app(settings, load_registry(cfg, cache_dir=tmp / "cache"))).start(timeout=300)
+    yield server.url
+    server.stop()
+
+
+def _valid(name: str, arguments: str | dict[str, Any]) -> None:
+    args = json.loads(arguments) if isinstance(arguments, str) else arguments
+    assert name == "get_weather"
+    jsonschema.validate(args, PARAMS)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("stream", [False, True])
+def test_openai_chat_required_call_is_well_formed(server: str, family: str, stream: bool) -> None:
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="x", max_retries=0, timeout=300)
+    kw: dict[str, Any] = dict(model=f"tiny-{family}", messages=ASK, tools=[WEATHER, TIME], max_tokens=120,
+                              tool_choice={"type": "function", "function": {"name": "get_weather"}}, temperature=0)
+    if not stream:
+        r = client.chat.completions.create(**kw)
+        c = r.choices[0]
+        assert c.finish_reason == "tool_calls", c.message
+        assert c.message.tool_calls
+        for call in c.message.tool_calls:
+            _valid(call.function.name, call.function.arguments)
+        return
+    names: dict[int, str] = {}
+    args: dict[int, str] = {}
+    finish = None
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        for ch in chunk.choices:
+            for d in ch.delta.tool_calls or ():
+                if d.function and d.function.name:
+                    names[d.index] = d.function.name
+                if d.function and d.function.arguments:
+                    args[d.index] = args.get(d.index, "") + d.function.arguments
+            finish = ch.finish_reason or finish
+    assert finish == "tool_calls" and names
+    for i, n in names.items():
+        _valid(n, args[i])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_anthropic_required_call_is_well_formed(server: str, family: str) -> None:
+    client = anthropic.Anthropic(base_url=server, api_key="x", max_retries=0, timeout=300)
+    tool = {"name": "get_weather", "description": "Weather in a city", "input_schema": PARAMS}
+    r = client.messages.create(model=f"tiny-{family}", max_tokens=120, messages=ASK,  # type: ignore[arg-type]
+                               tools=[tool], tool_choice={"type": "any"})  # type: ignore[list-item]
+    uses = [b for b in r.content if b.type == "tool_use"]
+    assert r.stop_reason == "tool_use" and uses
+    for b in uses:
+        _valid(b.name, b.input)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_responses_required_call_is_well_formed(server: str, family: str) -> None:
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="x", max_retries=0, timeout=300)
+    r = client.responses.create(model=f"tiny-{family}", input="Weather in Paris?", max_output_tokens=120,
+                                tools=[{"type": "function", **WEATHER["function"]}],  # type: ignore[list-item]
+                                tool_choice="required", temperature=0)
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert calls
+    for c in calls:
+        _valid(c.name, c.arguments)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_ollama_auto_answers_text_or_a_well_formed_call(server: str, family: str) -> None:
+    """Ollama's API has no tool_choice: under auto the random model writes what it writes, and the
+    answer is either text or well-formed calls, never a raw tag or an error."""
+    r = httpx.post(f"{server}/api/chat", json={"model": f"tiny-{family}", "messages": ASK, "stream": False,
+                                                "tools": [WEATHER], "options": {"num_predict": 60, "temperature": 0}},
+                   timeout=300)
+    assert r.status_code == 200, r.text
+    msg = r.json()["message"]
+    for call in msg.get("tool_calls") or ():
+        _valid(call["function"]["name"], call["function"]["arguments"])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_format_is_detected_and_listed(server: str, family: str) -> None:
+    """After the requests above loaded the model, /v1/models names the format its template speaks."""
+    models = httpx.get(f"{server}/v1/models", timeout=60).json()["data"]
+    entry = next(m for m in models if m["id"] == f"tiny-{family}")
+    assert entry["tool_format"] == FAMILIES[family].format
