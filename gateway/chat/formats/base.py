@@ -206,11 +206,14 @@ class Format:
     """One family's format. Subclasses set the class variables and override what differs.
 
     `native`: the template renders tools, calls and results itself (else the gateway rewrites
-    them into plain turns: the generic format). `think`: the family's reasoning tags."""
+    them into plain turns: the generic format). `think`: the family's reasoning tags. `parallel`:
+    the family writes several calls in one answer (else one call per answer, whatever the request
+    allows)."""
 
     name: ClassVar[str]
     title: ClassVar[str]
     native: ClassVar[bool] = True
+    parallel: ClassVar[bool] = True
     think: ClassVar[tuple[str, str]] = (THINK_OPEN, THINK_CLOSE)
 
     def detects(self, template: str) -> bool:
