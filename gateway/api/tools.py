@@ -65,10 +65,12 @@ def plan(conv: Conversation, fmt: Format = GENERIC) -> ToolPlan | None:
     if tc.mode == "named" and tc.name not in names:
         raise ToolRequestError(f"tool_choice names {tc.name!r}, which is not in tools", conv.param("tool_choice.name"))
     parallel = conv.parallel_tool_calls
-    most = call_cap(tools, tc, parallel)
     out = conv.output
     if fmt.native and (out is None or out.type == "text"):
-        return ToolPlan(Calls(tools, tc, parallel, most), fmt)
+        # A family that writes one call per answer is never asked for more.
+        one = parallel and fmt.parallel
+        return ToolPlan(Calls(tools, tc, one, call_cap(tools, tc, one)), fmt)
+    most = call_cap(tools, tc, parallel)
     # A JSON answer format: the generic format's one schema holds both the calls and the answer.
     response: dict[str, Any] | None = None
     if out is not None and out.type == "json_object":

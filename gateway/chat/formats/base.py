@@ -208,11 +208,13 @@ class Format:
 
     `native`: the template renders tools, calls and results itself (else the gateway rewrites
     them into plain turns: the generic format). `think`: the family's reasoning tags; `tags`:
-    those of its calls."""
+    those of its calls. `parallel`: the family writes several calls in one answer (else one
+    call per answer, whatever the request allows)."""
 
     name: ClassVar[str]
     title: ClassVar[str]
     native: ClassVar[bool] = True
+    parallel: ClassVar[bool] = True
     think: ClassVar[tuple[str, str]] = (THINK_OPEN, THINK_CLOSE)
     tags: ClassVar[tuple[str, ...]] = ()  # the texts of its calls' tags
 
