@@ -8,13 +8,15 @@ format: the gateway's own rewrite (gateway/chat/formats/rewrite.py).
 from __future__ import annotations
 
 from gateway.chat.formats.base import Format
+from gateway.chat.formats.granite import Granite
 from gateway.chat.formats.hermes import Hermes
+from gateway.chat.formats.mistral import Mistral, MistralV11
 from gateway.chat.formats.rewrite import Generic
 from gateway.chat.template import ChatTemplate
 
 GENERIC = Generic()
 # Most specific first: a later format's tags may appear in an earlier one's template.
-FORMATS: tuple[Format, ...] = (Hermes(),)
+FORMATS: tuple[Format, ...] = (MistralV11(), Mistral(), Granite(), Hermes())
 
 
 def detect(template: ChatTemplate | None) -> Format:
