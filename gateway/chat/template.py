@@ -23,7 +23,7 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from engines.base import EngineInfo, TemplateSource
-from gateway.chat.thinking import THINK_CLOSE, THINK_OPEN, render_thinking
+from gateway.chat.thinking import THINK_CLOSE, THINK_OPEN, THINK_TAGS, render_thinking
 
 
 @dataclass(frozen=True)
@@ -58,12 +58,14 @@ class TemplateError(ValueError):
 
 @dataclass(frozen=True)
 class Traits:
-    """What a template does with reasoning: `reasons` when it knows the `<think>` tags, `toggle`
-    when it reads `enable_thinking`, `opens` when its generation prompt opens the block."""
+    """What a template does with reasoning: `reasons` when it knows reasoning tags (`tags`:
+    `<think>`, or Magistral's `[THINK]`), `toggle` when it reads `enable_thinking`, `opens` when
+    its generation prompt opens the block."""
 
     reasons: bool = False
     toggle: bool = False
     opens: bool = False
+    tags: tuple[str, str] = (THINK_OPEN, THINK_CLOSE)
 
 
 class _Generation(jinja2.ext.Extension):
@@ -107,7 +109,8 @@ class ChatTemplate:
         """The prompt text for `messages`, with `tools` (OpenAI's chat shape, as templates expect
         them) and thinking as asked (gateway/chat/thinking.py). Raises TemplateError."""
         turns = [template_message(m) for m in messages]
-        return render_thinking(lambda kw: self.render_turns(turns, tools, add_generation_prompt, kw), thinking)
+        return render_thinking(lambda kw: self.render_turns(turns, tools, add_generation_prompt, kw), thinking,
+                               self.traits.tags)
 
     def render_turns(self, turns: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                      add_generation_prompt: bool = True, kwargs: dict[str, Any] | None = None) -> str:
@@ -124,13 +127,14 @@ class ChatTemplate:
     def _traits(self) -> Traits:
         """Read once: the tags in the source, and the generation prompt of a one-message chat."""
         text = self.source.text
-        if THINK_CLOSE not in text:
+        tags = next((t for t in THINK_TAGS if t[1] in text), None)
+        if tags is None:
             return Traits()
         try:
-            opens = self.render_turns([{"role": "user", "content": "Hi"}]).rstrip().endswith(THINK_OPEN)
+            opens = self.render_turns([{"role": "user", "content": "Hi"}]).rstrip().endswith(tags[0])
         except TemplateError:  # a template that cannot render a plain turn: nothing to learn
             opens = False
-        return Traits(reasons=True, toggle="enable_thinking" in text, opens=opens)
+        return Traits(reasons=True, toggle="enable_thinking" in text, opens=opens, tags=tags)
 
 
 @functools.lru_cache(maxsize=32)

@@ -1,7 +1,8 @@
 """Reasoning ("thinking") in chat templates: what a template does with it, and prompts with it off.
 
 Models that think write `<think>...</think>` before their answer (DeepSeek-R1, Qwen3, QwQ, SmolLM3,
-Phi-4-reasoning). Their templates differ: some open the block in the generation prompt, so the
+Phi-4-reasoning); Magistral and Ministral 3 write `[THINK]...[/THINK]` (special tokens of their
+tokenizer). Their templates differ: some open the block in the generation prompt, so the
 model starts inside it; some read `enable_thinking` (Qwen3's convention, also vLLM's and
 llama-server's `chat_template_kwargs`), and with it false write an empty block so the model
 answers at once. The template's traits are read once (gateway/chat/template.py `Traits`); the
@@ -14,25 +15,34 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+BRACKET_THINK = ("[THINK]", "[/THINK]")  # Magistral, Ministral 3
+# The reasoning tags a template may know, in the order they are looked for.
+THINK_TAGS: tuple[tuple[str, str], ...] = ((THINK_OPEN, THINK_CLOSE), BRACKET_THINK)
 
 Render = Callable[[dict[str, Any]], str]  # the template's prompt text, given extra template variables
 
 
-def render_thinking(render: Render, thinking: bool | None) -> str:
+def render_thinking(render: Render, thinking: bool | None,
+                    tags: tuple[str, str] = (THINK_OPEN, THINK_CLOSE)) -> str:
     """The prompt with thinking as asked: None, the template's default; True or False, passed as
     `enable_thinking`. With False, a template that did not close the block itself gets an empty
-    one appended, so the model answers at once whatever its template does."""
+    one appended (in the template's `tags`), so the model answers at once whatever its template
+    does. A family with a switch of its own (Granite 3.3's `thinking`) renders through its
+    format instead (gateway/chat/formats/)."""
     if thinking is None:
         return render({})
     prompt = render({"enable_thinking": thinking})
     if thinking:
         return prompt
+    open_tag, close_tag = tags
     tail = prompt.rstrip()
-    if tail.endswith(THINK_CLOSE):
+    if tail.endswith(close_tag):
         return prompt
-    if tail.endswith(THINK_OPEN):
-        return prompt + ("" if prompt.endswith("\n") else "\n") + THINK_CLOSE + "\n\n"
-    return prompt + THINK_OPEN + "\n\n" + THINK_CLOSE + "\n\n"
+    if open_tag != THINK_OPEN:  # special-token tags are written back to back, without newlines
+        return prompt + ("" if tail.endswith(open_tag) else open_tag) + close_tag
+    if tail.endswith(open_tag):
+        return prompt + ("" if prompt.endswith("\n") else "\n") + close_tag + "\n\n"
+    return prompt + open_tag + "\n\n" + close_tag + "\n\n"
 
 
 Kind = Literal["reasoning", "text"]
