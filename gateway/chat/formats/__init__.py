@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from gateway.chat.formats.base import Format
 from gateway.chat.formats.hermes import Hermes
+from gateway.chat.formats.qwen3_coder import Qwen3Coder
 from gateway.chat.formats.rewrite import Generic
 from gateway.chat.template import ChatTemplate
 
 GENERIC = Generic()
 # Most specific first: a later format's tags may appear in an earlier one's template.
-FORMATS: tuple[Format, ...] = (Hermes(),)
+FORMATS: tuple[Format, ...] = (Qwen3Coder(), Hermes())
 
 
 def detect(template: ChatTemplate | None) -> Format:
