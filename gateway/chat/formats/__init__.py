@@ -8,6 +8,7 @@ format: the gateway's own rewrite (gateway/chat/formats/rewrite.py).
 from __future__ import annotations
 
 from gateway.chat.formats.base import Format
+from gateway.chat.formats.command_r7b import CommandR7B
 from gateway.chat.formats.deepseek import DeepSeekR1, DeepSeekV31
 from gateway.chat.formats.hermes import Hermes
 from gateway.chat.formats.qwen3_coder import Qwen3Coder
@@ -16,7 +17,7 @@ from gateway.chat.template import ChatTemplate
 
 GENERIC = Generic()
 # Most specific first: a later format's tags may appear in an earlier one's template.
-FORMATS: tuple[Format, ...] = (Qwen3Coder(), DeepSeekR1(), DeepSeekV31(), Hermes())
+FORMATS: tuple[Format, ...] = (Qwen3Coder(), DeepSeekR1(), DeepSeekV31(), CommandR7B(), Hermes())
 
 
 def detect(template: ChatTemplate | None) -> Format:
