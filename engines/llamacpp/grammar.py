@@ -62,7 +62,53 @@ def _item_body(item: Tagged, name: str) -> bytes:
 
 
 def _xml_body(schema: str | None, name: str) -> bytes:
-    raise InvalidGenerationRequest("XML-bodied tool calls are not compiled by the llama.cpp runtime yet")
+    """The rules of an XML body, its start rule named `name`: the schema's properties as
+    `<parameter=NAME>`, newline, VALUE, newline, `</parameter>`, newline blocks in the schema's order, the required ones
+    always, the others optionally. A string's value is text without `</` (an approximation of
+    "without `</parameter>`": a string value cannot hold a closing tag), any other value the
+    property's JSON schema; a string's listed values (enum, const) are the only ones."""
+    parsed = json.loads(schema) if schema else {}
+    props = parsed.get("properties") or {}
+    required = set(parsed.get("required") or ())
+    text = f"{name}-text"
+    rules = [f'{text} ::= ( [^<] | "<"+ [^/<] )*'.encode()]
+    blocks: list[str] = []
+    for k, (key, prop) in enumerate(props.items()):
+        block = f"{name}-p{k}"
+        choices = _string_choices(prop)
+        if choices:
+            value = f"{name}-v{k}"
+            rules.append(f"{value} ::= {' | '.join(_gbnf_literal(c) for c in choices)}".encode())
+        elif _is_string(prop):
+            value = text
+        else:
+            value = f"{name}-v{k}"
+            rules.append(_namespaced(_schema_grammar(json.dumps(prop if isinstance(prop, dict) else {})), value))
+        open_tag = _gbnf_literal(f"<parameter={key}>\n")
+        rules.append(f'{block} ::= {open_tag} {value} "\\n</parameter>\\n"'.encode())
+        blocks.append(block if key in required else f"{block}?")
+    seq = " ".join(blocks) or '""'
+    rules.insert(0, f"{name} ::= {seq}".encode())
+    return b"\n".join(rules)
+
+
+def _string_choices(prop: object) -> list[str]:
+    """A string property's allowed values, when its schema lists them (enum or const)."""
+    if not isinstance(prop, dict) or not _is_string(prop):
+        return []
+    values = prop.get("enum", [prop["const"]] if "const" in prop else [])
+    return values if values and all(isinstance(v, str) for v in values) else []
+
+
+def _is_string(prop: object) -> bool:
+    """A property written as raw text: its type is string (or string or null)."""
+    if not isinstance(prop, dict):
+        return False
+    kind = prop.get("type")
+    if isinstance(kind, list):
+        kinds = [k for k in kind if k != "null"]
+        return bool(kinds) and all(k == "string" for k in kinds)
+    return kind == "string"
 
 
 @functools.lru_cache(maxsize=256)

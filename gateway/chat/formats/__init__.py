@@ -8,18 +8,23 @@ format: the gateway's own rewrite (gateway/chat/formats/rewrite.py).
 from __future__ import annotations
 
 from gateway.chat.formats.base import Format
+from gateway.chat.formats.command_r7b import CommandR7B
+from gateway.chat.formats.deepseek import DeepSeekR1, DeepSeekV31
 from gateway.chat.formats.functionary import Functionary
 from gateway.chat.formats.granite import Granite
 from gateway.chat.formats.hermes import Hermes
 from gateway.chat.formats.llama3 import Llama3
 from gateway.chat.formats.mistral import Mistral, MistralV11
+from gateway.chat.formats.qwen3_coder import Qwen3Coder
 from gateway.chat.formats.rewrite import Generic
 from gateway.chat.template import ChatTemplate
 
 GENERIC = Generic()
-# Most specific first: a later format's tags may appear in an earlier one's template (Functionary's
-# template is a Llama 3 one with its own `>>>` recipients; Mistral v11's templates hold v3's tag).
-FORMATS: tuple[Format, ...] = (Functionary(), Llama3(), MistralV11(), Mistral(), Granite(), Hermes())
+# Most specific first: a later format's tags may appear in an earlier one's template (Qwen3-Coder's
+# holds Hermes' <tool_call>; Functionary's is a Llama 3 one with its own `>>>` recipients; Mistral
+# v11's templates hold v3's tag).
+FORMATS: tuple[Format, ...] = (Qwen3Coder(), DeepSeekR1(), DeepSeekV31(), CommandR7B(), Functionary(), Llama3(),
+                               MistralV11(), Mistral(), Granite(), Hermes())
 
 
 def detect(template: ChatTemplate | None) -> Format:
