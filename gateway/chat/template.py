@@ -52,13 +52,18 @@ def arguments_value(arguments: str) -> Any:
         return arguments
 
 
+# Harmony's reasoning channel (gpt-oss): its templates name it, and its output writes it.
+ANALYSIS = "<|channel|>analysis"
+
+
 class TemplateError(ValueError):
     """The template refused the conversation (its `raise_exception`, or a Jinja error)."""
 
 
 @dataclass(frozen=True)
 class Traits:
-    """What a template does with reasoning: `reasons` when it knows the `<think>` tags, `toggle`
+    """What a template does with reasoning: `reasons` when it knows the `<think>` tags (or
+    harmony's analysis channel), `toggle`
     when it reads `enable_thinking`, `opens` when its generation prompt opens the block."""
 
     reasons: bool = False
@@ -124,6 +129,8 @@ class ChatTemplate:
     def _traits(self) -> Traits:
         """Read once: the tags in the source, and the generation prompt of a one-message chat."""
         text = self.source.text
+        if ANALYSIS in text:  # harmony (gpt-oss): it always reasons, in its analysis channel, whatever the prompt
+            return Traits(reasons=True)
         if THINK_CLOSE not in text:
             return Traits()
         try:

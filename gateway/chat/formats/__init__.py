@@ -7,14 +7,19 @@ format: the gateway's own rewrite (gateway/chat/formats/rewrite.py).
 
 from __future__ import annotations
 
+import asyncio
+from pathlib import Path
+
+from engines.base import EngineConfig
 from gateway.chat.formats.base import Format
+from gateway.chat.formats.harmony import Harmony
 from gateway.chat.formats.hermes import Hermes
 from gateway.chat.formats.rewrite import Generic
 from gateway.chat.template import ChatTemplate
 
 GENERIC = Generic()
 # Most specific first: a later format's tags may appear in an earlier one's template.
-FORMATS: tuple[Format, ...] = (Hermes(),)
+FORMATS: tuple[Format, ...] = (Harmony(), Hermes())
 
 
 def detect(template: ChatTemplate | None) -> Format:
@@ -35,3 +40,14 @@ def named(name: str) -> Format:
 
 def names() -> list[str]:
     return [f.name for f in (*FORMATS, GENERIC)]
+
+
+async def prepared(tool_format: str | None, template: ChatTemplate | None, config: EngineConfig | None,
+                   cache_dir: Path) -> Format:
+    """The format of a served model (models.yaml's `tool_format`, else its template's), with what
+    it needs of the model made (off the event loop, once). Raises KeyError for an unknown name,
+    and FormatUnavailable (a ModelNotAvailable: 503) naming why the format cannot be used."""
+    fmt = named(tool_format) if tool_format else detect(template)
+    if not fmt.ready:
+        await asyncio.to_thread(fmt.prepare, cache_dir, config.model_path if config is not None else None)
+    return fmt

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
 from engines.base import Constraint, Tagged
@@ -227,6 +228,15 @@ class Format:
                         tool_call_id=m.tool_call_id)
             for m in conv.turns
         ]
+
+    @property
+    def ready(self) -> bool:
+        """What the format needs of the model is there (`prepare` has nothing left to do)."""
+        return True
+
+    def prepare(self, cache_dir: Path, model_path: str | None) -> None:
+        """Make what the format needs of the served model (`model_path`: its file, if it has one),
+        in the model cache `cache_dir`. Raises FormatUnavailable (engines.base.ModelNotAvailable)."""
 
     def render(self, template: ChatTemplate, messages: list[ChatMessage], tools: list[dict[str, Any]] | None,
                thinking: bool | None, effort: str | None = None) -> str:
