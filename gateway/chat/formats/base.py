@@ -207,12 +207,14 @@ class Format:
     """One family's format. Subclasses set the class variables and override what differs.
 
     `native`: the template renders tools, calls and results itself (else the gateway rewrites
-    them into plain turns: the generic format). `think`: the family's reasoning tags."""
+    them into plain turns: the generic format). `think`: the family's reasoning tags. `levels`:
+    its models reason at a level the prompt sets (low, medium, high)."""
 
     name: ClassVar[str]
     title: ClassVar[str]
     native: ClassVar[bool] = True
     think: ClassVar[tuple[str, str]] = (THINK_OPEN, THINK_CLOSE)
+    levels: ClassVar[bool] = False  # the model reads a reasoning level (`render`'s effort)
 
     def detects(self, template: str) -> bool:
         """Whether a chat template's source speaks this format."""
