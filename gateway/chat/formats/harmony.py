@@ -140,7 +140,9 @@ def conversation(messages: list[ChatMessage], tools: list[dict[str, Any]] | None
     while k < len(messages) and messages[k].role in ("system", "developer"):
         instructions.append(messages[k].content)
         k += 1
-    functions = [ToolDescription.new(f["name"], f.get("description", ""), f.get("parameters"))
+    # A tool without parameters is `() => any`, as the model's own template writes it.
+    functions = [ToolDescription.new(f["name"], f.get("description", ""),
+                                     f.get("parameters") if (f.get("parameters") or {}).get("properties") else None)
                  for f in (t.get("function", t) for t in tools or ())]
     if instructions or functions:
         dev = DeveloperContent.new()
