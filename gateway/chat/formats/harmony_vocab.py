@@ -6,7 +6,8 @@ The gateway uses the file where it already is ($TIKTOKEN_ENCODINGS_BASE, or `har
 model cache), else derives it from the served model's GGUF: a gpt-oss GGUF's
 `tokenizer.ggml.tokens` are o200k's byte-level BPE tokens in GPT-2's byte-to-unicode spelling, and
 their ids are the ranks, for the first 199998. A file that does not match the hash is not used:
-the format is then unavailable, with the reason.
+the format is then unavailable, with the reason. The library reads the directory from the
+environment only: the process's $TIKTOKEN_ENCODINGS_BASE is set to the directory used.
 """
 
 from __future__ import annotations
