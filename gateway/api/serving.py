@@ -344,9 +344,9 @@ class Service:
                               f"tool_choice {conv.tool_choice.mode!r} cannot be met", param=conv.param("tool_choice"))
             skipped = tuple(t.name for t in conv.tools)
             conv = replace(conv, tools=None, tool_choice=None)
-        info = (await self.manager.get(spec)).engine.info
-        template = template_of(info)
-        fmt = formats.serving(spec.tool_format, template)
+        loaded = await self.manager.get(spec)
+        info, template = loaded.engine.info, template_of(loaded.engine.info)
+        fmt = await formats.prepared(spec.tool_format, template, loaded.config, self.manager.registry.cache_dir)
         try:
             tool_plan = tools.plan(conv, fmt)
         except tools.ToolRequestError as exc:

@@ -52,6 +52,10 @@ def arguments_value(arguments: str) -> Any:
         return arguments
 
 
+# Harmony's reasoning channel (gpt-oss): its templates name it, and its output writes it.
+ANALYSIS = "<|channel|>analysis"
+
+
 class TemplateError(ValueError):
     """The template refused the conversation (its `raise_exception`, or a Jinja error)."""
 
@@ -59,8 +63,8 @@ class TemplateError(ValueError):
 @dataclass(frozen=True)
 class Traits:
     """What a template does with reasoning: `reasons` when it knows reasoning tags (`tags`:
-    `<think>`, or Magistral's `[THINK]`), `toggle` when it reads `enable_thinking`, `opens` when
-    its generation prompt opens the block."""
+    `<think>`, or Magistral's `[THINK]`) or harmony's analysis channel, `toggle` when it reads
+    `enable_thinking`, `opens` when its generation prompt opens the block."""
 
     reasons: bool = False
     toggle: bool = False
@@ -127,6 +131,8 @@ class ChatTemplate:
     def _traits(self) -> Traits:
         """Read once: the tags in the source, and the generation prompt of a one-message chat."""
         text = self.source.text
+        if ANALYSIS in text:  # harmony (gpt-oss): it always reasons, in its analysis channel, whatever the prompt
+            return Traits(reasons=True)
         tags = next((t for t in THINK_TAGS if t[1] in text), None)
         if tags is None:
             return Traits()

@@ -218,3 +218,33 @@ def read_gguf(path: str | Path) -> GGUFInfo:
     except OSError as exc:
         raise GGUFError(f"cannot read {path}: {exc}") from exc
     return info
+
+
+def read_strings(path: str | Path, key: str) -> tuple[Any, list[str] | None]:
+    """(the value of `tokenizer.ggml.model`, the string array `key`) of a GGUF's metadata, read
+    whole (a vocabulary's tokens, which `read_gguf` skips); None where it has no such array."""
+    path = Path(path)
+    model: Any = None
+    found: list[str] | None = None
+    try:
+        with path.open("rb") as f:
+            r = _Reader(f, path)
+            if f.read(4) != MAGIC:
+                raise GGUFError(f"{path} is not a GGUF file")
+            if r.unpack("<I") not in (2, 3):
+                raise GGUFError(f"{path}: its GGUF version is not supported")
+            r.unpack("<Q")
+            for _ in range(r.unpack("<Q")):
+                name, vtype = r.string(), r.unpack("<I")
+                if vtype != _ARRAY:
+                    value = r.value(vtype)
+                    model = value if name == "tokenizer.ggml.model" else model
+                    continue
+                atype, count = r.unpack("<I"), r.unpack("<Q")
+                if name == key and atype == _STRING:
+                    found = [r.string() for _ in range(count)]
+                else:
+                    r.skip(atype, count)
+    except OSError as exc:
+        raise GGUFError(f"cannot read {path}: {exc}") from exc
+    return model, found

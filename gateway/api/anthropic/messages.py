@@ -59,7 +59,7 @@ from gateway.conversation import (
 )
 
 __all__ = ["Assembler", "CountTokensRequest", "MessageObject", "MessageStreamEvent", "MessagesRequest", "TokenCount",
-           "conversation", "generate", "message_id", "stop_reason", "thinking", "tool_input", "usage_obj"]
+           "conversation", "effort", "generate", "message_id", "note_thinking", "stop_reason", "thinking", "tool_input", "usage_obj"]
 
 
 class MessageUsage(BaseModel):
@@ -189,7 +189,7 @@ def _output(config: OutputConfig | None, notes: Notes) -> Output | None:
 def _note_ignored(req: MessagesRequest | CountTokensRequest, notes: Notes) -> None:
     notes.ignored.update(unknown_fields(req))
     if isinstance(req.thinking, ThinkingEnabled):
-        notes.ignored.add("thinking.budget_tokens")  # the model thinks as long as it does
+        notes.ignored.add("thinking.budget_tokens")  # a model without reasoning levels thinks as long as it does
 
 
 def conversation(req: MessagesRequest | CountTokensRequest, notes: Notes) -> Conversation:
@@ -213,7 +213,8 @@ def conversation(req: MessagesRequest | CountTokensRequest, notes: Notes) -> Con
     _note_ignored(req, notes)
     output = _output(req.output_config, notes)
     return Conversation(tuple(turns), tools, choice, parallel, output, thinking(req), _sampling(req),
-                        params={"tools": "tools", "tool_choice": "tool_choice", "tool_choice.name": "tool_choice.name"})
+                        params={"tools": "tools", "tool_choice": "tool_choice", "tool_choice.name": "tool_choice.name"},
+                        effort=effort(req))
 
 
 def thinking(req: MessagesRequest | CountTokensRequest) -> bool | None:
@@ -222,6 +223,25 @@ def thinking(req: MessagesRequest | CountTokensRequest) -> bool | None:
     if req.thinking is None:
         return None
     return not isinstance(req.thinking, ThinkingDisabled)
+
+
+def note_thinking(conv: Conversation, reasons: bool, levels: bool, notes: Notes) -> None:
+    """X-Ignored-Fields once the model is known: `thinking` for a model that does not think, and
+    `thinking.budget_tokens` only for one without reasoning levels (with levels, it is the level)."""
+    if conv.thinking and not reasons:  # the model does not think: nothing to enable
+        notes.ignored.discard("thinking.budget_tokens")
+        notes.ignored.add("thinking")
+    elif conv.effort is not None and levels:
+        notes.ignored.discard("thinking.budget_tokens")
+
+
+def effort(req: MessagesRequest | CountTokensRequest) -> str | None:
+    """`thinking.budget_tokens` as a reasoning level, for a model with levels: under 4096 low,
+    under 16384 medium, else high (None: no budget given)."""
+    if not isinstance(req.thinking, ThinkingEnabled):
+        return None
+    budget = req.thinking.budget_tokens
+    return "low" if budget < 4096 else "medium" if budget < 16384 else "high"
 
 
 def _sampling(req: MessagesRequest | CountTokensRequest) -> Sampling:

@@ -67,9 +67,7 @@ async def create_message(body: am.MessagesRequest, request: Request) -> Response
     p = await until_disconnect(request, service.prepare_conversation(spec, conv, 1, "msg", received))
     request.state.observer = p.observer
     notes.skipped_tools.update(p.skipped_tools)
-    if conv.thinking and p.reasoning is None:  # the model does not think: nothing to enable
-        notes.ignored.discard("thinking.budget_tokens")
-        notes.ignored.add("thinking")
+    am.note_thinking(conv, p.reasoning is not None, p.format.levels, notes)
     asm = am.Assembler(am.message_id(), body.model)
 
     async def whole() -> dict[str, Any]:
@@ -92,6 +90,7 @@ async def count_tokens(body: am.CountTokensRequest, request: Request) -> JSONRes
     spec, conv = service.spec(body.model), am.conversation(body, notes)
     p = await until_disconnect(request, service.prepare_conversation(spec, conv, 1, "count", received))
     request.state.observer = p.observer
+    am.note_thinking(conv, p.reasoning is not None, p.format.levels, notes)
     collected = await until_disconnect(request, service.collect(p))
     usage = collected.usages[0] if collected.usages else None
     return JSONResponse({"input_tokens": usage.prompt_tokens if usage else 0},

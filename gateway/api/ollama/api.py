@@ -40,7 +40,7 @@ from gateway.settings import parse_duration
 
 __all__ = ["OLLAMA_API_VERSION", "Answer", "ChatRequest", "CopyRequest", "CreateRequest", "EmbedRequest",
            "GenerateRequest", "LegacyEmbeddingRequest", "ModelRequest", "Timing", "chat_conversation", "done_reason",
-           "generate_conversation", "keep_alive_seconds", "now", "recipe", "sampling", "thinking", "tool_calls_out"]
+           "effort", "generate_conversation", "keep_alive_seconds", "now", "recipe", "sampling", "thinking", "tool_calls_out"]
 
 # The Ollama API version whose routes and fields this module follows (`/api/version`).
 OLLAMA_API_VERSION = "0.14.0"
@@ -123,7 +123,8 @@ def chat_conversation(req: ChatRequest, notes: Notes) -> Conversation:
             turns.append(Turn.of(m.role, content))
     notes.ignored.update(unknown_fields(req))
     return Conversation(tuple(turns), _tools(req.tools), None, True, _output(req.format), thinking(req),
-                        sampling(req.options, notes), params={"tools": "tools", "output.schema": "format"})
+                        sampling(req.options, notes), params={"tools": "tools", "output.schema": "format"},
+                        effort=effort(req))
 
 
 def generate_conversation(req: GenerateRequest, notes: Notes) -> Conversation:
@@ -133,7 +134,8 @@ def generate_conversation(req: GenerateRequest, notes: Notes) -> Conversation:
     turns = ([Turn.of("system", req.system)] if req.system else []) + [Turn.of("user", req.prompt)]
     notes.ignored.update(unknown_fields(req))
     return Conversation(tuple(turns), None, None, True, _output(req.format), thinking(req),
-                        sampling(req.options, notes), params={"output.schema": "format", "messages": "prompt"})
+                        sampling(req.options, notes), params={"output.schema": "format", "messages": "prompt"},
+                        effort=effort(req))
 
 
 def thinking(req: ChatRequest | GenerateRequest) -> bool | None:
@@ -144,6 +146,11 @@ def thinking(req: ChatRequest | GenerateRequest) -> bool | None:
     if req.think in ("high", "medium", "low"):
         return True
     raise invalid(f"think must be true, false, \"high\", \"medium\" or \"low\", not {req.think!r}", param="think")
+
+
+def effort(req: ChatRequest | GenerateRequest) -> str | None:
+    """`think`'s level, for a model with reasoning levels (None: true, false or absent)."""
+    return req.think if isinstance(req.think, str) and req.think in ("high", "medium", "low") else None
 
 
 def sampling(options: OllamaOptions | None, notes: Notes, where: str = "options") -> Sampling:

@@ -12,6 +12,7 @@ from gateway.api.openai.common import (
     asked,
     chat_logprobs,
     check_stream_options,
+    effort_level,
     usage_out,
     usage_so_far,
 )
@@ -72,7 +73,8 @@ def conversation(req: ChatCompletionRequest) -> Conversation:
     sampling = replace(asked(req, req.max_completion_tokens or req.max_tokens), logprobs=req.logprobs,
                        top_logprobs=req.top_logprobs or 0)
     return Conversation(turns, tools, choice, req.parallel_tool_calls is not False, output, thinking(req), sampling,
-                        params={"tool_choice.name": "tool_choice.function.name", "output.schema": "response_format.json_schema"})
+                        params={"tool_choice.name": "tool_choice.function.name", "output.schema": "response_format.json_schema"},
+                        effort=effort_level(req.reasoning_effort))
 
 
 def thinking(req: ChatCompletionRequest) -> bool | None:

@@ -1,5 +1,5 @@
 """What the OpenAI adapters share: the sampler's settings a request asks for, usage and logprobs in OpenAI's
-shapes, and the fast rendering of text chunks."""
+shapes, the reasoning effort, and the fast rendering of text chunks."""
 
 from __future__ import annotations
 
@@ -36,6 +36,12 @@ def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
         except ValueError:
             raise invalid(f"logit_bias keys must be token ids, got {k!r}", param="logit_bias") from None
     return tuple(out)
+
+
+def effort_level(effort: str | None) -> str | None:
+    """An OpenAI reasoning effort as a model with reasoning levels reads it: minimal is its low;
+    none (no reasoning) is no level."""
+    return "low" if effort == "minimal" else effort if effort in ("low", "medium", "high") else None
 
 
 def asked(req: ChatCompletionRequest | CompletionRequest, max_tokens: int | None) -> Sampling:

@@ -22,6 +22,7 @@ from typing import Any, Literal, cast
 from gateway.api.errors import APIError, invalid, to_api_error
 from gateway.api.notes import Notes
 from gateway.api.openai.adapters import RESPONSES
+from gateway.api.openai.common import effort_level
 from gateway.api.openai.responses_schema import (
     ResponseCreateRequest,
 )
@@ -240,7 +241,8 @@ def conversation(req: ResponseCreateRequest, earlier: tuple[Turn, ...], notes: N
     conv = Conversation(turns, tools, choice, req.parallel_tool_calls is not False, _output(req),
                         thinking=False if effort == "none" else None,
                         sampling=Sampling(temperature=req.temperature, top_p=req.top_p, seed=req.seed,
-                                          max_tokens=req.max_output_tokens), params={"output.schema": "text.format.schema", "messages": "input"})
+                                          max_tokens=req.max_output_tokens), params={"output.schema": "text.format.schema", "messages": "input"},
+                        effort=effort_level(effort if isinstance(effort, str) else None))
     return conv, history, listed
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
 from engines.base import Constraint, Tagged
@@ -209,7 +210,8 @@ class Format:
     `native`: the template renders tools, calls and results itself (else the gateway rewrites
     them into plain turns: the generic format). `think`: the family's reasoning tags; `tags`:
     those of its calls. `parallel`: the family writes several calls in one answer (else one
-    call per answer, whatever the request allows)."""
+    call per answer, whatever the request allows). `levels`: its models reason at a level the
+    prompt sets (low, medium, high)."""
 
     name: ClassVar[str]
     title: ClassVar[str]
@@ -217,6 +219,7 @@ class Format:
     parallel: ClassVar[bool] = True
     think: ClassVar[tuple[str, str]] = (THINK_OPEN, THINK_CLOSE)
     tags: ClassVar[tuple[str, ...]] = ()  # the texts of its calls' tags
+    levels: ClassVar[bool] = False  # the model reads a reasoning level (`render`'s effort)
 
     @property
     def shown(self) -> tuple[str, ...]:
@@ -238,6 +241,15 @@ class Format:
                         tool_call_id=m.tool_call_id)
             for m in conv.turns
         ]
+
+    @property
+    def ready(self) -> bool:
+        """What the format needs of the model is there (`prepare` has nothing left to do)."""
+        return True
+
+    def prepare(self, cache_dir: Path, model_path: str | None) -> None:
+        """Make what the format needs of the served model (`model_path`: its file, if it has one),
+        in the model cache `cache_dir`. Raises FormatUnavailable (engines.base.ModelNotAvailable)."""
 
     def render(self, template: ChatTemplate, messages: list[ChatMessage], tools: list[dict[str, Any]] | None,
                thinking: bool | None, effort: str | None = None) -> str:
