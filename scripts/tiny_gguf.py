@@ -45,7 +45,7 @@ def write(path: str | Path, template: str, specials: Sequence[str], eos: str, bo
     n_vocab, n_head, n_kv, n_ff = len(tokens), 4, 2, n_embd * 2
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_name("tiny-random")
-    w.add_context_length(4096)
+    w.add_context_length(32768)
     w.add_embedding_length(n_embd)
     w.add_block_count(n_layer)
     w.add_feed_forward_length(n_ff)

@@ -7,6 +7,7 @@ tokens here, as in the real models' vocabularies)."""
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,10 +21,12 @@ import pytest
 import yaml
 
 from gateway.app import create_app
+from gateway.chat.formats.harmony_vocab import ENV, FILE
 from gateway.models.registry import load_registry
 from gateway.settings import Settings
 from tests.conftest import ROOT, ServerThread
 from tests.formats import TEMPLATES
+from tests.test_format_harmony import o200k_file
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import tiny_gguf  # noqa: E402
@@ -47,29 +50,68 @@ class Family:
     specials: tuple[str, ...]  # the special tokens of the real vocabulary that the format uses
     eos: str
     bos: str | None = None
+    eog: tuple[str, ...] = ()  # other end-of-generation tokens
 
 
+LLAMA = ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>",
+         "<|python_tag|>")
+MISTRAL = ("<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_CALLS]",
+           "[TOOL_RESULTS]", "[/TOOL_RESULTS]")
+DEEPSEEK = ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>",
+            "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
+            "<｜tool▁sep｜>", "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>", "<｜tool▁output▁begin｜>",
+            "<｜tool▁output▁end｜>")
 FAMILIES = {
     "hermes": Family("hermes", "NousResearch-Hermes-3-Llama-3.1-8B-tool_use",
                      ("<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"), "<|im_end|>"),
+    "llama3": Family("llama3", "meta-llama-Llama-3.2-3B-Instruct", LLAMA, "<|eot_id|>", "<|begin_of_text|>"),
+    "functionary": Family("functionary-v3.2", "meetkai-functionary-medium-v3.2", LLAMA, "<|eot_id|>",
+                          "<|begin_of_text|>"),
+    "mistral": Family("mistral", "mistralai-Mistral-Nemo-Instruct-2407", MISTRAL, "</s>", "<s>"),
+    "mistral-v11": Family("mistral-v11", "mistralai-Ministral-3-14B-Reasoning-2512",
+                          (*MISTRAL, "[ARGS]", "[CALL_ID]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[THINK]",
+                           "[/THINK]", "[TOOL_CONTENT]"), "</s>", "<s>"),
+    "granite": Family("granite", "ibm-granite-granite-3.3-2B-Instruct",
+                      ("<|start_of_role|>", "<|end_of_role|>", "<|end_of_text|>", "<|tool_call|>"), "<|end_of_text|>"),
+    "qwen3-coder": Family("qwen3-coder", "Qwen3-Coder",
+                          ("<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"), "<|im_end|>"),
+    "deepseek-r1": Family("deepseek-r1", "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B", DEEPSEEK,
+                          "<｜end▁of▁sentence｜>", "<｜begin▁of▁sentence｜>"),
+    "deepseek-v3.1": Family("deepseek-v3.1", "deepseek-ai-DeepSeek-V3.1", DEEPSEEK, "<｜end▁of▁sentence｜>",
+                            "<｜begin▁of▁sentence｜>"),
+    "command-r7b": Family("command-r7b", "CohereForAI-c4ai-command-r7b-12-2024-tool_use",
+                          ("<BOS_TOKEN>", "<|START_OF_TURN_TOKEN|>", "<|END_OF_TURN_TOKEN|>", "<|SYSTEM_TOKEN|>",
+                           "<|USER_TOKEN|>", "<|CHATBOT_TOKEN|>", "<|START_ACTION|>", "<|END_ACTION|>",
+                           "<|START_RESPONSE|>", "<|END_RESPONSE|>", "<|START_THINKING|>", "<|END_THINKING|>",
+                           "<|START_TOOL_RESULT|>", "<|END_TOOL_RESULT|>"), "<|END_OF_TURN_TOKEN|>", "<BOS_TOKEN>"),
+    "harmony": Family("harmony", "openai-gpt-oss-120b",
+                      ("<|startoftext|>", "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>",
+                       "<|return|>", "<|call|>"), "<|return|>", eog=("<|call|>",)),
 }
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     tmp = tmp_path_factory.mktemp("families")
+    # gpt-oss's vocabulary for the harmony library (a real gpt-oss GGUF carries it; these do not).
+    vocab = tmp / "o200k"
+    vocab.mkdir()
+    shutil.copy(o200k_file(), vocab / FILE)
+    mp = pytest.MonkeyPatch()
+    mp.setenv(ENV, str(vocab))
     models = []
     for name, f in FAMILIES.items():
         path = tiny_gguf.write(tmp / f"{name}.gguf", (TEMPLATES / f"{f.template}.jinja").read_text(), f.specials,
-                               f.eos, f.bos)
+                               f.eos, f.bos, f.eog)
         models.append({"id": f"tiny-{name}", "formats": {"gguf": {"path": str(path)}}, "parallel": 1,
-                       "context_length": 4096})
+                       "context_length": 16384})
     cfg = tmp / "models.yaml"
     cfg.write_text(yaml.safe_dump({"models": models}))
     settings = Settings.from_env(env={}, config=str(cfg), parallel=1, engine="cpu")
     server = ServerThread(create_app(settings, load_registry(cfg, cache_dir=tmp / "cache"))).start(timeout=300)
     yield server.url
     server.stop()
+    mp.undo()
 
 
 def _valid(name: str, arguments: str | dict[str, Any]) -> None:
@@ -82,7 +124,7 @@ def _valid(name: str, arguments: str | dict[str, Any]) -> None:
 @pytest.mark.parametrize("stream", [False, True])
 def test_openai_chat_required_call_is_well_formed(server: str, family: str, stream: bool) -> None:
     client = openai.OpenAI(base_url=f"{server}/v1", api_key="x", max_retries=0, timeout=300)
-    kw: dict[str, Any] = dict(model=f"tiny-{family}", messages=ASK, tools=[WEATHER, TIME], max_tokens=120,
+    kw: dict[str, Any] = dict(model=f"tiny-{family}", messages=ASK, tools=[WEATHER, TIME], max_tokens=600,
                               tool_choice={"type": "function", "function": {"name": "get_weather"}}, temperature=0)
     if not stream:
         r = client.chat.completions.create(**kw)
@@ -112,7 +154,7 @@ def test_openai_chat_required_call_is_well_formed(server: str, family: str, stre
 def test_anthropic_required_call_is_well_formed(server: str, family: str) -> None:
     client = anthropic.Anthropic(base_url=server, api_key="x", max_retries=0, timeout=300)
     tool = {"name": "get_weather", "description": "Weather in a city", "input_schema": PARAMS}
-    r = client.messages.create(model=f"tiny-{family}", max_tokens=120, messages=ASK,  # type: ignore[arg-type]
+    r = client.messages.create(model=f"tiny-{family}", max_tokens=600, messages=ASK,  # type: ignore[arg-type]
                                tools=[tool], tool_choice={"type": "any"})  # type: ignore[list-item]
     uses = [b for b in r.content if b.type == "tool_use"]
     assert r.stop_reason == "tool_use" and uses
@@ -123,7 +165,7 @@ def test_anthropic_required_call_is_well_formed(server: str, family: str) -> Non
 @pytest.mark.parametrize("family", FAMILIES)
 def test_responses_required_call_is_well_formed(server: str, family: str) -> None:
     client = openai.OpenAI(base_url=f"{server}/v1", api_key="x", max_retries=0, timeout=300)
-    r = client.responses.create(model=f"tiny-{family}", input="Weather in Paris?", max_output_tokens=120,
+    r = client.responses.create(model=f"tiny-{family}", input="Weather in Paris?", max_output_tokens=600,
                                 tools=[{"type": "function", **WEATHER["function"]}],  # type: ignore[list-item]
                                 tool_choice="required", temperature=0)
     calls = [o for o in r.output if o.type == "function_call"]

@@ -79,6 +79,9 @@ def _xml_body(schema: str | None, name: str) -> bytes:
         if choices:
             value = f"{name}-v{k}"
             rules.append(f"{value} ::= {' | '.join(_gbnf_literal(c) for c in choices)}".encode())
+        elif _is_string(prop) and _shaped(prop):
+            value = f"{name}-v{k}"
+            rules.append(_namespaced(_unquoted(_schema_grammar(json.dumps(prop))), value))
         elif _is_string(prop):
             value = text
         else:
@@ -90,6 +93,22 @@ def _xml_body(schema: str | None, name: str) -> bytes:
     seq = " ".join(blocks) or '""'
     rules.insert(0, f"{name} ::= {seq}".encode())
     return b"\n".join(rules)
+
+
+def _shaped(prop: dict[str, object]) -> bool:
+    """A string schema that limits its text (a pattern, a length, a format)."""
+    return any(k in prop for k in ("pattern", "minLength", "maxLength", "format"))
+
+
+_QUOTED_ROOT = re.compile(rb'^root ::= "\\"" (.*) "\\"" space$', re.MULTILINE)
+
+
+def _unquoted(grammar: bytes) -> bytes:
+    """A JSON string's grammar as the raw text between its quotes (XML bodies write strings bare)."""
+    out, n = _QUOTED_ROOT.subn(rb"root ::= \1", grammar)
+    if n != 1:
+        raise InvalidGenerationRequest("a string parameter's schema could not be written as raw text")
+    return out
 
 
 def _string_choices(prop: object) -> list[str]:

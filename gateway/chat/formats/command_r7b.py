@@ -37,6 +37,7 @@ RESPONSE_OPEN, RESPONSE_CLOSE = "<|START_RESPONSE|>", "<|END_RESPONSE|>"
 class CommandR7B(Format):
     name = "command-r7b"
     title = "Command R7B <|START_ACTION|> JSON list"
+    tags = (ACTION_OPEN, ACTION_CLOSE, RESPONSE_OPEN, RESPONSE_CLOSE)
     think = (THINK_OPEN, THINK_CLOSE)
 
     def detects(self, template: str) -> bool:
@@ -67,7 +68,7 @@ class CommandR7B(Format):
 def call_object(name: str, parameters: dict[str, Any]) -> dict[str, Any]:
     """The schema of one call in the action's list."""
     return {"type": "object",
-            "properties": {"tool_call_id": {"type": "string"}, "tool_name": {"const": name},
+            "properties": {"tool_call_id": {"type": "string", "pattern": "^[0-9]{1,3}$"}, "tool_name": {"const": name},
                            "parameters": parameters},
             "required": ["tool_call_id", "tool_name", "parameters"], "additionalProperties": False}
 

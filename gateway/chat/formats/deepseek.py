@@ -44,6 +44,7 @@ _TOJSON = re.compile(r"arguments'?\]?\s*\|\s*tojson")
 class DeepSeekR1(Format):
     name = "deepseek-r1"
     title = "DeepSeek-R1 <｜tool▁calls▁begin｜> with ```json arguments"
+    tags = (CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP)
     separator: ClassVar[str] = "\n"  # between two calls
 
     def detects(self, template: str) -> bool:

@@ -30,6 +30,7 @@ RESPONSE_OPEN, RESPONSE_CLOSE = "<response>", "</response>"
 class Granite(Format):
     name = "granite"
     title = "Granite <|tool_call|>[{...}] JSON array"
+    tags = (TOOL_CALL,)
 
     def detects(self, template: str) -> bool:
         return TOOL_CALL in template

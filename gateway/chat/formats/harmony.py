@@ -57,6 +57,7 @@ TRIGGER = " to=functions."  # a call's header, whichever part of it names the re
 class Harmony(Format):
     name = "harmony"
     title = "OpenAI harmony (gpt-oss)"
+    tags = SPECIALS
     levels = True
 
     def detects(self, template: str) -> bool:

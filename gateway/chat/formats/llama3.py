@@ -43,6 +43,7 @@ _BUILTIN = re.compile(r"\s*([A-Za-z_]\w*)\.call\((.*)\)\s*", re.DOTALL)
 class Llama3(Format):
     name = "llama3"
     title = 'Llama 3.x {"name", "parameters"} JSON'
+    tags = (PYTHON_TAG,)
     parallel = False
 
     def detects(self, template: str) -> bool:

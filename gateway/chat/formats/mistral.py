@@ -70,6 +70,7 @@ class _Mistral(Format):
 class MistralV11(_Mistral):
     name = "mistral-v11"
     title = "Mistral [TOOL_CALLS]NAME[ARGS]{...}"
+    tags = (TOOL_CALLS, ARGS, CALL_ID)
     think = BRACKET_THINK
 
     def detects(self, template: str) -> bool:
@@ -86,6 +87,7 @@ class MistralV11(_Mistral):
 
 class Mistral(_Mistral):
     name = "mistral"
+    tags = (TOOL_CALLS,)
     title = "Mistral [TOOL_CALLS][{...}] JSON array"
 
     def detects(self, template: str) -> bool:

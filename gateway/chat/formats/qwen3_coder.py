@@ -40,6 +40,7 @@ PARAMETER, PARAMETER_END = "<parameter=", "</parameter>"
 class Qwen3Coder(Format):
     name = "qwen3-coder"
     title = "Qwen3-Coder <tool_call> <function=...> XML"
+    tags = (OPEN, CLOSE)
 
     def detects(self, template: str) -> bool:
         return FUNCTION in template and PARAMETER in template
