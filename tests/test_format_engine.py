@@ -90,6 +90,13 @@ FAMILIES = {
 }
 
 
+WORDS = '[a-z]{2,6} " " [a-z]{2,6} " " [a-z]{2,6}'
+THINKERS = {
+    "harmony": f'root ::= "<|channel|>analysis<|message|>" {WORDS} "<|end|><|start|>assistant<|channel|>final<|message|>" {WORDS}',
+    "mistral-v11": f'root ::= "[THINK]" {WORDS} "[/THINK]" {WORDS}',
+}
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     tmp = tmp_path_factory.mktemp("families")
@@ -105,6 +112,12 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
                                f.eos, f.bos, f.eog)
         models.append({"id": f"tiny-{name}", "formats": {"gguf": {"path": str(path)}}, "parallel": 1,
                        "context_length": 16384})
+    # Models that think: a grammar (models.yaml's) makes the random model write its family's
+    # reasoning, then an answer, in short lowercase words.
+    for name, grammar in THINKERS.items():
+        f = FAMILIES[name]
+        models.append({"id": f"tiny-{name}-thinks", "formats": {"gguf": {"path": str(tmp / f"{name}.gguf")}},
+                       "parallel": 1, "context_length": 16384, "grammar": grammar})
     cfg = tmp / "models.yaml"
     cfg.write_text(yaml.safe_dump({"models": models}))
     settings = Settings.from_env(env={}, config=str(cfg), parallel=1, engine="cpu")
@@ -193,3 +206,38 @@ def test_the_format_is_detected_and_listed(server: str, family: str) -> None:
     models = httpx.get(f"{server}/v1/models", timeout=60).json()["data"]
     entry = next(m for m in models if m["id"] == f"tiny-{family}")
     assert entry["tool_format"] == FAMILIES[family].format
+
+
+def _words(text: str) -> None:
+    """Three lowercase words, as the grammar wrote them: no tag of the format left in."""
+    assert text.count(" ") == 2 and text.replace(" ", "").isalpha() and text.islower(), text
+
+
+@pytest.mark.parametrize("family", THINKERS)
+def test_reasoning_comes_apart_from_the_answer_in_every_protocol(server: str, family: str) -> None:
+    model = f"tiny-{family}-thinks"
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="x", max_retries=0, timeout=300)
+    r = client.chat.completions.create(model=model, messages=ASK, max_tokens=200, temperature=0)  # type: ignore[arg-type]
+    msg = r.choices[0].message
+    _words((msg.model_extra or {})["reasoning_content"])
+    _words(msg.content or "")
+    thought, said = "", ""
+    for chunk in client.chat.completions.create(model=model, messages=ASK, max_tokens=200, temperature=0,  # type: ignore[arg-type]
+                                                stream=True):
+        for ch in chunk.choices:
+            thought += (ch.delta.model_extra or {}).get("reasoning_content") or ""
+            said += ch.delta.content or ""
+    assert (thought, said) == ((msg.model_extra or {})["reasoning_content"], msg.content)
+    a = anthropic.Anthropic(base_url=server, api_key="x", max_retries=0, timeout=300)
+    m = a.messages.create(model=model, max_tokens=200, messages=ASK)  # type: ignore[arg-type]
+    assert [b.type for b in m.content] == ["thinking", "text"]
+    _words(m.content[0].thinking)  # type: ignore[union-attr]
+    _words(m.content[1].text)  # type: ignore[union-attr]
+    resp = client.responses.create(model=model, input="Weather in Paris?", max_output_tokens=200)
+    kinds = [o.type for o in resp.output]
+    assert kinds == ["reasoning", "message"], kinds
+    _words(resp.output_text)
+    o = httpx.post(f"{server}/api/chat", json={"model": model, "messages": ASK, "stream": False,
+                                                "options": {"num_predict": 200}}, timeout=300).json()
+    _words(o["message"]["thinking"])
+    _words(o["message"]["content"])
