@@ -208,11 +208,14 @@ def _ls(args: argparse.Namespace) -> int:
     if registry is None:
         return 2
     running = _gateway_models(args.url or _default_url())
-    rows = [("ID", "SOURCE", "QUANT", "PARAMS", "CONTEXT", "SIZE", "LOADED")]
+    from gateway.chat import formats
+
+    rows = [("ID", "SOURCE", "QUANT", "PARAMS", "CONTEXT", "SIZE", "FORMAT", "LOADED")]
     for spec in registry.models.values():
         path = registry.local_path(spec, "gguf") if "gguf" in spec.formats else None
         source = source_label(spec) or "-"
         quant = params = ""
+        template = spec.chat_template
         size = "not downloaded"
         if path is not None:
             try:
@@ -220,6 +223,7 @@ def _ls(args: argparse.Namespace) -> int:
 
                 info = read_gguf(path)
                 quant, params = info.quantization, parameter_size(info.parameters)
+                template = template or info.metadata.get("tokenizer.chat_template")
                 size = _human(sum(f.stat().st_size for f in info.files))
             except (GGUFError, OSError):
                 size = _human(path.stat().st_size)
@@ -227,8 +231,10 @@ def _ls(args: argparse.Namespace) -> int:
             quant = spec.pulled.quant or quant
         state = "?" if running is None else (
             "yes" if running.get(spec.id, {}).get("engine") else str(running.get(spec.id, {}).get("status", "no")))
+        # The family format of its tool calls and reasoning (models.yaml's, else its template's).
+        fmt = spec.tool_format or (formats.detect_text(template).name if template or path is not None else "?")
         rows.append((spec.id + (" *" if spec.id == registry.default else ""), source, quant, params,
-                     str(spec.context_length), size, state))
+                     str(spec.context_length), size, fmt, state))
     _print_table(rows)
     if running is None:
         print(f"(no gateway answers at {args.url or _default_url()}: LOADED unknown)")

@@ -11,6 +11,7 @@ import shutil
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -98,14 +99,13 @@ THINKERS = {
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def config(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny models and their models.yaml."""
     tmp = tmp_path_factory.mktemp("families")
     # gpt-oss's vocabulary for the harmony library (a real gpt-oss GGUF carries it; these do not).
     vocab = tmp / "o200k"
     vocab.mkdir()
     shutil.copy(o200k_file(), vocab / FILE)
-    mp = pytest.MonkeyPatch()
-    mp.setenv(ENV, str(vocab))
     models = []
     for name, f in FAMILIES.items():
         path = tiny_gguf.write(tmp / f"{name}.gguf", (TEMPLATES / f"{f.template}.jinja").read_text(), f.specials,
@@ -120,8 +120,15 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
                        "parallel": 1, "context_length": 16384, "grammar": grammar})
     cfg = tmp / "models.yaml"
     cfg.write_text(yaml.safe_dump({"models": models}))
-    settings = Settings.from_env(env={}, config=str(cfg), parallel=1, engine="cpu")
-    server = ServerThread(create_app(settings, load_registry(cfg, cache_dir=tmp / "cache"))).start(timeout=300)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def server(config: Path) -> Iterator[str]:
+    mp = pytest.MonkeyPatch()
+    mp.setenv(ENV, str(config.parent / "o200k"))
+    settings = Settings.from_env(env={}, config=str(config), parallel=1, engine="cpu")
+    server = ServerThread(create_app(settings, load_registry(config, cache_dir=config.parent / "cache"))).start(timeout=300)
     yield server.url
     server.stop()
     mp.undo()
@@ -241,3 +248,13 @@ def test_reasoning_comes_apart_from_the_answer_in_every_protocol(server: str, fa
                                                 "options": {"num_predict": 200}}, timeout=300).json()
     _words(o["message"]["thinking"])
     _words(o["message"]["content"])
+
+
+def test_gateway_ls_names_each_models_format_before_it_loads(config: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`gateway ls` reads the format from the GGUF's own template, without loading the model."""
+    from gateway.cli import main
+
+    assert main(["ls", "--config", str(config), "--url", "http://127.0.0.1:9"]) == 0
+    rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()[1:] if line.startswith("tiny-")}
+    for name, f in FAMILIES.items():
+        assert f.format in rows[f"tiny-{name}"], rows[f"tiny-{name}"]

@@ -34,9 +34,13 @@ FORMATS: tuple[Format, ...] = (Harmony(), Qwen3Coder(), DeepSeekR1(), DeepSeekV3
 
 def detect(template: ChatTemplate | None) -> Format:
     """The format a model's template speaks (the generic one when it renders no tools)."""
-    if template is None:
+    return detect_text(template.source.text if template is not None else None)
+
+
+def detect_text(text: str | None) -> Format:
+    """The format a template's source speaks (the generic one for none)."""
+    if not text:
         return GENERIC
-    text = template.source.text
     return next((f for f in FORMATS if f.detects(text)), GENERIC)
 
 
