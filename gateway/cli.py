@@ -208,9 +208,11 @@ def _ls(args: argparse.Namespace) -> int:
     if registry is None:
         return 2
     running = _gateway_models(args.url or _default_url())
+    from gateway.api.capabilities import ReportCache
     from gateway.chat import formats
 
-    rows = [("ID", "SOURCE", "QUANT", "PARAMS", "CONTEXT", "SIZE", "FORMAT", "LOADED")]
+    checks = ReportCache.of(registry.cache_dir)
+    rows = [("ID", "SOURCE", "QUANT", "PARAMS", "CONTEXT", "SIZE", "FORMAT", "CHECK", "LOADED")]
     for spec in registry.models.values():
         path = registry.local_path(spec, "gguf") if "gguf" in spec.formats else None
         source = source_label(spec) or "-"
@@ -233,8 +235,9 @@ def _ls(args: argparse.Namespace) -> int:
             "yes" if running.get(spec.id, {}).get("engine") else str(running.get(spec.id, {}).get("status", "no")))
         # The family format of its tool calls and reasoning (models.yaml's, else its template's).
         fmt = spec.tool_format or (formats.detect_text(template).name if template or path is not None else "?")
+        report = checks.get(spec.id)
         rows.append((spec.id + (" *" if spec.id == registry.default else ""), source, quant, params,
-                     str(spec.context_length), size, fmt, state))
+                     str(spec.context_length), size, fmt, report.summary() if report is not None else "-", state))
     _print_table(rows)
     if running is None:
         print(f"(no gateway answers at {args.url or _default_url()}: LOADED unknown)")
@@ -523,10 +526,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="rewrite the generated tables in these Markdown files (README.md docs/configuration.md)")
     st.set_defaults(func=_settings)
     from gateway.bench import add_parser as add_bench
+    from gateway.check_cli import add_parser as add_check
     from gateway.host.devices import add_parser as add_devices
     from gateway.parity.cli import add_parser as add_parity
 
     add_bench(sub)
+    add_check(sub)
     add_devices(sub)
     add_parity(sub)
     return p

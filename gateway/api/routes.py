@@ -11,7 +11,10 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
 
+from gateway.api import capabilities
 from gateway.api.adapter import respond
+from gateway.api.capabilities import Report
+from gateway.api.errors import APIError
 from gateway.api.openai.adapters import OPENAI
 from gateway.api.openai.chat import ChatService
 from gateway.api.openai.completions import CompletionService
@@ -19,6 +22,8 @@ from gateway.api.openai.protocol import (
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
+    CheckFinding,
+    CheckReport,
     Completion,
     CompletionRequest,
     EmbeddingList,
@@ -179,7 +184,14 @@ def _card(request: Request, spec: Any) -> ModelCard:
         description=spec.description,
         tool_format=spec.tool_format or (formats.detect(template_of(loaded.engine.info)).name
                                          if loaded is not None else None),
+        checks=_findings(request.app.state.checks.get(spec.id)),
     )
+
+
+def _findings(report: Report | None) -> list[CheckFinding] | None:
+    if report is None:
+        return None
+    return [CheckFinding(name=f.name, ok=f.ok, detail=f.detail) for f in report.findings]
 
 
 def _anthropic_card(request: Request, spec: Any) -> dict[str, Any]:
@@ -196,6 +208,33 @@ async def list_models(request: Request) -> Any:
         return JSONResponse({"data": data, "has_more": False, "first_id": data[0]["id"] if data else None,
                              "last_id": data[-1]["id"] if data else None})
     return ModelList(data=[_card(request, spec) for spec in specs])
+
+
+@router.get("/v1/checks/{model_id:path}", response_model=CheckReport, responses=error_responses(401, 403, 404))
+async def get_check(model_id: str, request: Request) -> Any:
+    """The last capability check of a model (404 when it has none yet: `POST` runs one)."""
+    spec = model_spec(request.app.state.manager.registry, model_id)
+    report = request.app.state.checks.get(spec.id)
+    if report is None:
+        raise APIError(404, f"model {spec.id!r} has not been checked yet; POST /v1/checks/{spec.id} runs the check",
+                       param="model", code="not_found")
+    return _check_out(report)
+
+
+@router.post("/v1/checks/{model_id:path}", response_model=CheckReport, responses=error_responses(401, 403, 404))
+async def run_check(model_id: str, request: Request) -> Any:
+    """Probe what the model really does here (tools, parallel and streamed calls, tool_choice,
+    JSON schema output, stop strings, reasoning on and off), and keep the report."""
+    service = request.app.state.chat
+    spec = service.spec(model_id)
+    report = await until_disconnect(request, capabilities.check(service, spec))
+    request.app.state.checks.put(report)
+    return _check_out(report)
+
+
+def _check_out(report: Report) -> CheckReport:
+    return CheckReport(model=report.model, format=report.format, checked_at=int(report.at), seconds=report.seconds,
+                       summary=report.summary(), findings=_findings(report) or [])
 
 
 @router.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=error_responses(401, 403, 404))

@@ -319,6 +319,21 @@ class Completion(_Response):
     usage: UsageOut | None = None
 
 
+class CheckFinding(_Response):
+    name: str
+    ok: bool | None  # None: does not apply to this model (reasoning, for a model that does not reason)
+    detail: str
+
+
+class CheckReport(_Response):
+    model: str
+    format: str
+    checked_at: int
+    seconds: float
+    summary: str
+    findings: list[CheckFinding]
+
+
 class ModelCard(_Response):
     id: str
     object: Literal["model"] = "model"
@@ -333,6 +348,9 @@ class ModelCard(_Response):
     description: str = ""
     # The family format of its tool calls and reasoning (models.yaml's, or its template's once loaded).
     tool_format: str | None = None
+    # What it really does here, from its last capability check (`gateway check`); None: not checked.
+    checks: list[CheckFinding] | None = None
+
 
 
 class EmbeddingRequest(_Request):

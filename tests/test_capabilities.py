@@ -1,0 +1,71 @@
+"""`gateway check`: the capability probe on the real default model, through the running gateway;
+its report in /v1/checks, /v1/models and `gateway ls`. The verdicts the grammar guarantees are
+asserted ok; those that depend on what a 135M model chooses to do are asserted present with a
+reason, not a value."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from gateway.app import create_app
+from gateway.models.registry import load_registry
+from gateway.settings import Settings
+from tests.conftest import MODEL, ROOT, ServerThread
+
+GUARANTEED = ("streamed tool calls", "tool_choice required", "tool_choice named", "JSON schema output", "stop strings")
+CHOSEN = ("tools", "parallel tool calls")  # the model decides under tool_choice auto
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    tmp = tmp_path_factory.mktemp("check")
+    data = yaml.safe_load((ROOT / "models.yaml").read_text())
+    data["models"] = [m for m in data["models"] if m["id"] == MODEL]
+    data["cache_dir"] = str(tmp / "cache")  # its own reports, not the user's
+    cfg = tmp / "models.yaml"
+    cfg.write_text(yaml.safe_dump(data))
+    registry = load_registry(cfg)
+    server = ServerThread(create_app(Settings.from_env(env={}, config=str(cfg), parallel=2, engine="cpu"),
+                                     registry)).start()
+    yield server.url, cfg
+    server.stop()
+
+
+def test_a_model_not_checked_yet_says_so(gateway: tuple[str, Path]) -> None:
+    url, _ = gateway
+    r = httpx.get(f"{url}/v1/checks/{MODEL}", timeout=30)
+    assert r.status_code == 404 and "POST" in r.json()["error"]["message"]
+    assert httpx.get(f"{url}/v1/models/{MODEL}", timeout=30).json()["checks"] is None
+    assert httpx.post(f"{url}/v1/checks/no-such-model", timeout=30).status_code == 404
+
+
+@pytest.mark.timeout(900)  # a first load with its functional check, then nine short requests
+def test_the_check_probes_the_real_model(gateway: tuple[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+
+    from gateway import check_cli
+
+    url, cfg = gateway
+    assert check_cli.run(argparse.Namespace(model=MODEL, url=url, config=None)) == 0
+    printed = capsys.readouterr().out
+    report = httpx.get(f"{url}/v1/checks/{MODEL}", timeout=30).json()
+    found = {f["name"]: f for f in report["findings"]}
+    assert report["format"] == "json"  # SmolLM2's template renders no tools: the gateway's rewrite
+    for name in GUARANTEED:
+        assert found[name]["ok"] is True, found[name]
+    for name in CHOSEN:
+        assert isinstance(found[name]["ok"], bool) and found[name]["detail"], found[name]
+    assert found["reasoning on"]["ok"] is None and found["reasoning off"]["ok"] is None  # SmolLM2 does not reason
+    assert report["summary"] in printed and "tool_choice named" in printed
+    card = httpx.get(f"{url}/v1/models/{MODEL}", timeout=30).json()
+    assert card["checks"] == report["findings"]
+    # `gateway ls` reads the kept report from the model cache.
+    from gateway.cli import main
+
+    assert main(["ls", "--config", str(cfg), "--url", url]) == 0
+    assert report["summary"] in capsys.readouterr().out
