@@ -22,8 +22,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import jsonschema
-
 from gateway.api.serving import Service
 from gateway.chat import formats
 from gateway.chat.template import template_of
@@ -115,6 +113,8 @@ def _said(a: _Answer) -> str:
 
 def _calls(a: _Answer, tools: dict[str, ToolSpec]) -> str | None:
     """None when every call names a tool and its arguments follow that tool's schema, else why not."""
+    import jsonschema
+
     for c in a.calls:
         if c.name not in tools:
             return f"called {c.name!r}, not one of the tools"
@@ -175,6 +175,8 @@ async def _named(service: Service, spec: ModelSpec) -> Finding:
 
 
 async def _json_schema(service: Service, spec: ModelSpec) -> Finding:
+    import jsonschema
+
     a = await _run(service, spec, _conv("The weather in Paris is 18 degrees. Answer as JSON.",
                                         output=Output("json_schema", ANSWER)))
     try:
