@@ -64,6 +64,10 @@ def test_the_check_probes_the_real_model(gateway: tuple[str, Path], capsys: pyte
     assert report["summary"] in printed and "tool_choice named" in printed
     card = httpx.get(f"{url}/v1/models/{MODEL}", timeout=30).json()
     assert card["checks"] == report["findings"]
+    # The web page's status: the format, the summary and what was not ok, with why.
+    row = next(m for m in httpx.get(f"{url}/api/status", timeout=30).json()["models"] if m["id"] == MODEL)
+    assert (row["tool_format"], row["check"]) == ("json", report["summary"])
+    assert row["check_failed"] == [f"{f['name']}: {f['detail']}" for f in report["findings"] if f["ok"] is False]
     # `gateway ls` reads the kept report from the model cache.
     from gateway.cli import main
 

@@ -15,6 +15,8 @@ from gateway.api.errors import APIError
 from gateway.api.openai.protocol import ErrorResponse
 from gateway.api.routes import error_responses
 from gateway.api.serving import model_spec
+from gateway.chat import formats
+from gateway.chat.template import template_of
 from gateway.host.devices import memory_verdict, render, runtime_facts
 from gateway.host.selection import Candidate, Plan, SelectionError
 from gateway.metrics import SLO_E2E_S, SLO_TPOT_S, SLO_TTFT_S
@@ -61,6 +63,9 @@ class ModelStatus(BaseModel):
     memory_bytes: int | None  # loaded: what it holds (RAM + GPU; its estimate or its worker's measured memory)
     memory_detail: str | None  # loaded: the estimate's parts, and what was sized down to fit
     expires_in_s: float | None  # loaded and idle: seconds until keep_alive unloads it; None: it stays
+    tool_format: str | None  # its family's format of tool calls and reasoning (models.yaml's, or once loaded)
+    check: str | None  # its last capability check (`gateway check`): "6/7 ok"; None: not checked
+    check_failed: list[str]  # the probes that were not ok, each with its reason
 
 
 class DeviceMemory(BaseModel):
@@ -154,6 +159,7 @@ def _model(request: Request, spec: ModelSpec) -> ModelStatus:
     entry = manager.entry(spec.id)
     usage = next(((h.running, h.waiting) for m, _, _, h in state.live.resident() if m == spec.id), (0, 0))
     shadow = state.shadow.status() if state.shadow is not None else {"engines": [], "excluded": {}}
+    report = state.checks.get(spec.id)
     return ModelStatus(
         id=spec.id,
         description=spec.description,
@@ -178,6 +184,9 @@ def _model(request: Request, spec: ModelSpec) -> ModelStatus:
         memory_detail=((entry.need.describe() if entry.need else "")
                        + (f"; sized down to fit: {entry.fitted}" if entry.fitted else "")) or None if entry else None,
         expires_in_s=_expires_in(manager, entry),
+        tool_format=spec.tool_format or (formats.detect(template_of(entry.engine.info)).name if entry else None),
+        check=report.summary() if report is not None else None,
+        check_failed=[f"{f.name}: {f.detail}" for f in report.findings if f.ok is False] if report is not None else [],
     )
 
 

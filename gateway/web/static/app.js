@@ -155,12 +155,22 @@ async function startPull(ev) {
   await poll();
 }
 
+// Its family's format, and what its last `gateway check` found (the probes not ok in the title).
+function formatLine(m) {
+  const parts = [];
+  if (m.tool_format) parts.push(`format ${m.tool_format}`);
+  if (m.check) parts.push(`check ${m.check}`);
+  if (!parts.length) return null;
+  return h("div", { class: "small model-format", title: m.check_failed.join("\n") }, parts.join(" · "));
+}
+
 function modelRow(m, s) {
   const busy = m.state === "loading";
   const action = m.state === "loaded" ? "unload" : "load";
   const why = m.fallback_reason || m.error;
   return h("tr", { "data-model": m.id, "data-state": m.state },
-    h("th", { scope: "row", title: m.description }, m.id, m.id === s.default_model ? h("span", { class: "badge" }, "default") : null),
+    h("th", { scope: "row", title: m.description }, m.id, m.id === s.default_model ? h("span", { class: "badge" }, "default") : null,
+      formatLine(m)),
     h("td", {}, m.available ? "present" : "not downloaded"),
     h("td", {}, m.state.replace("_", " "), why ? h("div", { class: m.error ? "error small" : "warn small" }, why) : null),
     h("td", { class: "engine" }, m.engine || "–"),
