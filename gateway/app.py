@@ -20,7 +20,7 @@ from gateway.api.admission import Admission
 from gateway.api.anthropic.adapter import ANTHROPIC
 from gateway.api.anthropic.messages import MessageStreamEvent
 from gateway.api.anthropic.routes import router as anthropic_router
-from gateway.api.capabilities import ReportCache
+from gateway.api.capabilities import ReportCache, check_on_load
 from gateway.api.errors import install_error_handlers
 from gateway.api.guards import Drain, Guards, Policy, is_loopback_bind
 from gateway.api.health import router as health_router
@@ -142,6 +142,8 @@ def create_app(
     app.state.drain = drain
     app.state.chat = ChatService(manager, metrics, admission, drain, on_complete)
     app.state.checks = ReportCache.of(registry.cache_dir)
+    if settings.check_models:
+        manager.on_loaded.append(check_on_load(app.state.chat, app.state.checks))
     app.state.completions = CompletionService(manager, metrics, admission, drain, on_complete)
     app.state.embeddings = EmbeddingService(manager, metrics)
     app.state.started = int(time.time())

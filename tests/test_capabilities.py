@@ -5,6 +5,7 @@ reason, not a value."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -73,3 +74,28 @@ def test_the_check_probes_the_real_model(gateway: tuple[str, Path], capsys: pyte
 
     assert main(["ls", "--config", str(cfg), "--url", url]) == 0
     assert report["summary"] in capsys.readouterr().out
+
+
+@pytest.mark.timeout(900)
+def test_check_models_checks_a_model_on_its_first_load(tmp_path: Path) -> None:
+    """With `check_models`, the first load starts the check in the background; the kept report
+    names the model's format, and the model answered meanwhile."""
+    data = yaml.safe_load((ROOT / "models.yaml").read_text())
+    data["models"] = [m for m in data["models"] if m["id"] == MODEL]
+    data["cache_dir"] = str(tmp_path / "cache")
+    cfg = tmp_path / "models.yaml"
+    cfg.write_text(yaml.safe_dump(data))
+    settings = Settings.from_env(env={}, config=str(cfg), parallel=2, engine="cpu", check_models=True)
+    server = ServerThread(create_app(settings, load_registry(cfg))).start()
+    try:
+        r = httpx.post(f"{server.url}/v1/chat/completions", timeout=300,
+                       json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
+        assert r.status_code == 200
+        deadline = time.monotonic() + 600
+        while (c := httpx.get(f"{server.url}/v1/checks/{MODEL}", timeout=30)).status_code == 404:
+            assert time.monotonic() < deadline, "no check after the first load"
+            time.sleep(2)
+        report = c.json()
+        assert report["format"] == "json" and len(report["findings"]) == 9
+    finally:
+        server.stop()

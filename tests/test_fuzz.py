@@ -216,6 +216,7 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 OPERATIONS = [("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("POST", "/v1/embeddings"),
               ("POST", "/apply-template"),
               ("GET", "/v1/models"), ("GET", "/v1/models/{model_id}"), ("GET", "/health"), ("GET", "/metrics"),
+              ("GET", "/v1/checks/{model_id}"), ("POST", "/v1/checks/{model_id}"),
               ("GET", "/health/ready"), ("GET", "/health/live"),
               ("GET", "/api/status"), ("GET", "/api/devices"),
               ("POST", "/api/models/{model_id}/load"), ("POST", "/api/models/{model_id}/unload"),
@@ -236,9 +237,11 @@ def test_every_operation_is_fuzzed(api_schema: Any) -> None:
 
 
 # schemathesis' own pytest plugin does not run under pytest 9, so the strategies are driven here.
-# Invalid (negative) requests only where there is input to break: the request bodies (load/unload have none).
+# Invalid (negative) requests only where there is input to break: the request bodies (load/unload and the
+# capability check have none).
 CASES = [(m, p, GenerationMode.POSITIVE) for m, p in OPERATIONS] + \
-    [(m, p, GenerationMode.NEGATIVE) for m, p in OPERATIONS if m == "POST" and p.startswith("/v1/")]
+    [(m, p, GenerationMode.NEGATIVE) for m, p in OPERATIONS
+     if m == "POST" and p.startswith("/v1/") and not p.startswith("/v1/checks/")]
 
 
 @pytest.mark.parametrize(("method", "path", "mode"), CASES,

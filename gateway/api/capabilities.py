@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
@@ -39,7 +40,10 @@ from gateway.conversation import (
     ToolSpec,
     Turn,
 )
+from gateway.models.pool import Loaded
 from gateway.models.registry import ModelSpec
+
+log = logging.getLogger(__name__)
 
 WEATHER = ToolSpec("get_weather", "Current weather in a city",
                    {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})
@@ -284,3 +288,26 @@ class ReportCache:
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(data, indent=1))
         tmp.replace(self.path)
+
+
+def check_on_load(service: Service, cache: ReportCache) -> Callable[[Loaded], None]:
+    """A hook for ModelManager.on_loaded: the check of a model whose kept report is for another
+    file, engine or template (or none), in the background; its report kept."""
+    running: set[asyncio.Task[None]] = set()
+
+    async def run(spec: ModelSpec) -> None:
+        try:
+            cache.put(await check(service, spec))
+        except Exception as exc:  # noqa: BLE001 - a check that cannot run leaves the model served
+            log.warning("the capability check of %s did not run: %s", spec.id, exc)
+
+    def hook(entry: Loaded) -> None:
+        fmt = formats.serving(entry.spec.tool_format, template_of(entry.engine.info))
+        kept = cache.get(entry.spec.id)
+        if kept is not None and kept.key == key_of(entry.check_key, fmt.name, entry.spec.chat_template):
+            return
+        task = asyncio.get_running_loop().create_task(run(entry.spec))
+        running.add(task)
+        task.add_done_callback(running.discard)
+
+    return hook

@@ -143,6 +143,7 @@ class ModelManager:
             self.host = dataclasses.replace(self.host, llamacpp_builds=())
         self._checker = checker
         self.checks = CheckCache(Path(registry.cache_dir) / "functional-checks.json")
+        self.on_loaded: list[Callable[[Loaded], None]] = []  # called as each load completes
         self._loaded: OrderedDict[str, Loaded] = OrderedDict()
         self._locks: dict[str, asyncio.Lock] = {}
         self.loading: set[str] = set()
@@ -198,6 +199,8 @@ class ModelManager:
                 entry = self._loaded.get(spec.id)
                 if entry is None:
                     entry = await self._load(spec)
+                    for hook in self.on_loaded:
+                        hook(entry)
         self._loaded.move_to_end(spec.id)
         entry.last_used = time.monotonic()
         if self._reaper is None or self._reaper.done():
