@@ -94,3 +94,38 @@ async def test_a_request_for_several_choices_holds_several_slots() -> None:
     big = await adm.admit("m", slots=4, n=16)  # more choices than slots: takes all of them
     assert g.free == 0
     big.release()
+
+
+async def test_slots_granted_while_a_leaving_client_is_noticed_go_back() -> None:
+    """The request is admitted in the moment the gateway checks whether its client is still there;
+    the client has gone: the slot it was just given is released, not held by no one (a gateway
+    whose clients time out under load otherwise ends with every slot taken and its engine idle)."""
+    from gateway.api.errors import ClientDisconnected
+    from gateway.api.sse import until_disconnect
+
+    g = Gate(slots=1, max_queue=4, max_wait=30)
+    await g.acquire()  # another request holds the only slot
+
+    class Admitted:
+        def __init__(self) -> None:
+            self.released = False
+
+        def release(self) -> None:
+            self.released = True
+            g.release(1)
+
+    admitted = Admitted()
+
+    async def prepare() -> Admitted:
+        await g.acquire()
+        return admitted
+
+    class LeavingClient:
+        async def is_disconnected(self) -> bool:
+            g.release(1)  # the other request ends: the waiting one is admitted ...
+            await asyncio.sleep(0.01)  # ... while this check is under way
+            return True
+
+    with pytest.raises(ClientDisconnected):
+        await until_disconnect(LeavingClient(), prepare())  # type: ignore[arg-type]
+    assert admitted.released and g.running == 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable
-from typing import TypeVar
+from typing import Protocol, TypeVar, runtime_checkable
 
 from starlette.requests import Request
 
@@ -19,13 +19,24 @@ T = TypeVar("T")
 DISCONNECT_POLL_S = 0.2
 
 
+@runtime_checkable
+class Releasable(Protocol):
+    """A result that holds something until it is used (a prepared request's slots)."""
+
+    def release(self) -> None: ...
+
+
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """Await `work`, cancelling it if the client disconnects first."""
+    """Await `work`, cancelling it if the client disconnects first. Work that finished while the
+    disconnect was being noticed is given back: a result holding slots (`Releasable`) releases
+    them, or they would stay taken with no one to use them."""
     task = asyncio.ensure_future(work)
+    returned = False
     try:
         while True:
             done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
             if done:
+                returned = True
                 return task.result()
             if await request.is_disconnected():
                 raise ClientDisconnected()
@@ -36,3 +47,7 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
                 await task
             except BaseException:  # noqa: BLE001 - the task's own cancellation
                 pass
+        elif not returned and not task.cancelled() and task.exception() is None:
+            result = task.result()
+            if isinstance(result, Releasable):
+                result.release()
