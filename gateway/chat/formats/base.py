@@ -301,3 +301,27 @@ def first_repeat(calls: list[tuple[str, str]]) -> int | None:
             return k
         seen.add(key)
     return None
+
+
+class JsonEnd:
+    """Where one JSON value ends, character by character (strings and nesting followed)."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.in_string = False
+        self.escape = False
+
+    def step(self, ch: str) -> None:
+        if self.in_string:
+            if self.escape:
+                self.escape = False
+            elif ch == "\\":
+                self.escape = True
+            elif ch == '"':
+                self.in_string = False
+        elif ch == '"':
+            self.in_string = True
+        elif ch in "{[":
+            self.depth += 1
+        elif ch in "}]":
+            self.depth -= 1

@@ -19,6 +19,7 @@ from gateway.chat.formats.base import (
     ContentDelta,
     Event,
     Format,
+    JsonEnd,
     Parser,
     coalesce,
     partial_suffix,
@@ -73,9 +74,7 @@ class FunctionaryParser:
         self.content = ""
         self._mode = "recipient"  # recipient | text | lead | args | raw | after
         self._buf = ""
-        self._depth = 0
-        self._in_string = False
-        self._escape = False
+        self._end = JsonEnd()  # where the call's JSON object ends
 
     @property
     def done(self) -> bool:
@@ -117,7 +116,7 @@ class FunctionaryParser:
             self._json(ch, out)
         elif mode == "lead":
             if ch == "{":
-                self._mode, self._depth, self._in_string, self._escape = "args", 0, False, False
+                self._mode, self._end = "args", JsonEnd()
                 self._json(ch, out)
             elif not ch.isspace():
                 self._mode, self._buf = "raw", ""
@@ -169,18 +168,6 @@ class FunctionaryParser:
     def _json(self, ch: str, out: list[Event]) -> None:
         """One character of a call's arguments object, up to its close."""
         self._arguments(ch, out)
-        if self._in_string:
-            if self._escape:
-                self._escape = False
-            elif ch == "\\":
-                self._escape = True
-            elif ch == '"':
-                self._in_string = False
-        elif ch == '"':
-            self._in_string = True
-        elif ch in "{[":
-            self._depth += 1
-        elif ch in "}]":
-            self._depth -= 1
-            if self._depth == 0:
+        self._end.step(ch)
+        if self._end.depth == 0 and ch in "}]":
                 self._mode, self._buf = "after", ""

@@ -19,6 +19,7 @@ from gateway.chat.formats.base import (
     ContentDelta,
     Event,
     Format,
+    JsonEnd,
     Parser,
     call_arguments,
     call_schema,
@@ -147,9 +148,7 @@ class Llama3Parser:
         self._tools = tools
         self._mode = "lead"  # lead | text | tag | json | builtin
         self._buf = ""  # lead: the undecided start; text: a possible tag's start; builtin: its text
-        self._depth = 0  # json: the call object's nesting
-        self._in_string = False
-        self._escape = False
+        self._end = JsonEnd()  # where the call's JSON object ends
         self._opened = 0
 
     @property
@@ -239,27 +238,15 @@ class Llama3Parser:
     def _start_call(self, head: str, out: list[Event]) -> None:
         out += self.inner.feed('{"tool_calls": [' if not self._opened else ", ")
         self._opened += 1
-        self._mode, self._depth, self._in_string, self._escape = "json", 0, False, False
+        self._mode, self._end = "json", JsonEnd()
         for ch in head:
             self._json(ch, out)
 
     def _json(self, ch: str, out: list[Event]) -> None:
         """One character of a call object, passed on until the object closes."""
         out += self.inner.feed(ch)
-        if self._in_string:
-            if self._escape:
-                self._escape = False
-            elif ch == "\\":
-                self._escape = True
-            elif ch == '"':
-                self._in_string = False
-        elif ch == '"':
-            self._in_string = True
-        elif ch in "{[":
-            self._depth += 1
-        elif ch in "}]":
-            self._depth -= 1
-            if self._depth == 0:
+        self._end.step(ch)
+        if self._end.depth == 0 and ch in "}]":
                 self._mode, self._buf = "lead", ""
 
     def _builtin(self, ch: str, out: list[Event]) -> None:

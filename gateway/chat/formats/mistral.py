@@ -28,6 +28,7 @@ from gateway.chat.formats.base import (
     ContentDelta,
     Event,
     Format,
+    JsonEnd,
     Parser,
     call_schema,
     coalesce,
@@ -106,30 +107,6 @@ def array_constraint(calls: Calls, trigger: str, lazy: bool) -> Constraint | Non
     return tagged(calls, items, prefix=trigger + "[", suffix="]", separator=", ", triggers=[trigger], lazy=lazy)
 
 
-class _Json:
-    """Where one JSON value ends, character by character (strings and nesting followed)."""
-
-    def __init__(self) -> None:
-        self.depth = 0
-        self.in_string = False
-        self.escape = False
-
-    def step(self, ch: str) -> None:
-        if self.in_string:
-            if self.escape:
-                self.escape = False
-            elif ch == "\\":
-                self.escape = True
-            elif ch == '"':
-                self.in_string = False
-        elif ch == '"':
-            self.in_string = True
-        elif ch in "{[":
-            self.depth += 1
-        elif ch in "}]":
-            self.depth -= 1
-
-
 class _TextParser:
     """Free text until `trigger`; a subclass reads what follows. After a call, the whitespace
     that separates it from the next is no content."""
@@ -197,7 +174,7 @@ class JsonArrayParser(_TextParser):
     def __init__(self, trigger: str) -> None:
         super().__init__(trigger)
         self.inner = StreamParser()
-        self._json = _Json()
+        self._json = JsonEnd()
         self._arrays = 0
         self._bare = False
 
@@ -215,7 +192,7 @@ class JsonArrayParser(_TextParser):
             s = s.lstrip()
             if not s:
                 return ""
-            self._json, self._bare = _Json(), s[0] != "["
+            self._json, self._bare = JsonEnd(), s[0] != "["
             self._state = "array"
             if not self._bare:
                 s = s[1:]
@@ -241,7 +218,7 @@ class NamedArgsParser(_TextParser):
     def __init__(self) -> None:
         super().__init__(TOOL_CALLS)
         self.calls: list[tuple[str, str]] = []
-        self._json = _Json()
+        self._json = JsonEnd()
         self._literal = False  # the arguments are a bare literal (ends at a space or a tag)
 
     def _opened(self, out: list[Event]) -> None:
@@ -264,7 +241,7 @@ class NamedArgsParser(_TextParser):
             s = s.lstrip()
             if not s:
                 return ""
-            self._json, self._state = _Json(), "args"
+            self._json, self._state = JsonEnd(), "args"
             self._literal = s[0] not in '{["'
         j, k, end = self._json, 0, -1
         for k, ch in enumerate(s):
