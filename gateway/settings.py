@@ -128,9 +128,9 @@ class Settings(EnvSettings):
     log_level: str = setting("info", "log level (`debug` logs every engine pass and collections over 5 ms)")
     # --- trusting engines ---
     functional_check: bool = setting(True, "check an engine (load + one token) before trusting it")
-    check_models: bool = setting(False, "run `gateway check` on a model's first load when its kept report is for "
-                                 "another file, engine or template (its probes take the model's slots for a few "
-                                 "seconds)", flag=True)
+    check_models: bool = setting(True, "skip `gateway check` on a model's first load (it runs when the kept report "
+                                 "is for another file, engine or template, in the background: one probe at a "
+                                 "time, each when no request of the model runs or waits)", flag="--no-check-models")
     isolate_check: bool = setting(True, "run that check in a child process first (survives driver crashes)")
     # Vulkan on a software device compiles pipelines slowly.
     check_timeout: float = setting(300.0, "seconds a functional check may take", ge=0)

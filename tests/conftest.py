@@ -31,6 +31,11 @@ os.environ.update(vulkan_visible_env(VULKAN))
 # which tests that pull fill in their own folders.
 _USER_MODELS = Path(os.environ.get("TMPDIR", "/tmp")) / f"gateway-test-models-{os.getpid()}"
 os.environ["GATEWAY_MODELS_DIR"] = str(_USER_MODELS)
+# The capability check that runs on a model's first load (on by default) adds its probes to the
+# requests and slots tests count: off in tests' gateways, in-process (NO_CHECKS as their
+# environment) and started ones; tests/test_capabilities.py runs it.
+NO_CHECKS = {"GATEWAY_CHECK_MODELS": "false"}
+os.environ.update(NO_CHECKS)
 
 
 def free_port() -> int:
@@ -82,7 +87,7 @@ def registry_path() -> Path:
 
 @pytest.fixture(scope="session")
 def gateway_url(registry_path: Path) -> Iterator[str]:
-    settings = Settings.from_env(env={}, config=str(registry_path), parallel=4, max_resident=2)
+    settings = Settings.from_env(env=NO_CHECKS, config=str(registry_path), parallel=4, max_resident=2)
     app = create_app(settings, load_registry(registry_path))
     server = ServerThread(app).start()
     yield server.url
@@ -138,7 +143,7 @@ def converted_gateway(runtime: str, fmt: str, converted: dict[str, str], artifac
     cfg.write_text(yaml.safe_dump(data))
     registry = load_registry(cfg, cache_dir=default_registry.cache_dir)
     assert registry.resolve(registry.models[MODEL], fmt) == artifact
-    return ServerThread(create_app(Settings.from_env(env={}, config=str(cfg), **{"parallel": 2, **settings}),
+    return ServerThread(create_app(Settings.from_env(env=NO_CHECKS, config=str(cfg), **{"parallel": 2, **settings}),
                                    registry)).start()
 
 

@@ -16,7 +16,7 @@ import yaml
 from gateway.app import create_app
 from gateway.models.registry import load_registry
 from gateway.settings import Settings
-from tests.conftest import MODEL, ROOT, ServerThread
+from tests.conftest import MODEL, NO_CHECKS, ROOT, ServerThread
 
 GUARANTEED = ("streamed tool calls", "tool_choice required", "tool_choice named", "JSON schema output", "stop strings")
 CHOSEN = ("tools", "parallel tool calls")  # the model decides under tool_choice auto
@@ -31,7 +31,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Pat
     cfg = tmp / "models.yaml"
     cfg.write_text(yaml.safe_dump(data))
     registry = load_registry(cfg)
-    server = ServerThread(create_app(Settings.from_env(env={}, config=str(cfg), parallel=2, engine="cpu"),
+    server = ServerThread(create_app(Settings.from_env(env=NO_CHECKS, config=str(cfg), parallel=2, engine="cpu"),
                                      registry)).start()
     yield server.url, cfg
     server.stop()
@@ -85,7 +85,7 @@ def test_check_models_checks_a_model_on_its_first_load(tmp_path: Path) -> None:
     data["cache_dir"] = str(tmp_path / "cache")
     cfg = tmp_path / "models.yaml"
     cfg.write_text(yaml.safe_dump(data))
-    settings = Settings.from_env(env={}, config=str(cfg), parallel=2, engine="cpu", check_models=True)
+    settings = Settings.from_env(env={}, config=str(cfg), parallel=2, engine="cpu")  # on by default
     server = ServerThread(create_app(settings, load_registry(cfg))).start()
     try:
         r = httpx.post(f"{server.url}/v1/chat/completions", timeout=300,
@@ -99,3 +99,26 @@ def test_check_models_checks_a_model_on_its_first_load(tmp_path: Path) -> None:
         assert report["format"] == "json" and len(report["findings"]) == 9
     finally:
         server.stop()
+
+
+def test_a_background_check_waits_until_the_models_requests_are_done() -> None:
+    """On a first load the check yields to users: each probe starts once no request of the model
+    runs or waits in admission."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from gateway.api.admission import Admission
+    from gateway.api.capabilities import _idle
+
+    async def scenario() -> None:
+        admission = Admission(max_queue=8, max_wait=30)
+        service = SimpleNamespace(admission=admission)
+        ticket = await admission.admit(MODEL, 2, 1)  # a user's request runs
+        waiting = asyncio.ensure_future(_idle(service, MODEL))  # type: ignore[arg-type]
+        await asyncio.sleep(0.6)
+        assert not waiting.done()
+        ticket.release()
+        await asyncio.wait_for(waiting, 2)
+        await asyncio.wait_for(_idle(service, "never-loaded"), 1)  # type: ignore[arg-type]
+
+    asyncio.run(scenario())

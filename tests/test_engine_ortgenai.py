@@ -29,7 +29,7 @@ from gateway.chat.template import ChatMessage
 from gateway.models.registry import load_registry
 from gateway.settings import Settings
 from tests.chat import chat_request
-from tests.conftest import MODEL, ROOT, ServerThread, converted_gateway, parity_against_llamacpp
+from tests.conftest import MODEL, NO_CHECKS, ROOT, ServerThread, converted_gateway, parity_against_llamacpp
 from tests.test_tools import ASK, TOOLS
 
 og = pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed")
@@ -386,7 +386,7 @@ def test_serve_runtime_ortgenai_engine_cpu_on_the_default_models_yaml(onnx_fp32:
     """`gateway serve --runtime ortgenai --engine cpu` with the shipped models.yaml: the converted
     artifact in the cache is found without listing it, and the default model answers through ORT."""
     registry = load_registry(ROOT / "models.yaml", cache_dir=default_registry.cache_dir)
-    settings = Settings.from_env(env={}, config=str(ROOT / "models.yaml"), runtime="ortgenai", engine="cpu", parallel=1)
+    settings = Settings.from_env(env=NO_CHECKS, config=str(ROOT / "models.yaml"), runtime="ortgenai", engine="cpu", parallel=1)
     server = ServerThread(create_app(settings, registry)).start()
     try:
         r = httpx.post(f"{server.url}/v1/chat/completions", timeout=120, json={

@@ -25,7 +25,7 @@ from gateway.cli import main as cli
 from gateway.host.hardware import probe_host
 from gateway.models.registry import load_registry
 from gateway.settings import Settings
-from tests.conftest import MODEL, ROOT, VULKAN, ServerThread
+from tests.conftest import MODEL, NO_CHECKS, ROOT, VULKAN, ServerThread
 
 HOST = probe_host()
 LAVAPIPE = [d for d in VULKAN.devices if d.type == "cpu"]
@@ -40,7 +40,7 @@ KL_TOLERANCE = 0.02  # nats per position: fp16 kernels vs fp32 CPU on a Q4_1 mod
 
 @pytest.fixture(scope="module")
 def vulkan_gateway() -> Iterator[tuple[str, object]]:
-    settings = Settings.from_env(env={}, config=str(ROOT / "models.yaml"), engine="vulkan", parallel=1, preload=True)
+    settings = Settings.from_env(env=NO_CHECKS, config=str(ROOT / "models.yaml"), engine="vulkan", parallel=1, preload=True)
     app = create_app(settings, load_registry(ROOT / "models.yaml"), host=HOST)
     server = ServerThread(app).start(timeout=600)
     yield server.url, app

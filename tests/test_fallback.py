@@ -17,7 +17,7 @@ from gateway.host.hardware import HostCapabilities, VulkanInfo, probe_host
 from gateway.models.registry import load_registry
 from gateway.settings import Settings
 from tests import hosts
-from tests.conftest import MODEL, ROOT, ServerThread
+from tests.conftest import MODEL, NO_CHECKS, ROOT, ServerThread
 
 
 def _broken_gpu_host() -> HostCapabilities:
@@ -32,7 +32,7 @@ def _broken_gpu_host() -> HostCapabilities:
 @pytest.fixture(scope="module")
 def fallback_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, object]]:
     cache = tmp_path_factory.mktemp("cache")
-    settings = Settings.from_env(env={}, config=str(ROOT / "models.yaml"), parallel=1)
+    settings = Settings.from_env(env=NO_CHECKS, config=str(ROOT / "models.yaml"), parallel=1)
     app = create_app(settings, load_registry(ROOT / "models.yaml", cache_dir=cache), host=_broken_gpu_host())
     server = ServerThread(app).start(timeout=300)
     yield server.url, app
@@ -66,7 +66,7 @@ def test_fallback_counter_is_exported(fallback_gateway: tuple[str, object]) -> N
 
 
 def test_explicit_engine_that_fails_its_check_stops_the_start(tmp_path: Path) -> None:
-    settings = Settings.from_env(env={}, config=str(ROOT / "models.yaml"), engine="vulkan", parallel=1)
+    settings = Settings.from_env(env=NO_CHECKS, config=str(ROOT / "models.yaml"), engine="vulkan", parallel=1)
     app = create_app(settings, load_registry(ROOT / "models.yaml", cache_dir=tmp_path), host=_broken_gpu_host())
     with pytest.raises(ModelLoadError, match="no device Vulkan7"), TestClient(app):
         pass  # the start itself fails: no request is ever served on the CPU

@@ -25,7 +25,7 @@ from gateway.app import create_app
 from gateway.chat.formats.harmony_vocab import ENV, FILE
 from gateway.models.registry import load_registry
 from gateway.settings import Settings
-from tests.conftest import ROOT, ServerThread
+from tests.conftest import NO_CHECKS, ROOT, ServerThread
 from tests.formats import TEMPLATES
 from tests.test_format_harmony import o200k_file
 
@@ -127,7 +127,7 @@ def config(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def server(config: Path) -> Iterator[str]:
     mp = pytest.MonkeyPatch()
     mp.setenv(ENV, str(config.parent / "o200k"))
-    settings = Settings.from_env(env={}, config=str(config), parallel=1, engine="cpu")
+    settings = Settings.from_env(env=NO_CHECKS, config=str(config), parallel=1, engine="cpu")
     server = ServerThread(create_app(settings, load_registry(config, cache_dir=config.parent / "cache"))).start(timeout=300)
     yield server.url
     server.stop()

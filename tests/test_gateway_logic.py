@@ -16,7 +16,7 @@ from gateway.models.registry import load_registry
 from gateway.models.routing import WorkerGroup
 from gateway.settings import Settings
 from tests import hosts
-from tests.conftest import ServerThread
+from tests.conftest import NO_CHECKS, ServerThread
 from tests.fakes import FakeEngine
 
 YAML = """
@@ -48,7 +48,7 @@ def _server(registry_file: Path, check: bool = True, **engine_kw: object) -> tup
         made.append(e)
         return e
 
-    settings = Settings.from_env(env={}, config=str(registry_file), max_resident=2, functional_check=check)
+    settings = Settings.from_env(env=NO_CHECKS, config=str(registry_file), max_resident=2, functional_check=check)
     app = create_app(settings, load_registry(registry_file, cache_dir=registry_file.parent / "cache"), engine_factory=factory, host=hosts.CPU_ONLY)  # type: ignore[arg-type]
     return ServerThread(app), made
 
@@ -118,7 +118,7 @@ def test_queue_full_is_429(registry_file: Path) -> None:
 
 
 def test_api_key(registry_file: Path) -> None:
-    settings = Settings.from_env(env={}, config=str(registry_file), api_key="s3cret")
+    settings = Settings.from_env(env=NO_CHECKS, config=str(registry_file), api_key="s3cret")
     app = create_app(settings, load_registry(registry_file, cache_dir=registry_file.parent / "cache"), engine_factory=functools.partial(lambda r, c: FakeEngine(c)),
                      host=hosts.CPU_ONLY)
     server = ServerThread(app).start()
@@ -228,7 +228,7 @@ def test_rank_by_speed_serves_the_faster_engine_on_one_device(tmp_path: Path, ra
         return FakeEngine(config, token_delay=0.02 if runtime == "llamacpp" else 0.002)
 
     def serve() -> str:
-        settings = Settings.from_env(env={}, config=str(cfg), rank_by_speed=rank)
+        settings = Settings.from_env(env=NO_CHECKS, config=str(cfg), rank_by_speed=rank)
         app = create_app(settings, load_registry(cfg, cache_dir=tmp_path / "cache"), engine_factory=factory,  # type: ignore[arg-type]
                          host=host)
         server = ServerThread(app).start()

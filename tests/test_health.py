@@ -17,7 +17,7 @@ import yaml
 from gateway.app import create_app
 from gateway.models.registry import load_registry
 from gateway.settings import Settings
-from tests.conftest import MODEL, ROOT, ServerThread, wait_for
+from tests.conftest import MODEL, NO_CHECKS, ROOT, ServerThread, wait_for
 
 # A model whose Python package is not installed (as gemma-3-270m is, unless asked for).
 ABSENT = "absent-model"
@@ -40,7 +40,7 @@ class Gateway:
     def __init__(self, tmp: Path, default: str = MODEL, **settings: Any) -> None:
         path = _registry(tmp, default)
         # One resident model: a load must not unload the default to make room before it knows it can load.
-        self.app = create_app(Settings.from_env(env={}, config=str(path), parallel=2, max_resident=1, **settings),
+        self.app = create_app(Settings.from_env(env=NO_CHECKS, config=str(path), parallel=2, max_resident=1, **settings),
                               load_registry(path))
         self.server = ServerThread(self.app).start(wait_ready=False, timeout=300)
         self.url = self.server.url

@@ -19,7 +19,7 @@ from engines.llamacpp.runtime import LlamaCppOptions
 from gateway.chat.template import ChatMessage
 from gateway.models.registry import load_registry
 from tests.chat import chat_request
-from tests.conftest import ROOT
+from tests.conftest import NO_CHECKS, ROOT
 
 TOPICS = ["a lighthouse keeper", "a baker in Lyon", "a robot learning to paint", "two rival chess clubs"]
 
@@ -208,7 +208,7 @@ def test_through_the_gateway_usage_and_metrics_show_restored_prefixes(tmp_path: 
     from gateway.settings import Settings
     from tests.conftest import MODEL, ServerThread
 
-    settings = Settings.from_env(env={}, config=str(ROOT / "models.yaml"), parallel=1, prefix_cache=64)
+    settings = Settings.from_env(env=NO_CHECKS, config=str(ROOT / "models.yaml"), parallel=1, prefix_cache=64)
     server = ServerThread(create_app(settings, load_registry(ROOT / "models.yaml"))).start()
     try:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)

@@ -23,7 +23,7 @@ from gateway.app import create_app
 from gateway.conversation import Conversation, Finished, Sampling, TextDelta, Turn
 from gateway.models.registry import load_registry
 from gateway.settings import Settings
-from tests.conftest import ROOT, ServerThread
+from tests.conftest import NO_CHECKS, ROOT, ServerThread
 
 MODEL = "smollm2-135m-instruct"
 
@@ -82,7 +82,7 @@ async def say(body: SayRequest, request: Request) -> Response:
 @pytest.fixture(scope="module")
 def echo_url() -> Iterator[str]:
     registry = ROOT / "models.yaml"
-    settings = Settings.from_env(env={}, config=str(registry), parallel=2, max_resident=1, max_messages=3)
+    settings = Settings.from_env(env=NO_CHECKS, config=str(registry), parallel=2, max_resident=1, max_messages=3)
     app = create_app(settings, load_registry(registry))
     protocols: Protocols = app.state.protocols
     protocols.add(ECHO)

@@ -18,7 +18,7 @@ from gateway.app import create_app
 from gateway.models.registry import load_registry
 from gateway.settings import Settings
 from tests import hosts
-from tests.conftest import ServerThread
+from tests.conftest import NO_CHECKS, ServerThread
 from tests.fakes import FakeEngine
 
 YAML = """
@@ -44,7 +44,7 @@ def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     def factory(runtime: str, config: EngineConfig) -> FakeEngine:
         return FakeEngine(config, script="Hello there")
 
-    settings = Settings.from_env(env={}, config=str(d / "models.yaml"), functional_check=False)
+    settings = Settings.from_env(env=NO_CHECKS, config=str(d / "models.yaml"), functional_check=False)
     app = create_app(settings, load_registry(d / "models.yaml", cache_dir=d / "cache"), engine_factory=factory,
                      host=hosts.CPU_ONLY)
     server = ServerThread(app).start()

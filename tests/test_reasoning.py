@@ -17,7 +17,7 @@ from gateway.chat.thinking import Splitter
 from gateway.models.registry import load_registry
 from gateway.settings import Settings
 from tests import hosts
-from tests.conftest import ServerThread
+from tests.conftest import NO_CHECKS, ServerThread
 from tests.fakes import FakeEngine
 
 # --- the splitter ---------------------------------------------------------------------------------
@@ -113,7 +113,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, list
         made.append(e)
         return e
 
-    settings = Settings.from_env(env={}, config=str(d / "models.yaml"), functional_check=False)
+    settings = Settings.from_env(env=NO_CHECKS, config=str(d / "models.yaml"), functional_check=False)
     app = create_app(settings, load_registry(d / "models.yaml", cache_dir=d / "cache"), engine_factory=factory,
                      host=hosts.CPU_ONLY)
     server = ServerThread(app).start()

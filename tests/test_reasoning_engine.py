@@ -18,7 +18,7 @@ import pytest
 from gateway.app import create_app
 from gateway.models.registry import load_registry
 from gateway.settings import Settings
-from tests.conftest import ServerThread
+from tests.conftest import NO_CHECKS, ServerThread
 
 TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -52,7 +52,7 @@ def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     path.write_text(json.dumps({"default": "thinker", "models": [
         _entry("thinker", GRAMMAR), _entry("thinker-free", None),
         {"id": "plain", "context_length": 1024, "parallel": 1, "formats": SMOLLM2}]}))
-    settings = Settings.from_env(env={}, config=str(path), max_resident=3)
+    settings = Settings.from_env(env=NO_CHECKS, config=str(path), max_resident=3)
     server = ServerThread(create_app(settings, load_registry(path))).start()
     yield server.url
     server.stop()

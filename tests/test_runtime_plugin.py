@@ -22,7 +22,7 @@ from gateway.host.selection import Preference, SelectionError, plan
 from gateway.models.registry import ModelSpec, load_registry
 from gateway.settings import Settings
 from tests import hosts
-from tests.conftest import ServerThread
+from tests.conftest import NO_CHECKS, ServerThread
 from tests.test_code_shape import imports_of
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -169,7 +169,7 @@ def test_gateway_devices_shows_the_plugin_and_plans_on_it(config: Path) -> None:
 
 
 def test_a_gateway_serves_a_chat_through_the_plugin_in_a_worker(plugin: runtimes.Runtime, config: Path) -> None:
-    settings = Settings.from_env(env={}, config=str(config), plugins=(PLUGIN,), workers=True)
+    settings = Settings.from_env(env=NO_CHECKS, config=str(config), plugins=(PLUGIN,), workers=True)
     app = create_app(settings, load_registry(config, cache_dir=config.parent / "cache"),
                      host=plugin.probe(hosts.CPU_ONLY))
     server = ServerThread(app).start(wait_ready=False)

@@ -21,7 +21,7 @@ OLD_DEFAULTS = {
     "max_queue": 64, "preload": True, "max_queue_wait": 30.0, "prefix_cache": None, "pinned_host_cache": "auto",
     "prefill_budget": None, "drain_timeout": 30.0, "max_body": 4194304, "max_messages": 2048,
     "max_prompt_chars": 1000000, "log_level": "info", "api_key": None, "api_key_file": None,
-    "metrics_api_key": None, "allowed_origins": (), "allowed_hosts": (), "functional_check": True, "check_models": False,
+    "metrics_api_key": None, "allowed_origins": (), "allowed_hosts": (), "functional_check": True, "check_models": True,
     "isolate_check": True, "check_timeout": 300.0, "rank_by_speed": False, "workers": True,
     "worker_heartbeat_timeout": 3.0, "worker_step_timeout": 120.0, "worker_max_crashes": 3,
     "worker_crash_window": 300.0, "worker_plugins": (), "plugins": (), "parity_reference": None, "parity_sample": 0.05,
@@ -33,7 +33,7 @@ OLD_DEFAULTS = {
 RENAMED_VARIABLES = {"max_resident": "GATEWAY_MAX_MODELS"}
 OLD_FLAGS = {
     "--model": "model", "--engine": "engine", "--runtime": "runtime", "--device": "device",
-    "--rank-by-speed": "rank_by_speed", "--check-models": "check_models", "--host": "host", "--port": "port", "--config": "config",
+    "--rank-by-speed": "rank_by_speed", "--no-check-models": "check_models", "--host": "host", "--port": "port", "--config": "config",
     "--max-models": "max_resident", "--memory-budget": "memory_budget", "--gpu-memory-budget": "gpu_memory_budget",
     "--memory-reserve": "memory_reserve", "--keep-alive": "keep_alive", "--unload-default": "keep_default",
     "--parallel": "parallel", "--sequences": "sequences", "--threads": "threads", "--api-key": "api_key",

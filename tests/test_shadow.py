@@ -22,7 +22,7 @@ from gateway.models.registry import load_registry
 from gateway.parity.shadow import ShadowParity, ShadowSample
 from gateway.settings import Settings
 from tests import hosts
-from tests.conftest import MODEL, ROOT, ServerThread
+from tests.conftest import MODEL, NO_CHECKS, ROOT, ServerThread
 from tests.fakes import FakeEngine
 
 
@@ -38,7 +38,7 @@ def _metric(text: str, name: str, **labels: str) -> float:
 
 def test_shadow_parity_scores_served_requests(registry_path: Path) -> None:
     settings = Settings.from_env(
-        env={}, config=str(registry_path), parallel=2, max_resident=2,
+        env=NO_CHECKS, config=str(registry_path), parallel=2, max_resident=2,
         parity_reference="cpu", parity_sample=1.0, parity_window=3,
     )
     server = ServerThread(create_app(settings, load_registry(registry_path))).start()
@@ -80,7 +80,7 @@ class _Perturbed(FakeEngine):
 def _manager(factory: type[FakeEngine], **kw: object) -> tuple[ModelManager, ShadowParity, Metrics]:
     # A private cache: drift is recorded like a failed functional check, and must not leak.
     registry = load_registry(ROOT / "models.yaml", cache_dir=tempfile.mkdtemp(prefix="shadow-"))
-    settings = Settings.from_env(env={}, config=str(ROOT / "models.yaml"), parity_reference="cpu", **kw)
+    settings = Settings.from_env(env=NO_CHECKS, config=str(ROOT / "models.yaml"), parity_reference="cpu", **kw)
     metrics = Metrics()
     # A host with llama.cpp only: the one candidate, whatever converted formats the cache holds.
     manager = ModelManager(registry, settings, lambda _r, cfg: factory(cfg), metrics, host=hosts.CPU_ONLY)

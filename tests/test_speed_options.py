@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from gateway.app import create_app
 from gateway.models.registry import ModelSpec, load_registry
 from gateway.settings import Settings
-from tests.conftest import ROOT, ServerThread
+from tests.conftest import NO_CHECKS, ROOT, ServerThread
 from tests.test_engine_llamacpp import CODE
 
 MODEL = "smollm2-135m-instruct"
@@ -34,7 +34,7 @@ def _config(tmp: Path, **options: object) -> Path:
 @pytest.fixture(scope="module")
 def speculative(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     cfg = _config(tmp_path_factory.mktemp("spec"), speculative={"ngram": 3, "max_draft": 8})
-    settings = Settings.from_env(env={}, config=str(cfg), parallel=2, engine="cpu")
+    settings = Settings.from_env(env=NO_CHECKS, config=str(cfg), parallel=2, engine="cpu")
     server = ServerThread(create_app(settings, load_registry(cfg))).start()
     yield server.url
     server.stop()

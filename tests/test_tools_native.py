@@ -22,7 +22,7 @@ from gateway.chat.template import ChatMessage, ToolCallRecord, template_of
 from gateway.models.registry import load_registry
 from gateway.settings import Settings
 from tests.chat import chat_request
-from tests.conftest import MODEL, ROOT, ServerThread
+from tests.conftest import MODEL, NO_CHECKS, ROOT, ServerThread
 from tests.test_tools import ASK, SCHEMAS, TOOLS
 
 # A ChatML template with Hermes-style tool support, written for this test.
@@ -65,7 +65,7 @@ def native(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
     data["models"] = [spec]
     cfg = tmp / "models.yaml"
     cfg.write_text(yaml.safe_dump(data))
-    settings = Settings.from_env(env={}, config=str(cfg), parallel=2, engine="cpu")
+    settings = Settings.from_env(env=NO_CHECKS, config=str(cfg), parallel=2, engine="cpu")
     server = ServerThread(create_app(settings, load_registry(cfg))).start()
     with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120) as client:
         yield client

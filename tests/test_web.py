@@ -26,7 +26,7 @@ from gateway.metrics import SLO_TPOT_S, SLO_TTFT_S, Metrics
 from gateway.models.registry import load_registry
 from gateway.settings import Settings
 from gateway.web.live import RATE_WINDOW_S, SAMPLE_S, WINDOW_S, LiveStats, quantile
-from tests.conftest import MODEL, ROOT, ServerThread
+from tests.conftest import MODEL, NO_CHECKS, ROOT, ServerThread
 
 ARTIFACTS = ROOT / "tests" / "artifacts"
 KEY = "sk-web-page-test-0123"
@@ -164,7 +164,7 @@ def test_load_and_unload_refuse_unknown_models(gateway_url: str) -> None:
 @pytest.fixture(scope="module")
 def keyed_url() -> Iterator[str]:
     """The real model, lazily loaded, behind an API key; `gateway.test` accepted as a Host name."""
-    settings = Settings.from_env(env={}, config=str(ROOT / "models.yaml"), api_key=KEY, preload=False,
+    settings = Settings.from_env(env=NO_CHECKS, config=str(ROOT / "models.yaml"), api_key=KEY, preload=False,
                                  allowed_hosts=("gateway.test",), parallel=2)
     server = ServerThread(create_app(settings, load_registry(ROOT / "models.yaml"))).start()
     yield server.url

@@ -224,19 +224,32 @@ PROBES: tuple[tuple[str, Probe], ...] = (
     ("stop strings", _stop), ("reasoning", _reasoning))
 
 
-async def check(service: Service, spec: ModelSpec) -> Report:
+IDLE_POLL_S = 0.25  # how often a background check looks whether the model's users are done
+
+
+async def _idle(service: Service, model: str) -> None:
+    """Until no request of `model` runs or waits in admission."""
+    while (g := service.admission.gates().get(model)) is not None and (g.running or g.waiting):
+        await asyncio.sleep(IDLE_POLL_S)
+
+
+async def check(service: Service, spec: ModelSpec, background: bool = False) -> Report:
     """Every probe on `spec`'s model, loading it if needed. A probe the model's engine refuses
-    (an error in the request) is not ok with that error."""
+    (an error in the request) is not ok with that error. In the `background` (on a model's first
+    load) the probes run one at a time, each once no request of the model runs or waits, so a user
+    waits for one probe at most; asked for, as many at once as the engine has slots."""
     t0 = time.perf_counter()
     loaded = await service.manager.get(spec)
     fmt = formats.serving(spec.tool_format, template_of(loaded.engine.info))
     report = Report(spec.id, fmt.name, key_of(loaded.check_key, fmt.name, spec.chat_template))
 
-    slots = asyncio.Semaphore(max(1, loaded.engine.info.parallel))
+    slots = asyncio.Semaphore(1 if background else max(1, loaded.engine.info.parallel))
 
     async def one(name: str, probe: Probe) -> list[Finding]:
         try:
             async with slots:
+                if background:
+                    await _idle(service, spec.id)
                 found = await probe(service, spec)
             return found if isinstance(found, list) else [found]
         except Exception as exc:  # noqa: BLE001 - a refused probe is a finding, not the check's end
@@ -297,7 +310,7 @@ def check_on_load(service: Service, cache: ReportCache) -> Callable[[Loaded], No
 
     async def run(spec: ModelSpec) -> None:
         try:
-            cache.put(await check(service, spec))
+            cache.put(await check(service, spec, background=True))
         except Exception as exc:  # noqa: BLE001 - a check that cannot run leaves the model served
             log.warning("the capability check of %s did not run: %s", spec.id, exc)
 
