@@ -207,12 +207,18 @@ def test_ollama_auto_answers_text_or_a_well_formed_call(server: str, family: str
         _valid(call["function"]["name"], call["function"]["arguments"])
 
 
+# The reasoning each family's template shows (the others' do not reason).
+REASONS = {"mistral-v11": "mistral", "granite": "think", "deepseek-r1": "think", "deepseek-v3.1": "think",
+           "command-r7b": "command-r7b", "harmony": "harmony"}
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_format_is_detected_and_listed(server: str, family: str) -> None:
     """After the requests above loaded the model, /v1/models names the format its template speaks."""
     models = httpx.get(f"{server}/v1/models", timeout=60).json()["data"]
     entry = next(m for m in models if m["id"] == f"tiny-{family}")
     assert entry["tool_format"] == FAMILIES[family].format
+    assert entry["reasoning_format"] == REASONS.get(family, "none")
 
 
 def _words(text: str) -> None:

@@ -261,3 +261,79 @@ def test_registry_reasoning_and_grammar_keys(tmp_path: Path) -> None:
     p.write_text("models:\n  - id: a\n    reasoning: on\n    grammar: 'root ::= \"x\"'\n    formats: {gguf: {path: a.gguf}}\n")
     spec = load_registry(p).models["a"]
     assert spec.reasoning == "on" and spec.grammar == 'root ::= "x"'
+
+
+# --- models.yaml reasoning_format -------------------------------------------------------------------
+
+FORMATS_YAML = """
+default: bracket
+models:
+  - id: bracket        # a template that names no tags; the model writes Magistral's
+    reasoning_format: mistral
+    formats: {gguf: {path: bracket.gguf}}
+  - id: unparsed       # a <think> template, its reasoning left in the text
+    reasoning_format: none
+    formats: {gguf: {path: think.gguf}}
+  - id: opened         # a template that names no tags and opens the block in the prompt itself
+    reasoning_format: think
+    formats: {gguf: {path: opened.gguf}}
+"""
+SCRIPTS = {"bracket": ("[THINK] I should greet them [/THINK] Hello there friend", CHATML),
+           "think": (SCRIPT, QWEN3),
+           "opened": ("I should greet them </think> Hello there friend",
+                      CHATML.replace("assistant\n{% endif %}", "assistant\n<think>\n{% endif %}"))}
+
+
+@pytest.fixture(scope="module")
+def formats_served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    d = tmp_path_factory.mktemp("reasoning-formats")
+    for name in SCRIPTS:
+        (d / f"{name}.gguf").write_bytes(b"GGUF")
+    (d / "models.yaml").write_text(FORMATS_YAML)
+
+    def factory(runtime: str, config: EngineConfig) -> FakeEngine:
+        script, template = SCRIPTS[Path(config.model_path).stem]
+        return FakeEngine(config, script=script, template=template)
+
+    settings = Settings.from_env(env=NO_CHECKS, config=str(d / "models.yaml"), functional_check=False)
+    app = create_app(settings, load_registry(d / "models.yaml", cache_dir=d / "cache"), engine_factory=factory,
+                     host=hosts.CPU_ONLY)
+    server = ServerThread(app).start()
+    yield server.url
+    server.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(("model", "reasoning", "answer"), [
+    ("bracket", THOUGHT, ANSWER),
+    ("unparsed", "", SCRIPT),
+    ("opened", "I should greet them ", ANSWER),
+])
+def test_reasoning_format_names_the_tags_a_model_reasons_in(formats_served: str, model: str, reasoning: str,
+                                                            answer: str, stream: bool) -> None:
+    r = _post(formats_served, "/v1/chat/completions", {"model": model, "messages": MSG, "stream": stream})
+    assert r.status_code == 200, r.text
+    if stream:
+        deltas = [c["choices"][0]["delta"] for c in _sse(r) if c.get("choices")]  # type: ignore[index]
+        got = ("".join(d.get("reasoning_content") or "" for d in deltas),  # type: ignore[union-attr]
+               "".join(d.get("content") or "" for d in deltas))  # type: ignore[union-attr]
+    else:
+        msg = r.json()["choices"][0]["message"]
+        got = (msg.get("reasoning_content") or "", msg["content"])
+    assert (got[0].strip(), got[1].strip()) == (reasoning.strip(), answer.strip())
+
+
+def test_reasoning_format_is_validated(tmp_path: Path) -> None:
+    (tmp_path / "models.yaml").write_text("models:\n  - id: m\n    reasoning_format: bogus\n"
+                                          "    formats: {gguf: {path: a.gguf}}\n")
+    with pytest.raises(Exception, match="reasoning_format"):
+        load_registry(tmp_path / "models.yaml")
+
+
+def test_models_say_the_reasoning_format_they_are_served_with(formats_served: str) -> None:
+    for model in ("bracket", "unparsed"):  # loaded by the test above
+        _post(formats_served, "/v1/chat/completions", {"model": model, "messages": MSG, "max_tokens": 1})
+    cards = {m["id"]: m for m in httpx.get(f"{formats_served}/v1/models", timeout=10).json()["data"]}
+    assert cards["bracket"]["reasoning_format"] == "mistral"
+    assert cards["unparsed"]["reasoning_format"] == "none"
+    assert cards["opened"]["reasoning_format"] == "think"

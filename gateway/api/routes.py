@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
 
-from gateway.api import capabilities
+from gateway.api import capabilities, reasoning
 from gateway.api.adapter import respond
 from gateway.api.capabilities import Report
 from gateway.api.errors import APIError
@@ -36,7 +36,7 @@ from gateway.api.openai.protocol import (
 from gateway.api.serving import Prepared, model_spec
 from gateway.api.sse import until_disconnect
 from gateway.chat import formats
-from gateway.chat.template import template_of
+from gateway.chat.template import template_of, traits_of
 
 router = APIRouter()
 
@@ -184,6 +184,9 @@ def _card(request: Request, spec: Any) -> ModelCard:
         description=spec.description,
         tool_format=spec.tool_format or (formats.detect(template_of(loaded.engine.info)).name
                                          if loaded is not None else None),
+        reasoning_format=(reasoning.format_name(spec, traits_of(loaded.engine.info),
+                                                formats.serving(spec.tool_format, template_of(loaded.engine.info)))
+                          if loaded is not None else None if spec.reasoning_format == "auto" else spec.reasoning_format),
         checks=_findings(request.app.state.checks.get(spec.id)),
     )
 

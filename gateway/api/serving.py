@@ -375,8 +375,11 @@ class Service:
         rplan = reasoning.plan(spec, template.traits if template is not None else Traits(), conv.thinking, constrained)
         thinking = rplan.thinking if rplan is not None else None
         text = await render_prompt(fmt, template, messages, template_tools, thinking, conv.effort)
+        shown = fmt.shown
+        if rplan is not None and rplan.tags is not None:
+            shown, rplan = (*shown, *rplan.tags), rplan.opened_by(text)
         base = GenerationRequest(request_id="", sampling=sp, prompt=text, templated=True, affinity=_head(messages),
-                                 shown=fmt.shown)
+                                 shown=shown)
         return Rendered(base, tool_plan, skipped, rplan, fmt)
 
     async def conversation_events(self, p: Prepared) -> AsyncGenerator[tuple[int, OutputEvent], None]:
@@ -436,13 +439,15 @@ class _Answers:
         self.thought_tokens: dict[int, int] = {}
         self._split = self.rplan is not None and self.rplan.split
         self._opened = self.rplan is not None and self.rplan.opened
+        self._tags = self.rplan.tags if self.rplan is not None else None
         # None: the text is the answer as it is (no tools, no reasoning to split off).
         self._reads = self.format.reader(None, self._split, self._opened) is not None or self.plan is not None
 
     def _reader(self, i: int) -> Reader:
         r = self.readers.get(i)
         if r is None:
-            r = self.format.reader(self.plan.calls if self.plan is not None else None, self._split, self._opened)
+            r = self.format.reader(self.plan.calls if self.plan is not None else None, self._split, self._opened,
+                                   self._tags)
             assert r is not None
             self.readers[i] = r
         return r

@@ -18,6 +18,9 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 BRACKET_THINK = ("[THINK]", "[/THINK]")  # Magistral, Ministral 3
 # The reasoning tags a template may know, in the order they are looked for.
 THINK_TAGS: tuple[tuple[str, str], ...] = ((THINK_OPEN, THINK_CLOSE), BRACKET_THINK)
+# models.yaml `reasoning_format`: the tags a model reasons in, where its template does not say
+# (or says otherwise).
+REASONING_FORMATS: dict[str, tuple[str, str]] = {"think": (THINK_OPEN, THINK_CLOSE), "mistral": BRACKET_THINK}
 
 Render = Callable[[dict[str, Any]], str]  # the template's prompt text, given extra template variables
 

@@ -265,6 +265,11 @@ class ModelSpec(_Strict):
         default="auto", description="the model thinks in <think>...</think> before it answers (auto: when its chat "
                                     "template uses those tags); the reasoning is returned apart from the answer, in "
                                     "each protocol's own form, and requests may turn it off; off: returned as text")
+    reasoning_format: Literal["auto", "none", "think", "mistral"] = Field(
+        default="auto", description="the tags the model reasons in: think (<think>...</think>), mistral "
+                                    "([THINK]...[/THINK]); auto: its format's (the template's); none: its reasoning is "
+                                    "not taken apart and stays in the answer's text (gpt-oss's channels and Command R7B's "
+                                    "thinking block are always read)")
     standby: bool = Field(default=False, description="keep a second worker loaded and waiting: when the serving "
                           "worker dies it takes over at once (streams continue after a shorter pause); costs "
                           "a second copy of the model in memory")

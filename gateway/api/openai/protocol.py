@@ -348,6 +348,8 @@ class ModelCard(_Response):
     description: str = ""
     # The family format of its tool calls and reasoning (models.yaml's, or its template's once loaded).
     tool_format: str | None = None
+    # The tags it reasons in (think, mistral, harmony, ...; none: it does not reason), once loaded.
+    reasoning_format: str | None = None
     # What it really does here, from its last capability check (`gateway check`); None: not checked.
     checks: list[CheckFinding] | None = None
 

@@ -265,12 +265,14 @@ class Format:
         constraint, and the parser reads its free text."""
         raise NotImplementedError
 
-    def reader(self, calls: Calls | None, split: bool, opened: bool) -> Reader | None:
-        """The reader of one answer (None: the text as it is)."""
+    def reader(self, calls: Calls | None, split: bool, opened: bool,
+               think: tuple[str, str] | None = None) -> Reader | None:
+        """The reader of one answer (None: the text as it is); `think`: the reasoning tags, where
+        models.yaml's `reasoning_format` names others than the family's."""
         if calls is None and not split:
             return None
         return Reader(self.parser(calls) if calls is not None else None,
-                      Splitter(opened, self.think) if split else None)
+                      Splitter(opened, think or self.think) if split else None)
 
 
 def call_arguments(kind: str, arguments: str) -> str:

@@ -55,9 +55,10 @@ class CommandR7B(Format):
     def parser(self, calls: Calls) -> Parser:
         return ActionParser()
 
-    def reader(self, calls: Calls | None, split: bool, opened: bool) -> Reader | None:
+    def reader(self, calls: Calls | None, split: bool, opened: bool,
+               think: tuple[str, str] | None = None) -> Reader | None:
         """Always a reader: the answer's tags are never text, and the plan is reasoning."""
-        return Reader(ActionParser(), Splitter(opened, self.think))
+        return Reader(ActionParser(), Splitter(opened, think or self.think))
 
     def constraint(self, calls: Calls, lazy: bool) -> Constraint | None:
         items = [Tagged("", json.dumps(call_object(t.name, t.parameters))) for t in calls.callable]

@@ -56,10 +56,11 @@ class Granite(Format):
     def constraint(self, calls: Calls, lazy: bool) -> Constraint | None:
         return array_constraint(calls, TOOL_CALL, lazy)
 
-    def reader(self, calls: Calls | None, split: bool, opened: bool) -> Reader | None:
+    def reader(self, calls: Calls | None, split: bool, opened: bool,
+               think: tuple[str, str] | None = None) -> Reader | None:
         if not split:
             return super().reader(calls, split, opened)
-        return ResponseReader(self.parser(calls) if calls is not None else None, Splitter(opened, self.think))
+        return ResponseReader(self.parser(calls) if calls is not None else None, Splitter(opened, think or self.think))
 
 
 class ResponseReader(Reader):

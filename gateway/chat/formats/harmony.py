@@ -83,9 +83,10 @@ class Harmony(Format):
     def parser(self, calls: Calls) -> Parser:
         return HarmonyReader(harmony_vocab.required(), True)
 
-    def reader(self, calls: Calls | None, split: bool, opened: bool) -> Reader:
+    def reader(self, calls: Calls | None, split: bool, opened: bool,
+               think: tuple[str, str] | None = None) -> Reader:
         """Always a reader: the channels are the format's, with or without tools (`split`: the
-        analysis is returned as reasoning, else dropped)."""
+        analysis is returned as reasoning, else dropped; no other reasoning tags apply)."""
         return HarmonyReader(harmony_vocab.required(), split)
 
     def constraint(self, calls: Calls, lazy: bool) -> Constraint | None:
