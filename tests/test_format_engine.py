@@ -207,6 +207,31 @@ def test_ollama_auto_answers_text_or_a_well_formed_call(server: str, family: str
         _valid(call["function"]["name"], call["function"]["arguments"])
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_langchain_binds_tools_and_gets_well_formed_calls(server: str, family: str) -> None:
+    """LangChain's OpenAI and Anthropic chat models, unchanged: a bound tool the model must call,
+    whole and streamed (LangChain joins the streamed argument fragments itself)."""
+    from langchain_anthropic import ChatAnthropic
+    from langchain_openai import ChatOpenAI
+
+    with httpx.Client(timeout=300) as http:
+        openai_llm = ChatOpenAI(model=f"tiny-{family}", base_url=f"{server}/v1", api_key="x",  # type: ignore[arg-type]
+                                temperature=0, max_tokens=600, max_retries=0, http_client=http)
+        bound = openai_llm.bind_tools([WEATHER, TIME], tool_choice="get_weather")
+        msg = bound.invoke("What is the weather in Paris?")
+        assert msg.tool_calls, msg  # type: ignore[attr-defined]
+        total: Any = None
+        for chunk in bound.stream("What is the weather in Paris?"):
+            total = chunk if total is None else total + chunk
+        assert total.tool_calls, total
+        claude = ChatAnthropic(model_name=f"tiny-{family}", base_url=server, api_key="x",  # type: ignore[arg-type]
+                               temperature=0, max_tokens_to_sample=600, max_retries=0, timeout=300)
+        used = claude.bind_tools([WEATHER], tool_choice="any").invoke("What is the weather in Paris?")
+        assert used.tool_calls, used  # type: ignore[attr-defined]
+    for call in [*msg.tool_calls, *total.tool_calls, *used.tool_calls]:  # type: ignore[attr-defined]
+        _valid(call["name"], call["args"])
+
+
 # The reasoning each family's template shows (the others' do not reason).
 REASONS = {"mistral-v11": "mistral", "granite": "think", "deepseek-r1": "think", "deepseek-v3.1": "think",
            "command-r7b": "command-r7b", "harmony": "harmony"}
