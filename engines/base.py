@@ -7,6 +7,7 @@ Engines never see HTTP, a protocol or a tool format.  The gateway turns a valida
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -40,7 +41,10 @@ class Constraint:
       each item is one of `items` (a model family's tool calls: one alternative per tool, or one
       for all of them, between the family's tags).
     With `triggers` the output is free text until it writes one of them; the constraint applies
-    from there on (the trigger's text is the constrained text's start). `part` names the request
+    from there on (the trigger's text is the constrained text's start). `patterns` are triggers
+    as regular expressions (ECMAScript; `^` is the output's start), for a call that may start only
+    in some places: the constrained text starts at the first group that matched (`literal` escapes
+    a text for them). `part` names the request
     part it comes from, in the gateway's neutral field names (the protocol adapter names the
     field as its client knows it), for errors about it.
     """
@@ -54,7 +58,18 @@ class Constraint:
     separator: str = ""
     max_items: int = 1
     triggers: tuple[str, ...] = ()
+    patterns: tuple[str, ...] = ()
     part: str = ""
+
+    @property
+    def lazy(self) -> bool:
+        """Free text until a trigger."""
+        return bool(self.triggers or self.patterns)
+
+
+def literal(text: str) -> str:
+    """`text` as a regular expression that matches it literally (for `Constraint.patterns`)."""
+    return re.sub(r"([\\^$.|?*+()\[\]{}])", r"\\\1", text)
 
 
 @dataclass(frozen=True)

@@ -327,7 +327,7 @@ class _GeneratorSteps:
 def _check_supported(sp: SamplingParams) -> None:
     """Reject, rather than ignore, what ORT GenAI's search cannot do."""
     c = sp.constraint
-    if c is not None and (c.kind == "grammar" or c.triggers):
+    if c is not None and (c.kind == "grammar" or c.lazy):
         what = "GBNF grammars" if c.kind == "grammar" else "constraints that start at a trigger"
         raise InvalidGenerationRequest(f"{what} are not supported by the ortgenai runtime", param=c.part or None)
     unsupported = {

@@ -103,7 +103,8 @@ def test_constraint_compiles(choice: str) -> None:
     assert c is not None
     assert [i.begin for i in c.items] == ["get_weather\n", "get_time\n"] and c.separator == ">>>"
     # Under auto the call starts at its recipient: after the prompt's `>>>` or one the model wrote.
-    assert c.triggers == (("get_weather\n", "get_time\n") if choice == "auto" else ())
+    assert c.triggers == ()
+    assert c.patterns == (("(?:^|>>>)(get_weather\n)", "(?:^|>>>)(get_time\n)") if choice == "auto" else ())
     grammar = compile_constraint(c).decode()
     LlamaGrammar.from_string(grammar, verbose=False)
     kind, data = ortgenai.guidance(c)

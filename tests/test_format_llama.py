@@ -16,7 +16,7 @@ from gateway.api import tools
 from gateway.chat import formats
 from gateway.chat.formats.base import Format
 from gateway.chat.formats.hermes import Hermes
-from gateway.chat.formats.llama3 import PYTHON_TAG, Llama3, builtin_call
+from gateway.chat.formats.llama3 import CALL_AT_START, CALL_OPEN, PYTHON_TAG, Llama3, builtin_call
 from gateway.chat.template import ChatTemplate, TemplateError, template_message
 from gateway.conversation import Conversation, ToolCall, ToolChoice, ToolSpec, Turn
 from tests.formats import TOOLS, calls_of, conversation, render, same_at_every_split, template
@@ -107,8 +107,13 @@ def test_text_only() -> None:
     assert read(' {"answer": 42}')["content"] == ' {"answer": 42}'
 
 
-def test_text_then_call() -> None:
-    got = read('Let me check. {"name": "get_time", "parameters": {}}')
+def test_a_call_object_inside_text_is_text_and_python_tag_is_a_call_anywhere() -> None:
+    """A call is an answer that opens with its object (the template asks for nothing else): a
+    JSON object the model quotes in prose stays prose, as the grammar's trigger is the answer's
+    start (`CALL_AT_START`). <|python_tag|> opens a call wherever it comes."""
+    text = 'Send it as {"name": "get_time", "parameters": {}} and it works.'
+    assert read(text) == {"content": text, "reasoning": "", "calls": []}
+    got = read('Let me check. <|python_tag|>{"name": "get_time", "parameters": {}}')
     assert got["content"] == "Let me check. "
     assert got["calls"] == [["get_time", "{}"]]
 
@@ -150,7 +155,8 @@ def test_constraint_compiles() -> None:
             assert c is None
             continue
         assert c is not None and c.max_items == 1
-        assert c.triggers == (('{"name"', PYTHON_TAG) if lazy else ())
+        assert c.triggers == ((PYTHON_TAG,) if lazy else ())
+        assert c.patterns == ((CALL_AT_START,) if lazy else ())
         grammar = compile_constraint(c).decode()
         assert '"<|python_tag|>brave_search.call(query="' in grammar
         LlamaGrammar.from_string(grammar, verbose=False)
@@ -158,3 +164,4 @@ def test_constraint_compiles() -> None:
         assert kind == "lark_grammar" and '"get_weather"' in data
         # Each trigger starts one of the constraint's items (the constrained text starts with it).
         assert all(any((i.begin + '{"name"').startswith(t) for i in c.items) for t in c.triggers)
+        assert all(any((i.begin + '{"name"').startswith(CALL_OPEN) for i in c.items) for _ in c.patterns)

@@ -36,7 +36,7 @@ from engines.base import (
     token_prompt,
 )
 from engines.bridge import EventChannel, settle_from_thread
-from engines.llamacpp.grammar import compile_constraint, pattern
+from engines.llamacpp.grammar import compile_constraint, lazy_patterns
 from engines.llamacpp.host_memory import HostMemory, PinnedHostMemory
 from engines.llamacpp.load_settings import (
     _route_native_logs,
@@ -507,7 +507,7 @@ class LlamaCppEngine:
         resumed = list(resumed_tokens(request, max_new))
         c = sp.constraint
         grammar = compile_constraint(c) if c is not None else None
-        lazy = [pattern(t) for t in c.triggers] if c is not None else []
+        lazy = lazy_patterns(c) if c is not None else []
         sampler = build_sampler(self._vocab, self._n_vocab, sp, grammar, self._eog, max_new, lazy)
         if sampler is None:
             assert c is not None

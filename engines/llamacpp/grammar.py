@@ -8,7 +8,7 @@ import functools
 import json
 import re
 
-from engines.base import Constraint, InvalidGenerationRequest, Tagged
+from engines.base import Constraint, InvalidGenerationRequest, Tagged, literal
 
 
 def compile_constraint(c: Constraint) -> bytes:
@@ -147,7 +147,13 @@ def _tagged_grammar(items: tuple[Tagged, ...], prefix: str, suffix: str, separat
 
 def pattern(trigger: str) -> bytes:
     """A trigger text as a lazy grammar's pattern (a regular expression matching it literally)."""
-    return re.sub(r"([\\^$.|?*+()\[\]{}])", r"\\\1", trigger).encode()
+    return literal(trigger).encode()
+
+
+def lazy_patterns(c: Constraint) -> list[bytes]:
+    """The patterns a lazy grammar waits for: its trigger texts anywhere, its patterns as they are
+    (llama.cpp searches each in the output so far; the grammar starts at a pattern's first group)."""
+    return [pattern(t) for t in c.triggers] + [p.encode() for p in c.patterns]
 
 
 @functools.lru_cache(maxsize=256)

@@ -281,13 +281,15 @@ def call_arguments(kind: str, arguments: str) -> str:
 
 
 def tagged(calls: Calls, items: Sequence[Tagged], *, prefix: str = "", suffix: str = "", separator: str = "",
-           triggers: Sequence[str] = (), lazy: bool) -> Constraint | None:
+           triggers: Sequence[str] = (), patterns: Sequence[str] = (), lazy: bool) -> Constraint | None:
     """The usual constraint of a native format: `items` between `prefix` and `suffix`; under
-    tool_choice auto free until one of `triggers` (None where the engine cannot start late)."""
+    tool_choice auto free until one of `triggers` or `patterns` (None where the engine cannot
+    start late)."""
     if calls.lazy and not lazy:
         return None
     return Constraint("tagged", items=tuple(items), prefix=prefix, suffix=suffix, separator=separator,
-                      max_items=calls.max_calls, triggers=tuple(triggers) if calls.lazy else (), part="tools")
+                      max_items=calls.max_calls, triggers=tuple(triggers) if calls.lazy else (),
+                      patterns=tuple(patterns) if calls.lazy else (), part="tools")
 
 
 def first_repeat(calls: list[tuple[str, str]]) -> int | None:

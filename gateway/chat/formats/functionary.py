@@ -11,7 +11,7 @@ import json
 import re
 from typing import Any
 
-from engines.base import Constraint, Tagged
+from engines.base import Constraint, Tagged, literal
 from gateway.chat.formats.base import (
     ArgumentsDelta,
     Calls,
@@ -56,11 +56,12 @@ class Functionary(Format):
 
     def constraint(self, calls: Calls, lazy: bool) -> Constraint | None:
         # The prompt ends with `>>>`: the first call is `NAME\n{...}`, each further one follows
-        # `>>>`. Under auto the constraint starts at `NAME\n`, the recipient of a call, whether it
-        # opens the answer or follows a `>>>` the model wrote after its text (`all\n...>>>`); an
-        # `all` message that ends a line with a tool's name is held to a call from there on.
+        # `>>>`. Under auto the constraint starts at `NAME\n`, the recipient of a call, where it
+        # opens the answer or follows a `>>>` the model wrote after its text (`all\n...>>>`); a
+        # tool's name at the end of a line of text is text.
         items = [Tagged(f"{t.name}\n", json.dumps(t.parameters)) for t in calls.callable]
-        return tagged(calls, items, separator=SEP, triggers=[f"{t.name}\n" for t in calls.callable], lazy=lazy)
+        return tagged(calls, items, separator=SEP, lazy=lazy,
+                      patterns=[f"(?:^|{literal(SEP)})({literal(t.name)}\n)" for t in calls.callable])
 
 
 class FunctionaryParser:

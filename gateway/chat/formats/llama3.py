@@ -13,7 +13,7 @@ import json
 import re
 from typing import Any
 
-from engines.base import Constraint, Tagged
+from engines.base import Constraint, Tagged, literal
 from gateway.chat.formats.base import (
     Calls,
     ContentDelta,
@@ -34,6 +34,7 @@ from gateway.conversation import Conversation, Turn
 
 PYTHON_TAG = "<|python_tag|>"
 CALL_OPEN = '{"name"'  # how a call object starts, as the model writes it
+CALL_AT_START = rf"^\s*({literal(CALL_OPEN)})"  # the trigger of a call: the answer opens with one
 # Built-in tools the model calls as `NAME.call(query="...")` after <|python_tag|>.
 BUILTINS = ("brave_search", "wolfram_alpha")
 # The start of an answer that is a call object: `{"name"` or `{"type": "function", "name"`.
@@ -93,9 +94,9 @@ class Llama3(Format):
         items = [Tagged("", schema), Tagged(PYTHON_TAG, schema)]
         items += [Tagged(f"{PYTHON_TAG}{t.name}.call(query=", '{"type": "string"}', ")")
                   for t in calls.callable if t.name in BUILTINS and _query_tool(t.parameters)]
-        # Under auto the call starts where the model opens `{"name"` or writes <|python_tag|>;
-        # text before either stays free.
-        return tagged(calls, items, triggers=[CALL_OPEN, PYTHON_TAG], lazy=lazy)
+        # Under auto a call is an answer that opens with `{"name"` (a JSON object in the middle
+        # of prose is prose, as in llama-server), or <|python_tag|> wherever the model writes it.
+        return tagged(calls, items, triggers=[PYTHON_TAG], patterns=[CALL_AT_START], lazy=lazy)
 
 
 class _Verbatim:
@@ -218,20 +219,16 @@ class Llama3Parser:
         self._plain_text(self._buf + ch, out)
 
     def _plain_text(self, text: str, out: list[Event]) -> None:
-        """Free text: content, up to <|python_tag|> or `{"name"` (held back while it may be one)."""
-        for tag in (PYTHON_TAG, CALL_OPEN):
-            i = text.find(tag)
-            if i >= 0:
-                self._text(text[:i], out)
-                self._buf = ""
-                if tag == PYTHON_TAG:
-                    self._mode = "tag"
-                else:
-                    self._start_call(tag, out)
-                    for ch in text[i + len(tag):]:
-                        self._char(ch, out)
-                return
-        keep = partial_suffix(text, PYTHON_TAG, CALL_OPEN)
+        """Free text: content, up to <|python_tag|> (held back while it may be one). A call
+        object in the middle of text is text: a call opens the answer."""
+        i = text.find(PYTHON_TAG)
+        if i >= 0:
+            self._text(text[:i], out)
+            self._buf, self._mode = "", "tag"
+            for ch in text[i + len(PYTHON_TAG):]:
+                self._char(ch, out)
+            return
+        keep = partial_suffix(text, PYTHON_TAG)
         self._text(text[: len(text) - keep], out)
         self._buf = text[len(text) - keep:]
 
