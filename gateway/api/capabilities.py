@@ -21,7 +21,6 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 from gateway.api.serving import Service
 from gateway.chat import formats
@@ -40,6 +39,7 @@ from gateway.conversation import (
     ToolSpec,
     Turn,
 )
+from gateway.host.jsonfile import JsonFile
 from gateway.models.pool import Loaded
 from gateway.models.registry import ModelSpec
 
@@ -266,26 +266,16 @@ def key_of(engine_key: str, fmt: str, template: str | None) -> str:
     return f"{engine_key}|{fmt}|{hashlib.blake2b((template or '').encode(), digest_size=8).hexdigest()}"
 
 
-class ReportCache:
+class ReportCache(JsonFile):
     """The last report of each model, in a JSON file of the model cache."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
 
     @classmethod
     def of(cls, cache_dir: str | Path) -> ReportCache:
         """The reports of a model cache."""
         return cls(Path(cache_dir) / "capability-checks.json")
 
-    def _read(self) -> dict[str, Any]:
-        try:
-            data = json.loads(self.path.read_text())
-            return data if isinstance(data, dict) else {}
-        except (OSError, ValueError):
-            return {}
-
     def get(self, model: str) -> Report | None:
-        item = self._read().get(model)
+        item = self.read().get(model)
         if not isinstance(item, dict):
             return None
         try:
@@ -295,12 +285,7 @@ class ReportCache:
             return None
 
     def put(self, report: Report) -> None:
-        data = self._read()
-        data[report.model] = asdict(report)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data, indent=1))
-        tmp.replace(self.path)
+        self.set(report.model, asdict(report))
 
 
 def check_on_load(service: Service, cache: ReportCache) -> Callable[[Loaded], None]:

@@ -26,11 +26,11 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 from typing import Any
 
 from engines.base import Constraint, EngineConfig, GenerationRequest, ModelLoadError, SamplingParams
 from engines.runtimes import option_values, with_option_values
+from gateway.host.jsonfile import JsonFile
 
 log = logging.getLogger(__name__)
 
@@ -137,21 +137,11 @@ async def one_token(engine: Any) -> str:
     return await _run(engine, req)
 
 
-class CheckCache:
+class CheckCache(JsonFile):
     """A JSON file of results keyed by a fingerprint of everything that can change them."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def _read(self) -> dict[str, Any]:
-        try:
-            data = json.loads(self.path.read_text())
-            return data if isinstance(data, dict) else {}
-        except (OSError, ValueError):
-            return {}
-
     def get(self, key: str) -> CheckResult | None:
-        item = self._read().get(key)
+        item = self.read().get(key)
         if not isinstance(item, dict):
             return None
         ttl = float(item.get("ttl", FAILURE_TTL_S))
@@ -166,28 +156,21 @@ class CheckCache:
 
     def put(self, key: str, result: CheckResult, what: str, ttl: float | None = None) -> None:
         """Record `result`; a failure with `ttl` (seconds) expires sooner than a failed check does."""
-        data = self._read()
-        old = data.get(key)
+        old = self.read().get(key)
         before: dict[str, Any] = old if isinstance(old, dict) else {}
-        data[key] = {"ok": result.ok, "reason": result.reason, "seconds": round(result.seconds, 2),
-                     "at": time.time(), "what": what}
+        item: dict[str, Any] = {"ok": result.ok, "reason": result.reason, "seconds": round(result.seconds, 2),
+                                "at": time.time(), "what": what}
         if ttl is not None and not result.ok:
-            data[key]["ttl"] = ttl
+            item["ttl"] = ttl
         if result.stage and not result.ok:
-            data[key]["stage"] = result.stage
+            item["stage"] = result.stage
         tok_s = result.tok_s if result.tok_s is not None else (before.get("tok_s") if result.ok else None)
         if tok_s is not None:  # a passing re-check keeps the speed measured before
-            data[key]["tok_s"] = round(tok_s, 1)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data, indent=1))
-        tmp.replace(self.path)
+            item["tok_s"] = round(tok_s, 1)
+        self.set(key, item)
 
     def entries(self) -> dict[str, Any]:
-        return self._read()
-
-    def clear(self) -> None:
-        self.path.unlink(missing_ok=True)
+        return self.read()
 
 
 def fingerprint(runtime: str, config: EngineConfig, build: str, driver: str) -> str:
