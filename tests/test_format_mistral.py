@@ -26,8 +26,7 @@ V3, V11 = Mistral(), MistralV11()
 
 
 def answered(call_id: str = CALL_ID) -> Conversation:
-    """A tool conversation that ends with the call's result (Nemo's template wants user and
-    assistant turns to alternate, so a user turn may not follow a result directly)."""
+    """A tool conversation that ends with the call's result."""
     call = ToolCall(call_id, "get_weather", '{"city": "Paris"}')
     turns = (Turn.of("system", "You are a helpful assistant."),
              Turn.of("user", "What is the weather in Paris?"),
@@ -75,6 +74,25 @@ def test_nemo_renders_tools_the_call_with_its_id_and_the_result() -> None:
     assert text.endswith(f'[TOOL_CALLS][{{"name": "get_weather", "arguments": {{"city": "Paris"}}, "id": "{mid}"}}]</s>'
                          f'[TOOL_RESULTS]{{"content": {{"temp_c": 18}}, "call_id": "{mid}"}}[/TOOL_RESULTS]')
     assert CALL_ID not in text
+
+
+@pytest.mark.parametrize("name", [NEMO, SMALL32, DEVSTRAL, MINISTRAL])
+def test_a_user_turn_right_after_a_tool_result_renders_as_mistrals_tokenizer_writes_it(name: str) -> None:
+    """Nemo's, Small 3.2's and Ministral 3's templates refuse a user turn straight after a tool
+    result (their alternation check); Mistral's tokenizer writes it as `[/TOOL_RESULTS]` and the
+    next instruction, as Devstral's template does. The gateway's prompt is that, with nothing of
+    the placeholder answer it renders them with left in."""
+    tpl = template(name, "<s>", "</s>")
+    fmt = formats.detect(tpl)
+    conv = conversation(CALL_ID)  # question, call, result, next question
+    assert conv.turns[-2].role == "tool" and conv.turns[-1].role == "user"
+    if name != DEVSTRAL:
+        with pytest.raises(TemplateError, match="alternate"):
+            tpl.render(fmt.turns(conv, calls_of(conv, fmt)), None)
+    text = render(fmt, tpl, conv)
+    assert "\x00" not in text and text.count("</s>") == 1  # the one after the call
+    assert re.search(r"\[/TOOL_RESULTS\](\[AVAILABLE_TOOLS\].*?\[/AVAILABLE_TOOLS\])?\[INST\]"
+                     r"(You are a helpful assistant\.\n\n)?And the time\?\[/INST\]$", text, re.S), text[-300:]
 
 
 def test_nemo_refuses_the_clients_id_unmapped() -> None:

@@ -18,6 +18,7 @@ import dataclasses
 import hashlib
 import json
 import string
+from typing import Any
 
 from engines.base import Constraint, Tagged
 from gateway.chat.formats.base import (
@@ -36,11 +37,12 @@ from gateway.chat.formats.base import (
     tagged,
 )
 from gateway.chat.formats.jsonscan import StreamParser
-from gateway.chat.template import ChatMessage
+from gateway.chat.template import ChatMessage, ChatTemplate
 from gateway.chat.thinking import BRACKET_THINK
 from gateway.conversation import Conversation
 
 TOOL_CALLS, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
+PLACEHOLDER = "\x00gateway: no answer\x00"  # an answer that is taken out of the prompt after rendering
 _ALPHABET = string.ascii_letters + string.digits
 ID_LENGTH = 9
 
@@ -66,6 +68,22 @@ class _Mistral(Format):
                 tool_call_id=mistral_id(m.tool_call_id) if m.tool_call_id is not None else None)
             for m in super().turns(conv, calls)
         ]
+
+    def render(self, template: ChatTemplate, messages: list[ChatMessage], tools: list[dict[str, Any]] | None,
+               thinking: bool | None, effort: str | None = None) -> str:
+        """Most Mistral templates refuse a user turn right after a tool result (their check wants
+        user and assistant turns to alternate), which Mistral's own tokenizer writes as
+        `[/TOOL_RESULTS][INST]…`. Such a turn gets a placeholder answer before it, which is taken
+        out of the prompt again (with the end-of-turn token the template wrote after it)."""
+        if not any(m.role == "user" and prev.role == "tool" for prev, m in zip(messages, messages[1:], strict=False)):
+            return template.render(messages, tools, thinking)
+        padded: list[ChatMessage] = []
+        for prev, m in zip([None, *messages], messages, strict=False):
+            if m.role == "user" and prev is not None and prev.role == "tool":
+                padded.append(ChatMessage(role="assistant", content=PLACEHOLDER))
+            padded.append(m)
+        text = template.render(padded, tools, thinking)
+        return text.replace(PLACEHOLDER + template.source.eos_token, "").replace(PLACEHOLDER, "")
 
 
 class MistralV11(_Mistral):
