@@ -83,7 +83,7 @@ def main() -> int:
     conc = [int(c) for c in args.concurrency.split(",")]
     port = _port()
     url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "GATEWAY_LOG_LEVEL": "warning", "GATEWAY_CONFIG": args.config}
+    env = {**os.environ, "GATEWAY_LOG_LEVEL": "warning", "GATEWAY_CHECK_MODELS": "0", "GATEWAY_CONFIG": args.config}
     t_spawn = time.perf_counter()
     proc = subprocess.Popen([*shlex.split(args.gateway), "serve", "--engine", args.engine, "--port", str(port), "--parallel", str(max(conc))],
                             env=env, cwd=ROOT)

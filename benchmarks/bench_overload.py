@@ -26,7 +26,7 @@ def serve(port: int, parallel: int, extra: list[str]) -> subprocess.Popen[bytes]
     cmd = [sys.executable, "-m", "gateway.cli", "serve", "--engine", "cpu", "--port", str(port),
            "--parallel", str(parallel), *extra]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, "GATEWAY_LOG_LEVEL": "warning"})
+                            env={**os.environ, "GATEWAY_LOG_LEVEL": "warning", "GATEWAY_CHECK_MODELS": "0"})
     try:
         _wait(f"http://127.0.0.1:{port}", proc)
     except RuntimeError:

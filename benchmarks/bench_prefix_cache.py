@@ -117,7 +117,8 @@ def gateway(model: str, parallel: int, *extra: str, name: str = "gateway", env: 
     return Server(name, [sys.executable, "-m", "gateway.cli", "serve", "--port", "{port}", "--model", model,
                          "--config", CONFIG, "--parallel", str(parallel), "--max-queue-wait", "600", *extra],
                   # BENCH_LOG_LEVEL=debug: the engine's step-by-step log in the server's log file
-                  env={"GATEWAY_LOG_LEVEL": os.environ.get("BENCH_LOG_LEVEL", "warning"), **(env or {})})
+                  env={"GATEWAY_LOG_LEVEL": os.environ.get("BENCH_LOG_LEVEL", "warning"), "GATEWAY_CHECK_MODELS": "0",
+                       **(env or {})})
 
 
 def variant_env(variant: str) -> tuple[str, dict[str, str]]:

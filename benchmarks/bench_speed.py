@@ -91,7 +91,7 @@ class Servers:
 
     def gateway(self, name: str, env: dict[str, str], config: Path | None = None, tree: Path = ROOT) -> None:
         port = _port()
-        full = {**os.environ, "GATEWAY_LOG_LEVEL": "warning", **env}
+        full = {**os.environ, "GATEWAY_LOG_LEVEL": "warning", "GATEWAY_CHECK_MODELS": "0", **env}
         config = config or self.config
         if config is not None:
             full["GATEWAY_CONFIG"] = str(config)

@@ -93,7 +93,7 @@ def main() -> int:
     ).stdout.strip().splitlines()[-1]
     threads = str(os.cpu_count() or 1)
     gw_port, ls_port = _port(), _port()
-    env = {**os.environ, "GATEWAY_LOG_LEVEL": "warning"}
+    env = {**os.environ, "GATEWAY_LOG_LEVEL": "warning", "GATEWAY_CHECK_MODELS": "0"}
     gw = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--port", str(gw_port), "--parallel", str(np_)],
                           cwd=ROOT, env=env)
     ls = subprocess.Popen([f"{bin_dir}/llama-server", "-m", model, "--port", str(ls_port), "-np", str(np_),

@@ -67,7 +67,7 @@ def main() -> int:
     servers: dict[str, tuple[subprocess.Popen[bytes], int]] = {}
     for name, workers in (("gateway (workers)", "1"), ("gateway (in-process)", "0")):
         port = _port()
-        env = {**os.environ, "GATEWAY_LOG_LEVEL": "warning", "GATEWAY_WORKERS": workers}
+        env = {**os.environ, "GATEWAY_LOG_LEVEL": "warning", "GATEWAY_CHECK_MODELS": "0", "GATEWAY_WORKERS": workers}
         if workers == "0" and args.in_process_lib:
             env["LLAMA_CPP_LIB_PATH"] = args.in_process_lib
         servers[name] = (subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--port", str(port),
