@@ -30,6 +30,9 @@ class EngineTuning(EnvSettings):
         "(off: each prefills its own)")
     attach_defer: bool = setting(
         True, "llama.cpp: a device sampler chain is attached after the request's first pass (off: before it)")
+    step_trace: str | None = setting(
+        None, "write a trace of every scheduler step to DIR/steps-PID.json (Chrome's trace format: open it in "
+        "Perfetto; `benchmarks/step_trace_summary.py` breaks it down)", shown="off")
     long_prompt_tokens: int = setting(
         0, "llama.cpp, experimental: prompts of at least N new tokens arriving while others decode are "
         "prefilled in a second context beside them (0: off)", ge=0)

@@ -51,6 +51,7 @@ from engines.llamacpp.slots import (
     used,
 )
 from engines.llamacpp.speculation import NgramDrafter
+from engines.steptrace import StepTrace
 from engines.text import Detokenizer, StopMatcher
 
 __all__ = ["TRIM_PAYBACK", "BatchScheduler", "EmbedJob", "GenJob", "ScoreJob", "build_sampler", "sampler_key"]
@@ -66,8 +67,10 @@ class BatchScheduler:
                  draft_ngram: int = 0, draft_max: int = 0, draft_streams: int = 1,
                  host_cache: HostPrefixCache | None = None, identity: str = "", prefill_budget: int = 0,
                  n_swa: int = 0, kv_pool: int = 0, n_cells: int = 0, split_mixed: bool = False,
-                 follow: bool = True, attach_defer: bool = True, trim_payback: float = TRIM_PAYBACK) -> None:
+                 follow: bool = True, attach_defer: bool = True, trim_payback: float = TRIM_PAYBACK,
+                 trace: StepTrace | None = None) -> None:
         self._ctx = ctx
+        self._trace = trace
         self._mem = lc.llama_get_memory(ctx)
         self._n_cells = n_cells  # the KV cache's cells, every sequence's (reported in kv_stats)
         # A step with both running streams and prompt chunks as two passes (the shared layout on
@@ -217,17 +220,20 @@ class BatchScheduler:
                 self._drop_cancelled_waiting()
                 self._admit()
                 embeds, self._embeds = list(self._embeds), deque()
-            self.step_started = time.perf_counter()
+            self.step_started = started = time.perf_counter()
             for ejob in embeds:
                 self._embed(ejob)
             self._release_cancelled()
-            if self._active():
+            if running := self._active():
                 try:
                     self._step()
                 except Exception as exc:  # a runtime failure must not kill the thread silently
                     log.exception("llama.cpp batch step failed")
                     for slot in self._active():
                         self._fail(slot, EngineFailure(f"llama.cpp failed: {exc}"))
+                if self._trace is not None:
+                    self._trace.span("step", started, time.perf_counter(), sequences=len(running),
+                                     waiting=len(self._waiting), embeds=len(embeds))
             self.step_started = 0.0
             self._device.detach_idle(self._slots)
         self._shutdown()
@@ -522,6 +528,10 @@ class BatchScheduler:
                     self._spec.verify(slot, idx, draft, self._sample)
                 else:
                     self._sample(slot, idx)
+        if self._trace is not None:
+            self._trace.span("llama_decode", step_started, decoded, decoding=n - prompt_tokens,
+                             prompt_tokens=prompt_tokens, cells=used(self._slots))
+            self._trace.span("outputs", decoded, time.perf_counter(), outputs=len(outputs))
         if log.isEnabledFor(logging.DEBUG):
             log.debug("pass: %d decoding, %d prompt tokens, %.1f ms (llama_decode %.1f), %d running, %d cells used",
                       n - prompt_tokens, prompt_tokens, (time.perf_counter() - step_started) * 1000,

@@ -51,6 +51,7 @@ from engines.llamacpp.load_settings import (
 from engines.llamacpp.prefix_cache import HostPrefixCache, default_limit_bytes
 from engines.llamacpp.runtime import LlamaCppOptions
 from engines.registry import register_runtime
+from engines.steptrace import open_trace
 from engines.text import with_scored_prompt
 from engines.tuning import engine_tuning
 
@@ -269,6 +270,7 @@ class LlamaCppEngine:
             attach_defer=tuning.attach_defer,
             # What idle KV must have cost before it leaves a shared cache, in its copies' time.
             trim_payback=payback,
+            trace=open_trace(tuning.step_trace, f"llama.cpp {o.backend} {os.path.basename(o.model_path)}"),
         )
         self._sched = BatchScheduler(
             ctx=ctx,

@@ -1,0 +1,48 @@
+"""The engines' step trace (GATEWAY_STEP_TRACE): the real llama.cpp engine serving streams writes
+every step, with its model pass and host work inside it, to a file Chrome's trace readers open;
+the summary reads it back."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from engines import steptrace
+from tests.conftest import ROOT
+from tests.test_engine_llamacpp import _engine, _req, _run
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import step_trace_summary  # noqa: E402
+
+
+async def test_a_served_engine_traces_each_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GATEWAY_STEP_TRACE", str(tmp_path / "trace"))
+    monkeypatch.setattr(steptrace, "_open", {})
+    e = await _engine("smollm2-135m-instruct", parallel=3)
+    try:
+        # Two streams, and a third prompt arriving while they decode.
+        async def late() -> tuple[list[int], str]:
+            await asyncio.sleep(0.2)
+            return await _run(e, _req("Write a long story about a cat. " * 8, max_tokens=8))
+
+        done = await asyncio.gather(_run(e, _req("Count to twenty:", max_tokens=40)),
+                                    _run(e, _req("Name some colours:", max_tokens=40)), late())
+    finally:
+        await e.close()
+        steptrace._open[str(tmp_path / "trace")].close()
+    (path,) = (tmp_path / "trace").glob("steps-*.json")
+    text = path.read_text()
+    assert text.startswith("[\n")
+    json.loads(text.rstrip().rstrip(",") + "]")  # the array, closed, is JSON
+    steps = step_trace_summary.steps_of(step_trace_summary.read_events(path))
+    assert len(steps) >= 40
+    assert all(s.start <= s.end and s.decode_ms > 0 for s in steps)
+    # Each token after a stream's first (which its prompt's pass gives) is fed back in one step.
+    assert sum(s.decoding for s in steps) == sum(len(toks) - 1 for toks, _ in done)
+    assert any(s.prompt_tokens and s.decoding for s in steps)  # the late prompt prefilled beside them
+    out = step_trace_summary.summarize(steps, client_p99=50.0)
+    assert "worker gap between tokens: p50" in out and "after the worker" in out, out
