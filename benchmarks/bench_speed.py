@@ -153,7 +153,8 @@ def _rounds(servers: Servers, names: list[str], conc: list[int], args: argparse.
                 res = _bench(servers.url(name), c, n, args, tmp / f"bench-speed-{tag}.json", args.seed + 1000 * r + c, prompts)
                 results[name][c].append(res)
                 print(f"{tag} round {r} {name:<24} c={c:<3} {res['output_token_throughput']:8.1f} tok/s "
-                      f"ttft p50 {res['ttft']['p50'] * 1e3:6.1f} ms", file=sys.stderr)
+                      f"ttft p50 {res['ttft']['p50'] * 1e3:6.1f} ms itl p50 {res['itl']['p50'] * 1e3:5.1f} "
+                      f"p99 {res['itl']['p99'] * 1e3:6.1f} ms", file=sys.stderr)
     return results
 
 
@@ -164,11 +165,12 @@ def _table(results: dict[str, dict[int, list[dict[str, Any]]]], conc: list[int],
     unit = "decode tok/s per stream" if decode else "tok/s"
     lines = ["| streams | " + " | ".join(f"{n} {unit}" for n in names) + " | "
              + " | ".join(f"{a} / {b}" for a, b in ratios) + " | "
-             + " | ".join(f"TTFT p50 / p95 ms {n}" for n in names) + " |",
-             "|---" * (1 + 2 * len(names) + len(ratios)) + "|"]
+             + " | ".join(f"TTFT p50 / p95 ms {n}" for n in names) + " | "
+             + " | ".join(f"ITL p50 / p99 ms {n}" for n in names) + " |",
+             "|---" * (1 + 3 * len(names) + len(ratios)) + "|"]
     for c in conc:
         med: dict[str, float] = {}
-        cells, ttft = [], []
+        cells, ttft, itl = [], [], []
         for n in names:
             runs = results[n][c]
             tps = [1 / x["tpot"]["p50"] if decode else x["output_token_throughput"] for x in runs]
@@ -176,8 +178,11 @@ def _table(results: dict[str, dict[int, list[dict[str, Any]]]], conc: list[int],
             cells.append(f"{med[n]:.1f} [{min(tps):.0f}-{max(tps):.0f}]")
             ttft.append(f"{statistics.median(x['ttft']['p50'] for x in runs) * 1e3:.0f} / "
                         f"{statistics.median(x['ttft']['p95'] for x in runs) * 1e3:.0f}")
+            itl.append(f"{statistics.median(x['itl']['p50'] for x in runs) * 1e3:.1f} / "
+                       f"{statistics.median(x['itl']['p99'] for x in runs) * 1e3:.1f}")
         rs = [f"**{med[a] / med[b]:.2f}**" if med.get(b) else "-" for a, b in ratios]
-        lines.append(f"| {c} | " + " | ".join(cells) + " | " + " | ".join(rs) + " | " + " | ".join(ttft) + " |")
+        lines.append(f"| {c} | " + " | ".join(cells) + " | " + " | ".join(rs) + " | " + " | ".join(ttft) + " | "
+                     + " | ".join(itl) + " |")
     return lines
 
 
