@@ -509,6 +509,8 @@ class BatchScheduler:
         self._batch.n_tokens = n
         step_started = time.perf_counter()
         rc = lc.llama_decode(self._ctx, self._batch)
+        if self._trace is not None:  # a device's pass runs on after the call: its time, apart from the host's work
+            lc.llama_synchronize(self._ctx)
         decoded = time.perf_counter()
         if rc != 0:
             reason = "no free KV cache space" if rc == 1 else f"llama_decode returned {rc}"

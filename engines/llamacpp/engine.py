@@ -192,13 +192,18 @@ class LlamaCppEngine:
                         o.context_length, n_ctx_train, self._n_ctx_seq)
         return model
 
+    @property
+    def _pass_tokens(self) -> int:
+        """Tokens a pass may take (n_batch = n_ubatch): the config's, or a larger prefill budget
+        (a budget above it would otherwise be cut to it)."""
+        return max(self.options.n_batch, self.llama_options.prefill_budget)
+
     def _context_params(self, lc: Any, model: Any, on_gpu: bool) -> tuple[Any, bool]:
         """The context's parameters, and whether sampling runs on the device."""
         o, lo = self.options, self.llama_options
         cparams = lc.llama_context_default_params()
         cparams.n_ctx = self._n_ctx_seq * o.parallel
-        cparams.n_batch = o.n_batch
-        cparams.n_ubatch = o.n_batch
+        cparams.n_batch = cparams.n_ubatch = self._pass_tokens
         # With one KV cache shared by all (kv_unified), `sequences` may exceed `parallel`: the cache
         # still holds context_length x parallel tokens, and the scheduler runs as many requests as fit.
         cparams.n_seq_max = _sequences(o, lo)
@@ -248,11 +253,11 @@ class LlamaCppEngine:
         o, lo = self.options, self.llama_options
         budget = lo.prefill_budget or prefill_budget(o.backend)
         if warm_up_wanted(o.backend):
-            passes, took = warm_up(ctx, o.n_batch, _sequences(o, lo), budget, self._n_ctx_seq)
+            passes, took = warm_up(ctx, self._pass_tokens, _sequences(o, lo), budget, self._n_ctx_seq)
             log.info("llama.cpp warm-up: %d passes in %.0f ms", passes, took * 1000)
         shared: dict[str, Any] = dict(
             n_vocab=self._n_vocab,
-            n_batch=o.n_batch,
+            n_batch=self._pass_tokens,
             max_queue=o.max_queue,
             piece=self.piece,
             is_eog=lambda t: lc.llama_vocab_is_eog(self._vocab, t),
@@ -344,7 +349,7 @@ class LlamaCppEngine:
                 raise ModelLoadError(f"llama.cpp could not create the long prompts' context of {side.n_ctx} tokens "
                                      f"on {o.device}")
             if warm_up_wanted(o.backend):  # its first passes make its streams (while the setting holds)
-                warm_up(ctx, o.n_batch, 1, shared["prefill_budget"], self._n_ctx_seq)
+                warm_up(ctx, self._pass_tokens, 1, shared["prefill_budget"], self._n_ctx_seq)
         finally:
             os.environ.pop("GGML_CUDA_GREEN_SMS", None)
         self._side_ctx = ctx
