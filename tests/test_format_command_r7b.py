@@ -78,6 +78,14 @@ def test_parallel_calls() -> None:
     assert out["content"] == ""
 
 
+def test_two_action_blocks_give_the_calls_of_both() -> None:
+    """A model that writes a second action block (each a list of its own): both blocks' calls, in
+    order and numbered on, whole and streamed at every split."""
+    out = read(PLAN + action(("get_weather", '{"city": "Paris"}')) + "\n" + action(("get_time", "{}")))
+    assert out["calls"] == [["get_weather", '{"city": "Paris"}'], ["get_time", "{}"]]
+    assert out["content"] == ""
+
+
 def test_call_without_plan() -> None:
     out = read(action(("get_weather", '{"city": "Paris"}')))
     assert out == {"content": "", "reasoning": "", "calls": [["get_weather", '{"city": "Paris"}']]}

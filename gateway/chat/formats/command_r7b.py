@@ -10,12 +10,15 @@ or answers between `<|START_RESPONSE|>` and `<|END_RESPONSE|>` (the answer is th
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
 from engines.base import Constraint, Tagged
 from gateway.chat.formats.base import (
+    ArgumentsDelta,
     Calls,
+    CallStarted,
     ContentDelta,
     Event,
     Format,
@@ -76,10 +79,12 @@ def call_object(name: str, parameters: dict[str, Any]) -> dict[str, Any]:
 
 class ActionParser:
     """The answer: text inside (or outside) the response tags, without them; calls from the action's
-    JSON list, read through StreamParser as if it were {"tool_calls": [...]}."""
+    JSON list, read through StreamParser as if it were {"tool_calls": [...]}. An answer with several
+    action blocks has the calls of all, numbered on."""
 
     def __init__(self) -> None:
         self.inner = StreamParser("tool_name", "parameters")
+        self._before: list[tuple[str, str]] = []  # the calls of earlier action blocks
         self.content = ""
         self._buf = ""
         self._in_action = False
@@ -87,7 +92,13 @@ class ActionParser:
 
     @property
     def calls(self) -> list[tuple[str, str]]:
-        return self.inner.calls
+        return self._before + self.inner.calls
+
+    def _action(self, text: str) -> list[Event]:
+        """The current action block's events, its calls numbered after the earlier blocks' ones."""
+        n = len(self._before)
+        return [dataclasses.replace(e, index=e.index + n) if isinstance(e, CallStarted | ArgumentsDelta) else e
+                for e in self.inner.feed(text)]
 
     @property
     def done(self) -> bool:
@@ -108,7 +119,7 @@ class ActionParser:
                 keep = partial_suffix(buf, *tags)
                 head, buf = buf[: len(buf) - keep], buf[len(buf) - keep:]
                 if self._in_action:
-                    out += self.inner.feed(head)
+                    out += self._action(head)
                 elif self._acted and not head.strip():
                     buf = head + buf  # whitespace after the action: text only if more text follows
                 else:
@@ -116,14 +127,16 @@ class ActionParser:
                 break
             i, tag = min(found)
             if self._in_action:
-                out += self.inner.feed(buf[:i] + "}")
+                out += self._action(buf[:i] + "}")
                 self._in_action = False
             else:
                 if not (self._acted and not buf[:i].strip()):
                     self._text(buf[:i], out)
                 if tag == ACTION_OPEN:
+                    if self._acted:  # another block: a list of its own
+                        self._before, self.inner = self.calls, StreamParser("tool_name", "parameters")
                     self._in_action = self._acted = True
-                    out += self.inner.feed('{"tool_calls": ')
+                    out += self._action('{"tool_calls": ')
             buf = buf[i + len(tag):]
         self._buf = buf
         return coalesce(out)
