@@ -25,4 +25,7 @@ class Notes:
 def header_value(text: str, limit: int = 1024) -> str:
     """HTTP header values are Latin-1 and one line; field names and reasons are the client's free text."""
     flat = "".join(c if c.isprintable() else "?" for c in " ".join(text.split()))  # no control characters
-    return flat.encode("ascii", "replace").decode()[:limit]
+    flat = flat.encode("ascii", "replace").decode()
+    if len(flat) > limit:  # cut, and said to be (a value may not end in whitespace either)
+        flat = flat[: limit - 3].rstrip() + "..."
+    return flat.strip()
