@@ -129,3 +129,50 @@ async def test_slots_granted_while_a_leaving_client_is_noticed_go_back() -> None
     with pytest.raises(ClientDisconnected):
         await until_disconnect(LeavingClient(), prepare())  # type: ignore[arg-type]
     assert admitted.released and g.running == 0
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "stream": True}),
+    ("/api/chat", {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}),
+])
+def test_a_stream_whose_response_cannot_start_gives_its_slots_back(
+        tmp_path: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch, path: str, body: dict[str, object]) -> None:
+    """The server refuses to start the response (here a header value HTTP does not allow): the
+    request's slots come back at once, not when the collector gets to the work behind the stream
+    (which held them for minutes while the engine sat idle and other requests queued)."""
+    import time
+    from pathlib import Path
+
+    import httpx
+
+    from engines.base import EngineConfig
+    from gateway.api import adapter
+    from gateway.app import create_app
+    from gateway.models.registry import load_registry
+    from gateway.settings import Settings
+    from tests import hosts
+    from tests.conftest import NO_CHECKS, ServerThread
+    from tests.fakes import FakeEngine
+
+    d = Path(str(tmp_path))
+    (d / "a.gguf").write_bytes(b"GGUF")
+    (d / "models.yaml").write_text("default: m\nmodels:\n  - id: m\n    formats: {gguf: {path: a.gguf}}\n")
+
+    def factory(runtime: str, config: EngineConfig) -> FakeEngine:
+        return FakeEngine(config, script="one two three four five six seven eight", token_delay=0.05)
+
+    app = create_app(Settings.from_env(env=NO_CHECKS, config=str(d / "models.yaml"), functional_check=False,
+                                       parallel=2),
+                     load_registry(d / "models.yaml", cache_dir=d / "cache"), engine_factory=factory,
+                     host=hosts.CPU_ONLY)
+    server = ServerThread(app).start()
+    try:
+        monkeypatch.setattr(adapter, "_read", lambda headers: {"X-Broken": "a, "})  # ends in whitespace
+        with pytest.raises(httpx.HTTPError):  # the connection closed without a response
+            httpx.post(f"{server.url}{path}", json=body, timeout=30)
+        deadline = time.monotonic() + 3
+        while (running := app.state.admission.gates()["m"].running) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert running == 0
+    finally:
+        server.stop()

@@ -107,8 +107,41 @@ async def respond(request: Request, adapter: Adapter, *, stream: bool, frames: C
         raise
     body_iter = _framed(adapter, request.url.path, first, rest, finish)
     if adapter.framing == "ndjson":
-        return StreamingResponse(body_iter, media_type="application/x-ndjson", headers=_read(headers))
-    return EventSourceResponse(body_iter, headers={**_STREAM_HEADERS, **_read(headers)}, sep="\n", ping=15)
+        return _NdjsonStream(rest, body_iter, media_type="application/x-ndjson", headers=_read(headers))
+    return _EventStream(rest, body_iter, headers={**_STREAM_HEADERS, **_read(headers)}, sep="\n", ping=15)
+
+
+async def _close(rest: AsyncIterator[Frame]) -> None:
+    """The work behind a stream, ended: a response that failed before its body ran (its start
+    refused by the server, say) gives the request's slots back here, not when the collector gets to
+    it. Closing work that already ended does nothing."""
+    aclose = getattr(rest, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
+class _NdjsonStream(StreamingResponse):
+    def __init__(self, rest: AsyncIterator[Frame], *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._rest = rest
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await _close(self._rest)
+
+
+class _EventStream(EventSourceResponse):
+    def __init__(self, rest: AsyncIterator[Frame], *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._rest = rest
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await _close(self._rest)
 
 
 def _read(headers: Mapping[str, str] | Callable[[], Mapping[str, str]]) -> dict[str, str]:
@@ -135,9 +168,7 @@ async def _framed(adapter: Adapter, path: str, first: Frame, rest: AsyncIterator
         log.warning("stream failed after start: %s", err.message)
         yield encode(adapter.in_band(err, path))
     finally:  # a client that left cancels this generator: closing `rest` aborts the generation
-        aclose = getattr(rest, "aclose", None)
-        if aclose is not None:
-            await aclose()
+        await _close(rest)
         if finish is not None:
             finish()
     if adapter.framing == "sse":
