@@ -122,3 +122,15 @@ def test_a_background_check_waits_until_the_models_requests_are_done() -> None:
         await asyncio.wait_for(_idle(service, "never-loaded"), 1)  # type: ignore[arg-type]
 
     asyncio.run(scenario())
+
+
+def test_a_model_that_serves_only_embeddings_is_not_checked_on_load(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from gateway.api.capabilities import ReportCache, check_on_load
+
+    hook = check_on_load(SimpleNamespace(), ReportCache(tmp_path / "reports.json"))  # type: ignore[arg-type]
+    hook(SimpleNamespace(spec=SimpleNamespace(embedding_only=True, id="e")))  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="no running event loop"):  # a chat model's check starts a task
+        hook(SimpleNamespace(spec=SimpleNamespace(embedding_only=False, id="c", tool_format=None, chat_template=None),
+                             engine=SimpleNamespace(info=SimpleNamespace(template=None)), check_key="k"))

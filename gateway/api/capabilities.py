@@ -300,6 +300,8 @@ def check_on_load(service: Service, cache: ReportCache) -> Callable[[Loaded], No
             log.warning("the capability check of %s did not run: %s", spec.id, exc)
 
     def hook(entry: Loaded) -> None:
+        if entry.spec.embedding_only:  # nothing to probe: it serves no chat
+            return
         fmt = formats.serving(entry.spec.tool_format, template_of(entry.engine.info))
         kept = cache.get(entry.spec.id)
         if kept is not None and kept.key == key_of(entry.check_key, fmt.name, entry.spec.chat_template):
