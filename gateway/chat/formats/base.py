@@ -315,7 +315,8 @@ class JsonEnd:
         self.in_string = False
         self.escape = False
 
-    def step(self, ch: str) -> None:
+    def step(self, ch: str) -> bool:
+        """Follow `ch`; True when it ends the value (the bracket or quote that closes it at the top)."""
         if self.in_string:
             if self.escape:
                 self.escape = False
@@ -323,9 +324,12 @@ class JsonEnd:
                 self.escape = True
             elif ch == '"':
                 self.in_string = False
+                return self.depth == 0
         elif ch == '"':
             self.in_string = True
         elif ch in "{[":
             self.depth += 1
         elif ch in "}]":
             self.depth -= 1
+            return self.depth == 0
+        return False

@@ -26,6 +26,7 @@ from gateway.chat.formats.base import (
     ContentDelta,
     Event,
     Format,
+    JsonEnd,
     Parser,
     coalesce,
     partial_suffix,
@@ -119,9 +120,7 @@ class DeepSeekParser:
         self.content = ""
         self._buf = ""
         self._state = "text"  # text | block | head | args | tail
-        self._depth = 0
-        self._in_string = False
-        self._escape = False
+        self._end = JsonEnd()  # where the call's arguments object ends
 
     @property
     def done(self) -> bool:
@@ -199,13 +198,12 @@ class DeepSeekParser:
         name = name.strip()
         self.calls.append((name, ""))
         out.append(CallStarted(len(self.calls) - 1, name))
-        self._buf, self._state, self._depth = rest, "args", 0
-        self._in_string = self._escape = False
+        self._buf, self._state, self._end = rest, "args", JsonEnd()
         return True
 
     def _args(self, buf: str, out: list[Event]) -> bool:
         """The arguments object, character by character up to its closing brace."""
-        if self._depth == 0:
+        if self._end.depth == 0:
             body = buf.lstrip()
             if self.fenced and body.startswith(FENCE):
                 body = body[len(FENCE):].lstrip()
@@ -219,21 +217,10 @@ class DeepSeekParser:
             buf = body
         n = 0
         for n, ch in enumerate(buf, 1):
-            if self._escape:
-                self._escape = False
-            elif self._in_string:
-                self._escape = ch == "\\"
-                self._in_string = ch != '"'
-            elif ch == '"':
-                self._in_string = True
-            elif ch in "{[":
-                self._depth += 1
-            elif ch in "}]":
-                self._depth -= 1
-                if self._depth == 0:
-                    self._emit(buf[:n], out)
-                    self._buf, self._state = buf[n:], "tail"
-                    return True
+            if self._end.step(ch):
+                self._emit(buf[:n], out)
+                self._buf, self._state = buf[n:], "tail"
+                return True
         self._emit(buf[:n], out)
         self._buf = ""
         return False

@@ -169,6 +169,5 @@ class FunctionaryParser:
     def _json(self, ch: str, out: list[Event]) -> None:
         """One character of a call's arguments object, up to its close."""
         self._arguments(ch, out)
-        self._end.step(ch)
-        if self._end.depth == 0 and ch in "}]":
-                self._mode, self._buf = "after", ""
+        if self._end.step(ch):
+            self._mode, self._buf = "after", ""

@@ -9,9 +9,9 @@ exactly its arguments text.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from gateway.chat.formats.base import ArgumentsDelta, CallStarted, ContentDelta, Event, coalesce
+from gateway.chat.formats.base import ArgumentsDelta, CallStarted, ContentDelta, Event, JsonEnd, coalesce
 
 _ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
 _SPACE = " \t\r\n"
@@ -30,9 +30,7 @@ class _Raw:
     """A value copied through verbatim (a call's arguments; a structured response)."""
 
     role: str  # "args" | "response"
-    depth: int = 0
-    in_string: bool = False
-    escape: bool = False
+    end: JsonEnd = field(default_factory=JsonEnd)
     literal: bool = False
 
 
@@ -95,25 +93,9 @@ class StreamParser:
             self._emit(r.role, ch, out)
             return True
         self._emit(r.role, ch, out)
-        if r.in_string:
-            if r.escape:
-                r.escape = False
-            elif ch == "\\":
-                r.escape = True
-            elif ch == '"':
-                r.in_string = False
-                if r.depth == 0:
-                    self._raw = None
-                    self._after_value()
-        elif ch == '"':
-            r.in_string = True
-        elif ch in "{[":
-            r.depth += 1
-        elif ch in "}]":
-            r.depth -= 1
-            if r.depth == 0:
-                self._raw = None
-                self._after_value()
+        if r.end.step(ch):
+            self._raw = None
+            self._after_value()
         return True
 
     def _char(self, ch: str, out: list[Event]) -> None:

@@ -242,9 +242,8 @@ class Llama3Parser:
     def _json(self, ch: str, out: list[Event]) -> None:
         """One character of a call object, passed on until the object closes."""
         out += self.inner.feed(ch)
-        self._end.step(ch)
-        if self._end.depth == 0 and ch in "}]":
-                self._mode, self._buf = "lead", ""
+        if self._end.step(ch):
+            self._mode, self._buf = "lead", ""
 
     def _builtin(self, ch: str, out: list[Event]) -> None:
         self._buf += ch

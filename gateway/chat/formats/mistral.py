@@ -220,8 +220,7 @@ class JsonArrayParser(_TextParser):
                 out += self.inner.feed(s[:k])
                 self._state = "after"
                 return s[k + 1 :]
-            j.step(ch)
-            if self._bare and j.depth == 0 and not j.in_string and ch in "}]":
+            if j.step(ch) and self._bare:
                 out += self.inner.feed(s[: k + 1])
                 self._state = "after"
                 return s[k + 1 :]
@@ -266,8 +265,7 @@ class NamedArgsParser(_TextParser):
             if self._literal and (ch.isspace() or ch == "["):
                 end = k
                 break
-            j.step(ch)
-            if not self._literal and j.depth == 0 and not j.in_string:
+            if j.step(ch) and not self._literal:
                 end = k + 1
                 break
         part = s if end < 0 else s[:end]
