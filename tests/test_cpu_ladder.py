@@ -196,7 +196,7 @@ def test_external_kills_never_exclude_the_engine_and_a_restart_serves_without_re
         assert model["worker"]["crashes"] == 3 and model["worker"]["counted_crashes"] == 0, model
         assert model["cpu_variant"] == first.get("cpu_variant") and model["repack"] == "on"
         assert "from outside" in model["worker"]["last_crash"]
-        entries = CheckCache(tmp_path / "cache" / "functional-checks.json").entries()
+        entries = CheckCache(tmp_path / "cache" / "functional-checks.json").read()
         assert entries and all(e["ok"] for e in entries.values()), entries
     finally:
         g.stop()
@@ -233,7 +233,7 @@ def test_the_only_engine_keeps_serving_through_crashes_and_its_verdicts_expire(t
         assert degraded >= 1  # the last rung restarting after its crashes
         model = _health(g.url)["models"][MODEL]
         assert model["worker"]["counted_crashes"] >= 1 and model["worker"].get("degraded"), model
-        crashed = [e for e in CheckCache(cache).entries().values() if not e["ok"]]
+        crashed = [e for e in CheckCache(cache).read().values() if not e["ok"]]
         assert len(crashed) == rungs - 1, crashed
         assert all(e["ttl"] == 1800.0 and "worker crashed" in e["reason"] for e in crashed), crashed
     finally:

@@ -54,7 +54,7 @@ def test_failed_gpu_falls_back_to_cpu_with_the_reason(fallback_gateway: tuple[st
 
 def test_failed_check_is_cached(fallback_gateway: tuple[str, object]) -> None:
     _, app = fallback_gateway
-    entries = app.state.manager.checks.entries()  # type: ignore[attr-defined]
+    entries = app.state.manager.checks.read()  # type: ignore[attr-defined]
     outcomes = sorted((e["what"].split(" on ")[1].split()[0], e["ok"]) for e in entries.values())
     assert outcomes == [("llamacpp/cpu", True), ("llamacpp/vulkan", False)]
 

@@ -121,7 +121,7 @@ async def test_drift_over_the_window_is_reported_and_enforced() -> None:
     assert metrics.parity_drifted.labels(MODEL, "llamacpp/cpu", "cpu")._value.get() == 1
     assert metrics.fallbacks.labels(MODEL, "llamacpp/cpu", "parity_drift")._value.get() == 1
     assert not manager.is_loaded(spec.id)
-    (check,) = manager.checks.entries().values()  # what `gateway devices` shows, and the next start skips
+    (check,) = manager.checks.read().values()  # what `gateway devices` shows, and the next start skips
     assert not check["ok"] and check["reason"].startswith("parity drift: ")
     with pytest.raises(ModelLoadError, match="excluded: llamacpp/cpu: parity drift"):
         await manager.get(spec)

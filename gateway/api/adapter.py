@@ -120,28 +120,26 @@ async def _close(rest: AsyncIterator[Frame]) -> None:
         await aclose()
 
 
-class _NdjsonStream(StreamingResponse):
+class _ClosesWork:
+    """A streamed response that ends the work behind it (`rest`) when it ends, however it ends."""
+
     def __init__(self, rest: AsyncIterator[Frame], *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._rest = rest
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, send)  # type: ignore[misc]
         finally:
             await _close(self._rest)
 
 
-class _EventStream(EventSourceResponse):
-    def __init__(self, rest: AsyncIterator[Frame], *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._rest = rest
+class _NdjsonStream(_ClosesWork, StreamingResponse):
+    pass
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await _close(self._rest)
+
+class _EventStream(_ClosesWork, EventSourceResponse):
+    pass
 
 
 def _read(headers: Mapping[str, str] | Callable[[], Mapping[str, str]]) -> dict[str, str]:

@@ -173,6 +173,7 @@ def _card(request: Request, spec: Any) -> ModelCard:
     # The context the engine really allocated once loaded (a models.yaml value above the model's
     # trained context is served at the trained context).
     loaded = manager.entry(spec.id)
+    fmt = formats.serving(spec.tool_format, template_of(loaded.engine.info)) if loaded is not None else None
     return ModelCard(
         id=spec.id,
         created=request.app.state.started,
@@ -182,11 +183,10 @@ def _card(request: Request, spec: Any) -> ModelCard:
         loaded=manager.is_loaded(spec.id),
         endpoints=spec.endpoints(),
         description=spec.description,
-        tool_format=spec.tool_format or (formats.detect(template_of(loaded.engine.info)).name
-                                         if loaded is not None else None),
-        reasoning_format=(reasoning.format_name(spec, traits_of(loaded.engine.info),
-                                                formats.serving(spec.tool_format, template_of(loaded.engine.info)))
-                          if loaded is not None else None if spec.reasoning_format == "auto" else spec.reasoning_format),
+        tool_format=fmt.name if fmt is not None else spec.tool_format,
+        reasoning_format=(reasoning.format_name(spec, traits_of(loaded.engine.info), fmt)
+                          if loaded is not None and fmt is not None
+                          else None if spec.reasoning_format == "auto" else spec.reasoning_format),
         checks=_findings(request.app.state.checks.get(spec.id)),
     )
 

@@ -169,9 +169,6 @@ class CheckCache(JsonFile):
             item["tok_s"] = round(tok_s, 1)
         self.set(key, item)
 
-    def entries(self) -> dict[str, Any]:
-        return self.read()
-
 
 def fingerprint(runtime: str, config: EngineConfig, build: str, driver: str) -> str:
     try:
