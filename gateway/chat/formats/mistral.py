@@ -75,14 +75,14 @@ class _Mistral(Format):
         user and assistant turns to alternate), which Mistral's own tokenizer writes as
         `[/TOOL_RESULTS][INST]…`. Such a turn gets a placeholder answer before it, which is taken
         out of the prompt again (with the end-of-turn token the template wrote after it)."""
-        if not any(m.role == "user" and prev.role == "tool" for prev, m in zip(messages, messages[1:], strict=False)):
-            return template.render(messages, tools, thinking)
         padded: list[ChatMessage] = []
         for prev, m in zip([None, *messages], messages, strict=False):
             if m.role == "user" and prev is not None and prev.role == "tool":
                 padded.append(ChatMessage(role="assistant", content=PLACEHOLDER))
             padded.append(m)
         text = template.render(padded, tools, thinking)
+        if len(padded) == len(messages):
+            return text
         return text.replace(PLACEHOLDER + template.source.eos_token, "").replace(PLACEHOLDER, "")
 
 
