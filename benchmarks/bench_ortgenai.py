@@ -51,7 +51,7 @@ def model_path(variant: str, backend: str) -> str:
         return str(reg.resolve(spec, "gguf"))
     if variant.startswith("executorch-"):
         delegate = variant.split("-", 1)[1]
-        return str(convert(reg, spec, "executorch", "fp32", delegate=delegate, progress=lambda m: print(m, file=sys.stderr)))
+        return str(convert(reg, spec, "executorch", "fp32", delegate, progress=lambda m: print(m, file=sys.stderr)))
     precision = variant.split("-", 1)[1]
     return str(convert(reg, spec, "onnx", precision, PROVIDER[backend], progress=lambda m: print(m, file=sys.stderr)))
 

@@ -28,7 +28,19 @@ from engines.base import Capabilities, EngineConfig, EngineInfo, ModelLoadError
 from engines.bridge import WorkerPool
 from engines.host import HostCapabilities, PlatformRuntime
 from engines.registry import register_runtime
-from engines.runtimes import Device, Found, Offer, Preference, Runtime, RuntimeOptions, Skip, register
+from engines.runtimes import (
+    Converter,
+    ConvertJob,
+    Device,
+    Found,
+    Offer,
+    Preference,
+    Runtime,
+    RuntimeOptions,
+    Skip,
+    register,
+    run_step,
+)
 from engines.stateful import StatefulEngine, eos_ids, load_tokenizer
 from engines.template_files import template_source
 
@@ -146,14 +158,21 @@ def probe_coreml() -> PlatformRuntime:
 
 
 def _find(host: HostCapabilities, pref: Preference) -> Found:
-    if not host.coreml.available:
-        return [], [Skip("coreml/coreml", host.coreml.reason)]
-    return [Device(host.coreml.detail or "Apple Neural Engine", "ALL")], []
+    rt = host.runtime("coreml")
+    if not rt.available:
+        return [], [Skip("coreml/coreml", rt.reason)]
+    return [Device(rt.detail or "Apple Neural Engine", "ALL")], []
 
 
 def _report(host: HostCapabilities) -> list[str]:
-    rt = host.coreml
+    rt = host.runtime("coreml")
     return [f"{'CoreML':<9} {'available: ' + rt.detail if rt.available else rt.reason}"]
+
+
+def _to_coreml(job: ConvertJob) -> None:
+    job.progress(f"[2/2] Hugging Face -> CoreML ML program ({job.precision}, stateful KV cache) ...")
+    run_step([sys.executable, "-m", "engines.export.coreml", str(job.checkpoint), str(job.out), job.precision,
+              str(job.context_length)], "CoreML conversion", job.show_output)
 
 
 RUNTIME = register(Runtime(
@@ -161,9 +180,12 @@ RUNTIME = register(Runtime(
     format="coreml",
     offers=(Offer("coreml", _find),),
     engine_module="engines.coreml",
-    probe=lambda host: replace(host, coreml=probe_coreml()),
+    probe=lambda host: host.with_found("coreml", probe_coreml()),
     report=_report,
     install={"*": "pip install coremltools (on macOS)"},
-    convert="coreml",
+    convert=Converter(
+        "coreml", _to_coreml, needs=("coremltools",), install="pip install -e '.[convert]'",
+        precisions=("fp32", "fp16", "int4"),
+        substitutes={"fp32": ("fp16", "ML programs run fp16 on the GPU / Neural Engine")}),
     options=CoreMLOptions,
 ))

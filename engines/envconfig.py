@@ -134,16 +134,19 @@ PARSERS: dict[str, tuple[Callable[[str], Any], str]] = {
 
 
 def setting(default: Any = None, help: str = "", *, env: str | None = None, flag: str | bool = False,
-            parse: str | None = None, shown: str | None = None, choices: Sequence[str] = (),
+            parse: str | None = None, shown: str | None = None,
+            choices: Sequence[str] | Callable[[], Sequence[str]] = (),
             metavar: str | None = None, readme: bool = False, secret: bool = False,
             ge: float | None = None, le: float | None = None,
             default_factory: Callable[[], Any] | None = None) -> Any:
     """One setting's declaration (a pydantic Field): `env` names its variable when it is not
     GATEWAY_<NAME>; `flag` is True for --<name> or the flag's own name (False: environment only);
     `parse` is a PARSERS key where the type alone does not say it (size, mib, duration); `shown` is
-    its default as the docs say it; `choices` its allowed values; `readme`: in the README's table."""
+    its default as the docs say it; `choices` its allowed values (or a function of no arguments that
+    says them when asked: the engines the registered runtimes offer); `readme`: in the README's table."""
     extra: dict[str, Any] = {"env": env, "parse": parse, "shown": shown, "metavar": metavar,
-                             "choices": list(choices) or None, "readme": readme or None,
+                             "choices": (choices if callable(choices) else list(choices) or None),
+                             "readme": readme or None,
                              "flag": flag if isinstance(flag, str) else (True if flag else None)}
     kw: dict[str, Any] = {"description": help, "repr": not secret, "ge": ge, "le": le,
                           "json_schema_extra": {k: v for k, v in extra.items() if v is not None}}
@@ -195,7 +198,8 @@ class Knob:
         t = _bare(self.info.annotation)
         if get_origin(t) is Literal:
             return tuple(str(a) for a in get_args(t))
-        return tuple(self.extra.get("choices") or ())
+        choices = self.extra.get("choices") or ()
+        return tuple(choices() if callable(choices) else choices)
 
     @property
     def bounds(self) -> tuple[float | None, float | None]:

@@ -30,10 +30,11 @@ import importlib.util
 import json
 import logging
 import os
+import sys
 import threading
 import warnings
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -48,12 +49,14 @@ from engines.host import HostCapabilities, PlatformRuntime
 from engines.registry import register_runtime
 from engines.runtimes import (
     CROSS_RUNTIME_QUANT,
+    ConvertJob,
     Device,
     Found,
     Offer,
     Preference,
     Skip,
     register,
+    run_step,
     vulkan_devices,
 )
 from engines.stateful import StatefulEngine, eos_ids, load_tokenizer
@@ -386,13 +389,27 @@ def probe_executorch_vulkan(executorch: PlatformRuntime) -> PlatformRuntime:
     return PlatformRuntime(True, "", f"ExecuTorch Vulkan backend ({lib})")
 
 
+@dataclass(frozen=True)
+class ExecuTorchFound:
+    """What the ExecuTorch probe finds on a host (its entry in `HostCapabilities.runtimes`)."""
+
+    runtime: PlatformRuntime = field(default_factory=lambda: PlatformRuntime(False, "ExecuTorch was not probed"))
+    # Its Vulkan backend, a plug-in built for the installed wheel (scripts/install-executorch.sh).
+    vulkan: PlatformRuntime = field(default_factory=lambda: PlatformRuntime(False, "ExecuTorch was not probed"))
+
+
+def found(host: HostCapabilities) -> ExecuTorchFound:
+    return host.found("executorch", ExecuTorchFound)
+
+
 def _probe(host: HostCapabilities) -> HostCapabilities:
     et = probe_executorch()
-    return replace(host, executorch=et, executorch_vulkan=probe_executorch_vulkan(et))
+    return host.with_found("executorch", ExecuTorchFound(et, probe_executorch_vulkan(et)))
 
 
 def _report(host: HostCapabilities) -> list[str]:
-    et, et_vk = host.executorch, host.executorch_vulkan
+    f = found(host)
+    et, et_vk = f.runtime, f.vulkan
     lines = [f"ExecuTorch {'available: ' + et.detail if et.available else et.reason}"]
     if et.available:
         lines.append(f"  Vulkan   {'available: ' + et_vk.detail if et_vk.available else et_vk.reason}")
@@ -400,17 +417,19 @@ def _report(host: HostCapabilities) -> list[str]:
 
 
 def _find_cpu(host: HostCapabilities, pref: Preference) -> Found:
-    if not host.executorch.available:
-        return [], [Skip("executorch/cpu", host.executorch.reason)]
+    et = found(host).runtime
+    if not et.available:
+        return [], [Skip("executorch/cpu", et.reason)]
     return [Device("cpu")], []
 
 
 def _find_vulkan(host: HostCapabilities, pref: Preference) -> Found:
     """Each Vulkan device, best first; the engine opens it by index (ETVK_DEVICE_INDEX)."""
-    if not host.executorch.available:
-        return [], [Skip("executorch/vulkan", host.executorch.reason)]
-    if not host.executorch_vulkan.available:
-        return [], [Skip("executorch/vulkan", host.executorch_vulkan.reason)]
+    f = found(host)
+    if not f.runtime.available:
+        return [], [Skip("executorch/vulkan", f.runtime.reason)]
+    if not f.vulkan.available:
+        return [], [Skip("executorch/vulkan", f.vulkan.reason)]
     if not host.vulkan.devices:
         return [], [Skip("executorch/vulkan", host.vulkan.reason or "no Vulkan device", "absent")]
     eligible, skips = vulkan_devices(host, pref, "executorch/vulkan")
@@ -425,6 +444,17 @@ def _find_vulkan(host: HostCapabilities, pref: Preference) -> Found:
 # mean KL 0.0011, max 0.011, top-1 0.979 (worst prompt 0.938), perplexity 2.082 vs 2.078 - inside
 # the cross-runtime row with 4x room in KL. Against llama.cpp CPU (lavapipe, 2 prompts x 12): mean
 # KL 0.0036, max 0.015, top-1 0.917.
+def _to_pte(job: ConvertJob) -> None:
+    delegate = job.variant or "xnnpack"
+    job.progress(f"[2/2] Hugging Face -> ExecuTorch program (fp32, static KV cache, {delegate}) ...")
+    run_step([sys.executable, "-m", "engines.export.executorch", str(job.checkpoint), str(job.out), delegate,
+              str(job.context_length)], "ExecuTorch export", job.show_output)
+    report = json.loads((job.out / "partition.json").read_text())
+    job.progress(f"partition ({delegate}): {report['delegated_ops']} operators delegated in "
+                 f"{report['delegate_calls']} call(s) ({report['delegated_share']:.0%}); on portable CPU "
+                 f"kernels: {', '.join(f'{k} x{v}' for k, v in report['fallback'].items()) or 'none'}")
+
+
 _PAIRS = (("llamacpp/cpu", "executorch/cpu"), ("llamacpp/vulkan", "executorch/vulkan"),
           ("llamacpp/cpu", "executorch/vulkan"))
 
@@ -436,6 +466,9 @@ RUNTIME = register(runtimes.Runtime(
     probe=_probe,
     report=_report,
     install={"*": "pip install -e '.[executorch]'", "vulkan": "scripts/install-executorch.sh vulkan"},
-    convert="executorch",
+    convert=runtimes.Converter(
+        "executorch", _to_pte, needs=("executorch",), install="pip install -e '.[convert,executorch]'",
+        variants=tuple(DELEGATES.values()), variant_flag="delegate",
+        variant_help="ExecuTorch: the backend the program is lowered to"),
     tolerances=tuple(((a, b, "quant"), CROSS_RUNTIME_QUANT) for pair in _PAIRS for a, b in (pair, pair[::-1])),
 ))

@@ -14,10 +14,11 @@ import signal
 import subprocess
 import sys
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, TypeVar
 
 PROBE_TIMEOUT_S = 60.0
+T = TypeVar("T")
 
 @dataclass(frozen=True)
 class VulkanDevice:
@@ -103,7 +104,7 @@ class CpuInfo:
 
 @dataclass(frozen=True)
 class PlatformRuntime:
-    """DirectML or CoreML: present or not, and why."""
+    """A platform or runtime that is present or not (Metal, CoreML, DirectML), and why."""
 
     available: bool = False
     reason: str = ""
@@ -111,60 +112,33 @@ class PlatformRuntime:
 
 
 @dataclass(frozen=True)
-class LlamaCppBuild:
-    installed: bool = False
-    version: str | None = None
-    backends: tuple[str, ...] = ()  # ggml registries: CPU, Vulkan, CUDA, Metal…
-    devices: tuple[tuple[str, str, str], ...] = ()  # (ggml name, description, type)
-    error: str | None = None
-    build_id: str = ""  # changes with every rebuild of the native libraries
-    lib_path: str = ""  # a side-by-side build's folder (LLAMA_CPP_LIB_PATH); "" = the installed package's
-    # A build with loadable CPU variants: (name, score on this CPU; 0 = unsupported), fastest first,
-    # and the one auto picks. Empty for a build with its CPU backend compiled in.
-    cpu_variants: tuple[tuple[str, int], ...] = ()
-    cpu_variant: str = ""
-
-    def has(self, backend: str) -> bool:
-        return any(b.lower() == backend.lower() for b in self.backends)
-
-
-@dataclass(frozen=True)
-class OrtBuild:
-    packages: tuple[tuple[str, str], ...] = ()  # (distribution, version)
-    providers: tuple[str, ...] = ()  # onnxruntime.get_available_providers()
-    error: str | None = None
-
-    def has_package(self, name: str) -> bool:
-        return any(p == name for p, _ in self.packages)
-
-    @property
-    def genai(self) -> bool:
-        return any(p.startswith("onnxruntime-genai") for p, _ in self.packages)
-
-
-@dataclass(frozen=True)
 class HostCapabilities:
+    """The host's devices, and what each registered runtime's probe found on it."""
+
     os: str
     cpu: CpuInfo
     vulkan: VulkanInfo = field(default_factory=VulkanInfo)
     cuda: CudaInfo = field(default_factory=CudaInfo)
-    directml: PlatformRuntime = field(default_factory=PlatformRuntime)
-    coreml: PlatformRuntime = field(default_factory=PlatformRuntime)
-    executorch: PlatformRuntime = field(default_factory=PlatformRuntime)
-    # ExecuTorch's Vulkan backend, a plug-in built for the installed wheel (scripts/install-executorch.sh).
-    executorch_vulkan: PlatformRuntime = field(default_factory=PlatformRuntime)
     metal: PlatformRuntime = field(default_factory=PlatformRuntime)
-    llamacpp: LlamaCppBuild = field(default_factory=LlamaCppBuild)
-    # More llama.cpp builds installed side by side (scripts/install-llama-cpp.sh cpu,vulkan,...): each
-    # runs in its own worker processes.
-    llamacpp_builds: tuple[LlamaCppBuild, ...] = ()
-    ort: OrtBuild = field(default_factory=OrtBuild)
-    # What the probes of runtimes without a field of their own found, by runtime name (plug-ins).
-    runtimes: Mapping[str, PlatformRuntime] = field(default_factory=dict)
+    # By runtime name, what its probe found, in the runtime's own type (llama.cpp's builds, ONNX
+    # Runtime's packages and providers, ...): only that runtime reads it, through `found`.
+    runtimes: Mapping[str, Any] = field(default_factory=dict)
+
+    def found(self, name: str, kind: type[T], absent: T | None = None) -> T:
+        """What runtime `name`'s probe found, as its type `kind`; `absent` (else `kind()`) where it
+        has not probed this host."""
+        value = self.runtimes.get(name)
+        if isinstance(value, kind):
+            return value
+        return absent if absent is not None else kind()
+
+    def with_found(self, name: str, value: object) -> HostCapabilities:
+        """This host with runtime `name`'s probe result (a runtime's `probe` returns this)."""
+        return replace(self, runtimes={**self.runtimes, name: value})
 
     def runtime(self, name: str) -> PlatformRuntime:
-        """A plug-in runtime's probe result (absent when it has not probed)."""
-        return self.runtimes.get(name) or PlatformRuntime(False, f"runtime {name!r} was not probed")
+        """A runtime whose probe finds only present-or-not (absent when it has not probed)."""
+        return self.found(name, PlatformRuntime, PlatformRuntime(False, f"runtime {name!r} was not probed"))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

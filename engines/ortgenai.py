@@ -19,7 +19,7 @@ import random
 import re
 import sys
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -40,10 +40,12 @@ from engines.base import (
     token_prompt,
 )
 from engines.bridge import EventChannel, Job, WorkerPool, call_job, pool_health
-from engines.host import HostCapabilities, OrtBuild, PlatformRuntime, run_child
+from engines.export.onnx import convert as export_onnx
+from engines.host import HostCapabilities, PlatformRuntime, run_child
 from engines.registry import register_runtime
 from engines.runtimes import (
     CROSS_RUNTIME_QUANT,
+    Converter,
     Device,
     Finder,
     Found,
@@ -406,6 +408,27 @@ def _providers_child() -> dict[str, Any]:
     return {"providers": list(onnxruntime.get_available_providers())}
 
 
+@dataclass(frozen=True)
+class OrtBuild:
+    """What the ONNX Runtime probe finds on a host (its entry in `HostCapabilities.runtimes`)."""
+
+    packages: tuple[tuple[str, str], ...] = ()  # (distribution, version)
+    providers: tuple[str, ...] = ()  # onnxruntime.get_available_providers()
+    error: str | None = None
+    directml: PlatformRuntime = field(default_factory=lambda: PlatformRuntime(False, "DirectML was not probed"))
+
+    def has_package(self, name: str) -> bool:
+        return any(p == name for p, _ in self.packages)
+
+    @property
+    def genai(self) -> bool:
+        return any(p.startswith("onnxruntime-genai") for p, _ in self.packages)
+
+
+def found(host: HostCapabilities) -> OrtBuild:
+    return host.found("ortgenai", OrtBuild, OrtBuild(error="ONNX Runtime was not probed"))
+
+
 def probe_ort() -> OrtBuild:
     packages = []
     for name in ORT_PACKAGES:
@@ -414,9 +437,11 @@ def probe_ort() -> OrtBuild:
         except importlib.metadata.PackageNotFoundError:
             continue
     if not packages:
-        return OrtBuild(error="no ONNX Runtime package is installed")
-    r = run_child("engines.ortgenai")
-    return OrtBuild(packages=tuple(packages), providers=tuple(r.get("providers", [])), error=r.get("error"))
+        ort = OrtBuild(error="no ONNX Runtime package is installed")
+    else:
+        r = run_child("engines.ortgenai")
+        ort = OrtBuild(packages=tuple(packages), providers=tuple(r.get("providers", [])), error=r.get("error"))
+    return replace(ort, directml=probe_directml(ort))
 
 
 def probe_directml(ort: OrtBuild) -> PlatformRuntime:
@@ -429,13 +454,9 @@ def probe_directml(ort: OrtBuild) -> PlatformRuntime:
     return PlatformRuntime(True, "", "onnxruntime-genai-directml")
 
 
-def _probe(host: HostCapabilities) -> HostCapabilities:
-    ort = probe_ort()
-    return replace(host, ort=ort, directml=probe_directml(ort))
-
-
 def _report(host: HostCapabilities) -> list[str]:
-    dml, o = host.directml, host.ort
+    o = found(host)
+    dml = o.directml
     lines = [f"{'DirectML':<9} {'available: ' + dml.detail if dml.available else dml.reason}"]
     pk = ", ".join(f"{p} {v}" for p, v in o.packages) or "none"
     lines.append(f"ONNX Runtime packages: {pk}" + (f" ({o.error})" if o.error and o.packages else ""))
@@ -446,33 +467,34 @@ def _report(host: HostCapabilities) -> list[str]:
 
 def ep_matrix(host: HostCapabilities) -> list[dict[str, Any]]:
     """The execution providers, and which this host's ONNX Runtime has."""
-    return [{"provider": ep, "os": os_, "gpu": gpu, "package": pkg, "available": ep in host.ort.providers}
+    providers = found(host).providers
+    return [{"provider": ep, "os": os_, "gpu": gpu, "package": pkg, "available": ep in providers}
             for ep, os_, gpu, pkg in EP_MATRIX]
 
 
 def _finder(engine: str) -> Finder:
     def find(host: HostCapabilities, pref: Preference) -> Found:
-        what = f"ortgenai/{engine}"
-        if not host.ort.genai:
+        what, ort = f"ortgenai/{engine}", found(host)
+        if not ort.genai:
             return [], [Skip(what, f"onnxruntime-genai is not installed ({INSTALL[engine]})")]
         if engine == "cpu":
             return [Device("cpu")], []
         if engine == "cuda":
-            if not host.ort.has_package("onnxruntime-genai-cuda"):
+            if not ort.has_package("onnxruntime-genai-cuda"):
                 return [], [Skip(what, f"onnxruntime-genai-cuda is not installed ({INSTALL['cuda']})")]
             if not host.cuda.devices:
                 return [], [Skip(what, host.cuda.error or "no CUDA device", "unusable")]
             return [Device(d.name, str(d.index), d.index) for d in host.cuda.devices
                     if match_device(pref.device, d.index, d.name)], []
-        if not host.directml.available:
-            return [], [Skip(what, host.directml.reason)]
+        if not ort.directml.available:
+            return [], [Skip(what, ort.directml.reason)]
         return [Device("DirectML adapter 0", "0", 0)], []
 
     return find
 
 
 def _fingerprint(host: HostCapabilities, lib_path: str) -> str:
-    return ",".join(f"{p}={v}" for p, v in host.ort.packages)
+    return ",".join(f"{p}={v}" for p, v in found(host).packages)
 
 
 RUNTIME = register(Runtime(
@@ -480,11 +502,14 @@ RUNTIME = register(Runtime(
     format="onnx",
     offers=tuple(Offer(e, _finder(e)) for e in ("cpu", "cuda", "directml")),
     engine_module="engines.ortgenai",
-    probe=_probe,
+    probe=lambda host: host.with_found("ortgenai", probe_ort()),
     report=_report,
     report_json=lambda host: {"ep_matrix": ep_matrix(host)},
     install=INSTALL,
-    convert="onnx",
+    convert=Converter(
+        "onnx", export_onnx, needs=("onnx", "onnx_ir", "onnxruntime_genai"), install="pip install -e '.[convert]'",
+        precisions=("fp32", "fp16", "int4"), variants=("cpu", "cuda", "dml"), variant_flag="provider",
+        variant_help="ORT GenAI execution provider the ONNX graph is built for"),
     fingerprint=_fingerprint,
     tolerances=((("llamacpp/cpu", "ortgenai/cpu", "quant"), CROSS_RUNTIME_QUANT),
                 (("ortgenai/cpu", "llamacpp/cpu", "quant"), CROSS_RUNTIME_QUANT)),

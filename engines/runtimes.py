@@ -16,8 +16,11 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import itertools
+import os
+import subprocess
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Self
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -121,6 +124,59 @@ Tolerance = tuple[tuple[str, str, str], Mapping[str, float]]
 CROSS_RUNTIME_QUANT: Mapping[str, float] = {"max_mean_kl": 0.02, "max_kl": 0.5, "min_top1": 0.8, "max_ppl_ratio": 1.05}
 
 
+# --- conversion: how `gateway convert` makes a runtime's format --------------------------------
+
+
+class ConversionError(RuntimeError):
+    """A conversion step failed or cannot run here; the message says why."""
+
+
+@dataclass(frozen=True)
+class ConvertJob:
+    """One conversion: the model as a Hugging Face fp32 checkpoint (the gateway dequantises its
+    GGUF) into an empty folder that becomes the artifact when `run` returns."""
+
+    checkpoint: Path
+    out: Path
+    precision: str
+    variant: str | None  # the one of `Converter.variants` it is built for (None: it has none)
+    context_length: int
+    show_output: bool  # let the child processes' own progress through to the terminal
+    progress: Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Converter:
+    """How `gateway convert --to <target>` makes the format a runtime serves."""
+
+    target: str
+    run: Callable[[ConvertJob], None]
+    needs: tuple[str, ...] = ()  # Python modules it imports: a missing one is said before minutes of work
+    install: str = ""  # what installs them
+    precisions: tuple[str, ...] = ("fp32",)
+    # Precisions it computes in instead of the one asked for: asked -> (used, why).
+    substitutes: Mapping[str, tuple[str, str]] = field(default_factory=dict)
+    # Artifacts built for one of these (ORT's execution providers, ExecuTorch's delegates; the first
+    # is the default), chosen with `gateway convert --<variant_flag>`; () = one for every device.
+    variants: tuple[str, ...] = ()
+    variant_flag: str = ""
+    variant_help: str = ""
+
+
+def run_step(cmd: list[str], what: str, show_output: bool) -> None:
+    """Run one conversion step in a child process, offline; ConversionError with its output's tail."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}  # everything is local; never reach for the hub
+    if show_output:
+        rc = subprocess.run(cmd, env=env, check=False).returncode
+        tail = ""
+    else:
+        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=False)
+        rc = proc.returncode
+        tail = "\n" + "\n".join(proc.stdout.replace("\r", "\n").splitlines()[-15:])
+    if rc != 0:
+        raise ConversionError(f"{what} failed (exit {rc}){tail}")
+
+
 def _unchanged(host: HostCapabilities) -> HostCapabilities:
     return host
 
@@ -139,11 +195,14 @@ class Runtime:
     engine_module: str  # the module that registers its engine factory, imported when a model loads on it
     # Adds what the runtime finds on the host to `host` (the devices are already probed).
     probe: Callable[[HostCapabilities], HostCapabilities] = _unchanged
+    # What of the host one process can use, when engines run in the gateway's own process rather
+    # than in workers (llama.cpp: one build per process, so no builds beside the package).
+    in_process: Callable[[HostCapabilities], HostCapabilities] = _unchanged
     # Its lines in `gateway devices`, and its part of `gateway devices --json` beside the host.
     report: Callable[[HostCapabilities], list[str]] = lambda host: []
     report_json: Callable[[HostCapabilities], dict[str, Any]] = lambda host: {}
     install: Mapping[str, str] = field(default_factory=dict)  # engine ("*": any) -> what installs it
-    convert: str = ""  # `gateway convert --to <this>` makes its format; "" = models.yaml names the files
+    convert: Converter | None = None  # how `gateway convert` makes its format; None = models.yaml names the files
     options: type[BaseModel] = NoOptions  # its own engine options (extra="forbid")
     # Identity of the build serving a candidate (host, the candidate's lib_path): a functional
     # check's cached verdict holds for this build only.
@@ -171,10 +230,11 @@ class Runtime:
 
     def convert_hint(self, variant: str | None) -> str:
         """How to make the format it serves, for a plan's skip reason ("" when it is not converted)."""
-        if not self.convert:
+        c = self.convert
+        if c is None:
             return ""
-        return f" (make it with `gateway convert --to {self.convert} --delegate {variant}`)" if variant else \
-            " (make it with `gateway convert`)"
+        return f" (make it with `gateway convert --to {c.target} --{c.variant_flag} {variant}`)" if variant else \
+            f" (make it with `gateway convert --to {c.target}`)"
 
     def parse_options(self, values: Mapping[str, Any]) -> BaseModel:
         """Its options from plain values; unknown keys are refused (pydantic.ValidationError)."""
@@ -266,6 +326,18 @@ def runtime(name: str) -> Runtime | None:
     if name not in _RUNTIMES:
         _load_builtins()
     return _RUNTIMES.get(name)
+
+
+def in_one_process(host: HostCapabilities) -> HostCapabilities:
+    """`host` as engines loaded in this one process can use it (settings.workers off)."""
+    for rt in runtimes():
+        host = rt.in_process(host)
+    return host
+
+
+def converters() -> dict[str, Converter]:
+    """`gateway convert`'s targets, in the runtimes' order."""
+    return {rt.convert.target: rt.convert for rt in runtimes() if rt.convert is not None}
 
 
 def engine_order(rts: Iterable[Runtime] | None = None) -> tuple[str, ...]:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from engines import gcpause
 from engines.envconfig import knobs
-from engines.runtimes import load_plugins
+from engines.runtimes import converters, load_plugins
 from engines.tuning import EngineTuning
 from gateway.host.functional_check import CheckCache
 from gateway.host.hardware import probe_host
@@ -351,7 +351,7 @@ def _registry_and_spec(config: str, model: str | None) -> tuple[Registry, ModelS
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from gateway.models.convert import ConversionError, convert
+    from gateway.models.convert import ConversionError, convert, targets
     from gateway.models.registry import ModelUnavailable
 
     found = _registry_and_spec(args.config or Settings.from_env().config, args.model)
@@ -359,10 +359,10 @@ def _convert(args: argparse.Namespace) -> int:
         return 2
     registry, spec = found
     logging.basicConfig(level="WARNING", format="%(levelname)s %(name)s: %(message)s")
+    flag = targets()[args.to].variant_flag
     try:
-        out = convert(registry, spec, args.to, args.precision, args.provider,
-                      progress=lambda msg: print(msg, flush=True), force=args.force, show_output=True,
-                      delegate=args.delegate)
+        out = convert(registry, spec, args.to, args.precision, getattr(args, flag) if flag else None,
+                      progress=lambda msg: print(msg, flush=True), force=args.force, show_output=True)
     except (ConversionError, ModelUnavailable) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -499,15 +499,19 @@ def build_parser() -> argparse.ArgumentParser:
     rm.add_argument("--config", default=None, help="models.yaml path")
     rm.add_argument("--url", default=None, help="the running gateway asked whether it is loaded")
     rm.set_defaults(func=_rm)
-    c = sub.add_parser("convert", help="convert a model's GGUF to an ORT GenAI, CoreML or ExecuTorch artifact in the cache")
+    c = sub.add_parser("convert", help="convert a model's GGUF to another runtime's format (ORT GenAI, CoreML, "
+                       "ExecuTorch, ...) in the cache")
     c.add_argument("--model", help="model id (models.yaml's default otherwise)")
-    c.add_argument("--to", choices=("onnx", "coreml", "executorch"), required=True, help="target format")
-    c.add_argument("--precision", choices=("fp32", "fp16", "int4"), default="fp32",
-                   help="weights (default fp32; CoreML uses fp16 for fp32)")
-    c.add_argument("--provider", choices=("cpu", "cuda", "dml"), default="cpu",
-                   help="ORT GenAI execution provider the ONNX graph is built for (default cpu)")
-    c.add_argument("--delegate", choices=("xnnpack", "vulkan"), default="xnnpack",
-                   help="ExecuTorch: the backend the program is lowered to (default xnnpack, the CPU)")
+    convs = converters()
+    c.add_argument("--to", choices=tuple(convs), required=True, help="target format")
+    c.add_argument("--precision", choices=tuple(dict.fromkeys(p for cv in convs.values() for p in cv.precisions)),
+                   default="fp32", help="weights (default fp32; " + "; ".join(
+                       f"{cv.target} uses {new} for {old}" for cv in convs.values()
+                       for old, (new, _) in cv.substitutes.items()) + ")")
+    for flag in dict.fromkeys(cv.variant_flag for cv in convs.values() if cv.variants):
+        of = [cv for cv in convs.values() if cv.variant_flag == flag]
+        c.add_argument(f"--{flag}", choices=tuple(dict.fromkeys(v for cv in of for v in cv.variants)), default=None,
+                       help="; ".join(f"{cv.variant_help} (default {cv.variants[0]})" for cv in of))
     c.add_argument("--force", action="store_true", help="convert again even if the artifact exists")
     c.add_argument("--config", default=None, help="models.yaml path")
     c.set_defaults(func=_convert)
@@ -538,9 +542,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        # First: the runtimes they register add engines to --engine and targets to `convert --to`.
+        load_plugins(Settings.read("plugins"))
+    except SettingError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     args = build_parser().parse_args(argv)
     try:
-        load_plugins(Settings.from_env().plugins)
+        Settings.from_env()  # a malformed variable is said before any work
         return int(args.func(args))
     except SettingError as exc:  # a malformed GATEWAY_* variable: said as such, no traceback
         print(f"error: {exc}", file=sys.stderr)

@@ -18,10 +18,15 @@ from engines.envconfig import (
     setting,
     split_list,
 )
+from engines.runtimes import engine_order
 
-__all__ = ["ENGINE_CHOICES", "SettingError", "Settings", "parse_duration", "parse_mib", "parse_size", "split_list"]
+__all__ = ["engine_choices", "SettingError", "Settings", "parse_duration", "parse_mib", "parse_size", "split_list"]
 
-ENGINE_CHOICES = ("auto", "cpu", "vulkan", "cuda", "metal", "directml", "coreml")
+
+
+def engine_choices() -> tuple[str, ...]:
+    """`--engine`'s values: auto, and every engine a registered runtime offers (plug-ins' too)."""
+    return ("auto", *engine_order())
 
 
 def _default_config() -> str:
@@ -40,9 +45,9 @@ class Settings(EnvSettings):
         shown="models.yaml's `default`", readme=True)
     engine: str = setting(
         "auto", "where to run (auto: the best engine that passes its functional check)", flag=True,
-        choices=ENGINE_CHOICES, readme=True)
+        choices=engine_choices, readme=True)
     runtime: str | None = setting(
-        None, "pin a runtime: `llamacpp`, `ortgenai`, `coreml`, `executorch`", flag=True, shown="any", readme=True)
+        None, "pin a runtime: `llamacpp`, `ortgenai`, `coreml`, `executorch` or a plug-in's", flag=True, shown="any", readme=True)
     device: str | None = setting(
         None, "GPU by index or part of its name (see `gateway devices`)", flag=True, shown="the plan's first")
     rank_by_speed: bool = setting(
@@ -162,7 +167,7 @@ class Settings(EnvSettings):
     # --- shadow parity: re-score a sample of finished requests on a reference engine ---
     parity_reference: str | None = setting(
         None, "shadow parity: re-score sampled requests on this reference engine", flag=True,
-        choices=ENGINE_CHOICES, shown="off")
+        choices=lambda: engine_choices()[1:], shown="off")
     parity_sample: float = setting(0.05, "share of finished requests re-scored", flag=True, ge=0, le=1)
     parity_window: int = setting(20, "samples per (model, engine) judged together for drift", flag=True, ge=1)
     parity_queue: int = setting(

@@ -187,7 +187,7 @@ def pte_xnnpack(default_registry: Registry) -> Path:
     needs_convert("executorch")
     from gateway.models.convert import convert
 
-    return convert(default_registry, default_registry.models[MODEL], "executorch", "fp32", delegate="xnnpack")
+    return convert(default_registry, default_registry.models[MODEL], "executorch", "fp32", "xnnpack")
 
 
 @pytest.fixture(scope="session")
@@ -205,7 +205,7 @@ def pte_vulkan(default_registry: Registry) -> Path:
     vk = probe_vulkan()
     if not vk.devices:
         pytest.skip(f"no Vulkan device: {vk.reason}")
-    return convert(default_registry, default_registry.models[MODEL], "executorch", "fp32", delegate="vulkan")
+    return convert(default_registry, default_registry.models[MODEL], "executorch", "fp32", "vulkan")
 
 
 @pytest.fixture(scope="session")

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+from engines.executorch import ExecuTorchFound
+from engines.llamacpp.runtime import LlamaCppBuild, LlamaCppFound
+from engines.ortgenai import OrtBuild
 from gateway.host.hardware import (
     CpuInfo,
     CudaDevice,
     CudaInfo,
     HostCapabilities,
-    LlamaCppBuild,
-    OrtBuild,
     PlatformRuntime,
     VulkanDevice,
     VulkanDriver,
@@ -38,16 +41,26 @@ def llama(*backends: str, vulkan: int = 0, cuda: int = 0, metal: bool = False) -
     return LlamaCppBuild(True, "0.3.36", ("CPU", *backends), tuple(devices))
 
 
-def host(**kw: object) -> HostCapabilities:
-    base: dict[str, object] = {
-        "os": "Linux 6.1", "cpu": CPU, "vulkan": NO_VULKAN, "cuda": NO_CUDA,
-        "directml": PlatformRuntime(False, "DirectML needs Windows"),
-        "coreml": PlatformRuntime(False, "CoreML prediction needs macOS"),
-        "metal": PlatformRuntime(False, "Metal needs macOS"),
-        "llamacpp": llama(), "ort": OrtBuild(error="no ONNX Runtime package is installed"),
+NO_METAL = PlatformRuntime(False, "Metal needs macOS")
+NO_ORT = OrtBuild(error="no ONNX Runtime package is installed")
+NO_DIRECTML = PlatformRuntime(False, "DirectML needs Windows")
+NO_COREML = PlatformRuntime(False, "CoreML prediction needs macOS")
+NO_EXECUTORCH = PlatformRuntime(False, "executorch is not installed")
+
+
+def host(*, os: str = "Linux 6.1", cpu: CpuInfo = CPU, vulkan: VulkanInfo = NO_VULKAN, cuda: CudaInfo = NO_CUDA,
+         metal: PlatformRuntime = NO_METAL, llamacpp: LlamaCppBuild | None = None,
+         llamacpp_builds: tuple[LlamaCppBuild, ...] = (), ort: OrtBuild = NO_ORT, directml: PlatformRuntime = NO_DIRECTML,
+         coreml: PlatformRuntime = NO_COREML, executorch: PlatformRuntime = NO_EXECUTORCH,
+         executorch_vulkan: PlatformRuntime = NO_EXECUTORCH) -> HostCapabilities:
+    """A host: its devices, and what each built-in runtime's probe would find on it."""
+    found = {
+        "llamacpp": LlamaCppFound(llamacpp or llama(), llamacpp_builds),
+        "ortgenai": replace(ort, directml=directml),
+        "coreml": coreml,
+        "executorch": ExecuTorchFound(executorch, executorch_vulkan),
     }
-    base.update(kw)
-    return HostCapabilities(**base)  # type: ignore[arg-type]
+    return HostCapabilities(os=os, cpu=cpu, vulkan=vulkan, cuda=cuda, metal=metal, runtimes=found)
 
 
 H100 = CudaInfo(devices=(CudaDevice(0, "NVIDIA H100 80GB HBM3", 80 << 30, "9.0"),), driver_version="580.1", cuda_version="13.0")

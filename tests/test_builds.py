@@ -11,7 +11,7 @@ import httpx
 import pytest
 import yaml
 
-from engines.llamacpp.runtime import default_build_dirs
+from engines.llamacpp.runtime import default_build_dirs, found
 from gateway.host.hardware import probe_host
 from tests.conftest import ROOT
 from tests.test_production import Gateway
@@ -22,7 +22,7 @@ ON_CPU, ON_VULKAN = "smol-on-cpu-build", "smol-on-vulkan-build"
 def _vulkan_host_or_skip() -> None:
     """This host's Vulkan build and a Vulkan device (lavapipe in CI), or a skip (a failure in CI)."""
     host = probe_host()
-    if not host.llamacpp.has("Vulkan") or not host.vulkan.devices:
+    if not found(host).package.has("Vulkan") or not host.vulkan.devices:
         why = f"needs the Vulkan build and a Vulkan device (lavapipe): {host.vulkan.reason or 'no Vulkan build'}"
         if os.environ.get("CI"):
             pytest.fail(why)
@@ -31,8 +31,9 @@ def _vulkan_host_or_skip() -> None:
 
 def _cpu_build() -> str:
     host = probe_host()
-    cpu_only = [b for b in host.llamacpp_builds if b.installed and b.backends == ("CPU",)]
-    if not cpu_only or not host.llamacpp.has("Vulkan") or not host.vulkan.devices:
+    llama = found(host)
+    cpu_only = [b for b in llama.beside if b.installed and b.backends == ("CPU",)]
+    if not cpu_only or not llama.package.has("Vulkan") or not host.vulkan.devices:
         why = (f"needs the Vulkan build installed, a Vulkan device and a CPU-only build side by side "
                f"(scripts/install-llama-cpp.sh vulkan,cpu); found builds {default_build_dirs()}")
         if os.environ.get("CI"):

@@ -200,7 +200,7 @@ def test_sampling_is_seeded_and_respects_filters() -> None:
 def decoder(hf_reference: tuple[Any, Any]) -> Any:
     import torch
 
-    from gateway.models.coreml_export import KVCacheDecoder
+    from engines.export.coreml import KVCacheDecoder
 
     return KVCacheDecoder(hf_reference[0], context_length=128, cache_dtype=torch.float32).eval()
 

@@ -19,7 +19,7 @@ import pytest
 
 from engines.base import EngineConfig, GenerationRequest, SamplingParams
 from engines.llamacpp.engine import LlamaCppEngine
-from engines.llamacpp.runtime import LlamaCppOptions
+from engines.llamacpp.runtime import LlamaCppOptions, found
 from gateway.app import create_app
 from gateway.cli import main as cli
 from gateway.host.hardware import probe_host
@@ -31,7 +31,7 @@ HOST = probe_host()
 LAVAPIPE = [d for d in VULKAN.devices if d.type == "cpu"]
 # In CI this must run (scripts/test.sh installs the Vulkan build and Mesa); elsewhere it may be absent.
 pytestmark = pytest.mark.skipif(
-    not os.environ.get("CI") and not (HOST.llamacpp.has("Vulkan") and LAVAPIPE),
+    not os.environ.get("CI") and not (found(HOST).package.has("Vulkan") and LAVAPIPE),
     reason="needs the Vulkan build of llama-cpp-python and Mesa's lavapipe (scripts/test.sh installs both)",
 )
 PROMPT = "The capital of France is"

@@ -12,6 +12,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from engines.base import ModelLoadError
+from engines.llamacpp.runtime import found as llamacpp_found
 from gateway.app import create_app
 from gateway.host.hardware import HostCapabilities, VulkanInfo, probe_host
 from gateway.models.registry import load_registry
@@ -24,9 +25,11 @@ def _broken_gpu_host() -> HostCapabilities:
     """This host, plus a discrete Vulkan GPU that the probe lists but llama.cpp cannot open."""
     real = probe_host()
     ghost = dataclasses.replace(hosts.vk(7, "Ghost GPU 9000", "discrete"), index=7)
-    build = dataclasses.replace(real.llamacpp, backends=tuple({*real.llamacpp.backends, "Vulkan"}),
-                                devices=(*real.llamacpp.devices, ("Vulkan7", "Ghost GPU 9000", "gpu")))
-    return dataclasses.replace(real, vulkan=VulkanInfo("libvulkan.so.1", "1.3", (ghost,)), llamacpp=build)
+    llama = llamacpp_found(real)
+    build = dataclasses.replace(llama.package, backends=tuple({*llama.package.backends, "Vulkan"}),
+                                devices=(*llama.package.devices, ("Vulkan7", "Ghost GPU 9000", "gpu")))
+    return dataclasses.replace(real, vulkan=VulkanInfo("libvulkan.so.1", "1.3", (ghost,))).with_found(
+        "llamacpp", dataclasses.replace(llama, package=build))
 
 
 @pytest.fixture(scope="module")

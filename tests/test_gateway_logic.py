@@ -213,7 +213,7 @@ def test_an_embedding_only_model_serves_embeddings_and_refuses_chat(tmp_path: Pa
 
 @pytest.mark.parametrize("rank", [False, True])
 def test_rank_by_speed_serves_the_faster_engine_on_one_device(tmp_path: Path, rank: bool) -> None:
-    from gateway.host.hardware import OrtBuild
+    from engines.ortgenai import OrtBuild
 
     (tmp_path / "m.gguf").write_bytes(b"GGUF")
     (tmp_path / "m-onnx").mkdir()

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from engines.llamacpp.runtime import found as llamacpp_found
 from gateway.host.hardware import probe_cuda, probe_host, probe_vulkan, run_child
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -152,9 +153,10 @@ def test_cuda_probe_without_driver_reports_why() -> None:
 
 def test_host_probe_knows_the_installed_llama_build() -> None:
     h = probe_host()
-    assert h.llamacpp.installed and h.llamacpp.has("CPU")
+    build = llamacpp_found(h).package
+    assert build.installed and build.has("CPU")
     assert h.cpu.logical_cores >= 1 and h.cpu.memory_bytes > 0
-    assert any(name == "CPU" for name, _, _ in h.llamacpp.devices)
+    assert any(name == "CPU" for name, _, _ in build.devices)
 
 
 def _cli(*args: str, env: dict[str, str] | None = None, timeout: float = 240) -> subprocess.CompletedProcess[str]:

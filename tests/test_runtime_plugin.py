@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -19,10 +20,11 @@ from pydantic import ValidationError
 from engines import runtimes
 from gateway.app import create_app
 from gateway.host.selection import Preference, SelectionError, plan
-from gateway.models.registry import ModelSpec, load_registry
+from gateway.models.convert import MANIFEST
+from gateway.models.registry import ModelSpec, Registry, load_registry
 from gateway.settings import Settings
 from tests import hosts
-from tests.conftest import NO_CHECKS, ServerThread
+from tests.conftest import MODEL, NO_CHECKS, ServerThread, needs_convert
 from tests.test_code_shape import imports_of
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -56,17 +58,20 @@ def test_the_registry_lists_the_plugin_after_the_builtin_runtimes(plugin: runtim
     names = [r.name for r in runtimes.runtimes()]
     assert names[:4] == ["llamacpp", "ortgenai", "coreml", "executorch"] and names[-1] == "echo"
     assert runtimes.runtime("echo") is plugin
-    assert runtimes.engine_order() == ("cuda", "metal", "vulkan", "directml", "coreml", "cpu")
+    # An engine only the plug-in offers goes before the CPU.
+    assert runtimes.engine_order() == ("cuda", "metal", "vulkan", "directml", "coreml", "echo", "cpu")
 
 
 def test_selection_plans_the_plugin_from_its_probe(plugin: runtimes.Runtime) -> None:
     host = plugin.probe(hosts.CPU_ONLY)
     p = plan(SPEC, host)
-    assert [(c.label, c.format) for c in p.candidates] == [("echo/cpu", "echo")]
+    # Its own engine first (an engine only a plug-in offers goes before the CPU), then the CPU.
+    assert [(c.label, c.format) for c in p.candidates] == [("echo/echo", "echo"), ("echo/cpu", "echo")]
     # Without its probe's verdict it is out, with the reason; pinned, the other runtimes are not asked.
     with pytest.raises(SelectionError, match="echo/cpu: runtime 'echo' was not probed"):
         plan(SPEC, hosts.CPU_ONLY)
-    assert [c.label for c in plan(SPEC, host, Preference(runtime="echo")).candidates] == ["echo/cpu"]
+    assert [c.label for c in plan(SPEC, host, Preference(runtime="echo")).candidates] == ["echo/echo", "echo/cpu"]
+    assert [c.label for c in plan(SPEC, host, Preference("cpu")).candidates] == ["echo/cpu"]
     # A GGUF model on the same host still goes to llama.cpp: the plug-in serves its own format only.
     gguf = ModelSpec.model_validate({"id": "m", "formats": {"gguf": {"path": "m.gguf"}}})
     assert [c.label for c in plan(gguf, host).candidates] == ["llamacpp/cpu"]
@@ -161,11 +166,43 @@ def test_gateway_devices_shows_the_plugin_and_plans_on_it(config: Path) -> None:
     out = json.loads(r.stdout)
     assert out["host"]["runtimes"]["echo"]["available"] is True
     assert out["echo"] == {"available": True}
-    assert [(c["runtime"], c["engine"]) for c in out["plans"]["echo-model"]["candidates"]] == [("echo", "cpu")]
+    assert [(c["runtime"], c["engine"]) for c in out["plans"]["echo-model"]["candidates"]] == [("echo", "echo"),
+                                                                                               ("echo", "cpu")]
     table = subprocess.run([sys.executable, "-m", "gateway.cli", "devices", "--config", str(config)],
                            capture_output=True, text=True, timeout=240, cwd=ROOT,
                            env={**os.environ, "GATEWAY_PLUGINS": PLUGIN}).stdout
-    assert "Echo      available: echo runtime" in table and "1. echo/cpu on cpu" in table
+    assert "Echo      available: echo runtime" in table and "2. echo/cpu on cpu" in table
+    # Its own engine is a value of --engine (the settings' choices come from the registered runtimes).
+    own = subprocess.run([sys.executable, "-m", "gateway.cli", "devices", "--json", "--engine", "echo", "--config",
+                          str(config)], capture_output=True, text=True, timeout=240, cwd=ROOT,
+                         env={**os.environ, "GATEWAY_PLUGINS": PLUGIN})
+    assert own.returncode == 0, own.stderr
+    assert [(c["runtime"], c["engine"]) for c in json.loads(own.stdout)["plans"]["echo-model"]["candidates"]] == [
+        ("echo", "echo")]
+    without = subprocess.run([sys.executable, "-m", "gateway.cli", "devices", "--engine", "echo", "--config",
+                              str(config)], capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert without.returncode == 2 and "must be auto, cuda, metal, vulkan, directml, coreml or cpu, not 'echo'" in without.stderr
+
+
+def test_gateway_convert_makes_the_plugins_format(plugin: runtimes.Runtime, default_registry: Registry) -> None:
+    """`gateway convert --to echo` with the plug-in's own variant flag: its converter gets the
+    checkpoint the gateway dequantised from the GGUF, and the artifact lands where the registry finds it."""
+    needs_convert("echo")
+    spec = default_registry.models[MODEL]
+    out = default_registry.converted_dir(spec, "echo", "fp8", "loud")
+    shutil.rmtree(out, ignore_errors=True)
+    env = {**os.environ, "GATEWAY_PLUGINS": PLUGIN}
+    cmd = [sys.executable, "-m", "gateway.cli", "convert", "--model", MODEL, "--to", "echo", "--config", str(ROOT / "models.yaml")]
+    r = subprocess.run([*cmd, "--precision", "fp8", "--voice", "loud"], capture_output=True, text=True, timeout=900,
+                       cwd=ROOT, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "echoing llama in a loud voice" in r.stdout and r.stdout.strip().endswith(str(out))
+    assert json.loads((out / "echo.json").read_text()) == {"model_type": "llama", "precision": "fp8", "voice": "loud"}
+    assert json.loads((out / MANIFEST).read_text())["format"] == "echo"
+    bad = subprocess.run([*cmd, "--voice", "shout"], capture_output=True, text=True, timeout=240, cwd=ROOT, env=env)
+    assert bad.returncode == 2 and "invalid choice: 'shout'" in bad.stderr
+    assert "--voice" not in subprocess.run([sys.executable, "-m", "gateway.cli", "convert", "--help"],
+                                           capture_output=True, text=True, timeout=240, cwd=ROOT).stdout
 
 
 def test_a_gateway_serves_a_chat_through_the_plugin_in_a_worker(plugin: runtimes.Runtime, config: Path) -> None:

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 
+from engines.executorch import ExecuTorchFound
 from gateway.host.hardware import CudaInfo, HostCapabilities, PlatformRuntime
 from gateway.host.selection import Preference, SelectionError, plan
 from gateway.models.registry import ModelSpec
@@ -103,7 +102,7 @@ BOTH_PTE = ["gguf", "pte", "pte:xnnpack", "pte:vulkan"]
 
 
 def test_executorch_vulkan_takes_the_vulkan_program_on_each_gpu() -> None:
-    h = replace(hosts.IGPU_DGPU, executorch=ET, executorch_vulkan=ET_VK)
+    h = hosts.IGPU_DGPU.with_found("executorch", ExecuTorchFound(ET, ET_VK))
     p = plan(GGUF, h, Preference("vulkan"), BOTH_PTE)
     assert [f"{c.label}:{c.device_key}:{c.format}" for c in p.candidates] == [
         "llamacpp/vulkan:Vulkan1:gguf", "llamacpp/vulkan:Vulkan0:gguf",
@@ -115,20 +114,20 @@ def test_executorch_vulkan_takes_the_vulkan_program_on_each_gpu() -> None:
 
 
 def test_executorch_vulkan_says_what_is_missing() -> None:
-    h = replace(hosts.AMD_VULKAN, executorch=ET, executorch_vulkan=ET_VK)
+    h = hosts.AMD_VULKAN.with_found("executorch", ExecuTorchFound(ET, ET_VK))
     # Only the XNNPACK program: the Vulkan engine names the conversion; the CPU engine serves.
     with pytest.raises(SelectionError, match=r"no pte:vulkan format .*--to executorch --delegate vulkan"):
         plan(GGUF, h, Preference("vulkan", runtime="executorch"), ["gguf", "pte", "pte:xnnpack"])
     assert [c.label for c in plan(GGUF, h, Preference("cpu", runtime="executorch"),
                                   ["gguf", "pte", "pte:xnnpack"]).candidates] == ["executorch/cpu"]
-    unbuilt = replace(h, executorch_vulkan=PlatformRuntime(False, "none is built: scripts/install-executorch.sh vulkan"))
+    unbuilt = h.with_found("executorch", ExecuTorchFound(ET, PlatformRuntime(False, "none is built: scripts/install-executorch.sh vulkan")))
     with pytest.raises(SelectionError, match="install-executorch.sh vulkan"):
         plan(GGUF, unbuilt, Preference("vulkan", runtime="executorch"), BOTH_PTE)
     with pytest.raises(SelectionError, match="no Vulkan loader"):
-        plan(GGUF, replace(hosts.CPU_ONLY, executorch=ET, executorch_vulkan=ET_VK),
+        plan(GGUF, hosts.CPU_ONLY.with_found("executorch", ExecuTorchFound(ET, ET_VK)),
              Preference("vulkan", runtime="executorch"), BOTH_PTE)
     # lavapipe: a software device only when asked for, as with llama.cpp.
-    lvp = replace(hosts.LAVAPIPE, executorch=ET, executorch_vulkan=ET_VK)
+    lvp = hosts.LAVAPIPE.with_found("executorch", ExecuTorchFound(ET, ET_VK))
     assert "executorch/vulkan" not in [c.label for c in plan(GGUF, lvp, Preference(), BOTH_PTE).candidates]
     assert [c.label for c in plan(GGUF, lvp, Preference("vulkan", runtime="executorch"), BOTH_PTE).candidates] == [
         "executorch/vulkan"]

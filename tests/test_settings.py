@@ -110,7 +110,7 @@ def test_a_flag_wins_over_its_variable_and_none_is_not_given() -> None:
     ({"GATEWAY_MEMORY_BUDGET": "12X"}, "GATEWAY_MEMORY_BUDGET must be a size such as 4M, 512k or 2GiB, not '12X'"),
     ({"GATEWAY_KEEP_ALIVE": "5 minutes"}, "GATEWAY_KEEP_ALIVE must be seconds or a duration"),
     ({"GATEWAY_PRELOAD": "maybe"}, "GATEWAY_PRELOAD must be on or off"),
-    ({"GATEWAY_ENGINE": "gpu"}, "GATEWAY_ENGINE must be auto, cpu, vulkan, cuda, metal, directml or coreml, not 'gpu'"),
+    ({"GATEWAY_ENGINE": "gpu"}, "GATEWAY_ENGINE must be auto, cuda, metal, vulkan, directml, coreml or cpu, not 'gpu'"),
     ({"GATEWAY_FAILOVER_REPLAY": "slow"}, "GATEWAY_FAILOVER_REPLAY must be exact or fast, not 'slow'"),
     ({"GATEWAY_PARITY_SAMPLE": "2"}, "GATEWAY_PARITY_SAMPLE must be a number 0-1, not '2'"),
     ({"GATEWAY_MAX_MODELS": "-1"}, "GATEWAY_MAX_MODELS must be a whole number >= 0, not '-1'"),
@@ -133,7 +133,7 @@ def test_a_malformed_value_from_python_names_the_setting() -> None:
     (["--port", "eighty"], "argument --port: must be a whole number 0-65535, not 'eighty'"),
     (["--max-body", "4Q"], "argument --max-body: must be a size such as 4M, 512k or 2GiB, not '4Q'"),
     (["--sequences", "0"], "argument --sequences: must be a whole number 1-256, not '0'"),
-    (["--engine", "gpu"], "argument --engine: must be auto, cpu, vulkan, cuda, metal, directml or coreml"),
+    (["--engine", "gpu"], "argument --engine: must be auto, cuda, metal, vulkan, directml, coreml or cpu"),
 ])
 def test_a_malformed_flag_is_named(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:

@@ -5,7 +5,7 @@ native library: the probe runs in a child process (engines/llamacpp/ggml_devices
 from __future__ import annotations
 
 import os
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
@@ -14,7 +14,6 @@ from pydantic import Field
 from engines.base import EngineConfig
 from engines.host import (
     HostCapabilities,
-    LlamaCppBuild,
     VulkanDevice,
     VulkanInfo,
     run_child,
@@ -82,6 +81,40 @@ class LlamaCppOptions(RuntimeOptions):
 # --- the host probe ------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class LlamaCppBuild:
+    """One llama.cpp build: the installed llama-cpp-python package, or one beside it."""
+
+    installed: bool = False
+    version: str | None = None
+    backends: tuple[str, ...] = ()  # ggml registries: CPU, Vulkan, CUDA, Metal…
+    devices: tuple[tuple[str, str, str], ...] = ()  # (ggml name, description, type)
+    error: str | None = None
+    build_id: str = ""  # changes with every rebuild of the native libraries
+    lib_path: str = ""  # a side-by-side build's folder (LLAMA_CPP_LIB_PATH); "" = the installed package's
+    # A build with loadable CPU variants: (name, score on this CPU; 0 = unsupported), fastest first,
+    # and the one auto picks. Empty for a build with its CPU backend compiled in.
+    cpu_variants: tuple[tuple[str, int], ...] = ()
+    cpu_variant: str = ""
+
+    def has(self, backend: str) -> bool:
+        return any(b.lower() == backend.lower() for b in self.backends)
+
+
+@dataclass(frozen=True)
+class LlamaCppFound:
+    """What the llama.cpp probe finds on a host (its entry in `HostCapabilities.runtimes`)."""
+
+    package: LlamaCppBuild = field(default_factory=lambda: LlamaCppBuild(error="was not probed"))
+    # More builds installed side by side (scripts/install-llama-cpp.sh cpu,vulkan,...): each runs in
+    # its own worker processes.
+    beside: tuple[LlamaCppBuild, ...] = ()
+
+
+def found(host: HostCapabilities) -> LlamaCppFound:
+    return host.found("llamacpp", LlamaCppFound)
+
+
 def probe_llamacpp(vulkan: VulkanInfo, lib_path: str = "") -> LlamaCppBuild:
     env = vulkan_visible_env(vulkan)
     if lib_path:
@@ -125,8 +158,8 @@ def probe_llamacpp_builds(vulkan: VulkanInfo, primary: LlamaCppBuild, dirs: tupl
 
 def probe(host: HostCapabilities) -> HostCapabilities:
     primary = probe_llamacpp(host.vulkan)
-    return replace(host, llamacpp=primary, llamacpp_builds=probe_llamacpp_builds(host.vulkan, primary,
-                                                                                  default_build_dirs()))
+    return host.with_found("llamacpp", LlamaCppFound(primary, probe_llamacpp_builds(host.vulkan, primary,
+                                                                                  default_build_dirs())))
 
 
 def cpu_variants_line(b: LlamaCppBuild) -> str:
@@ -143,7 +176,8 @@ def cpu_variants_line(b: LlamaCppBuild) -> str:
 
 
 def report(host: HostCapabilities) -> list[str]:
-    b, lines = host.llamacpp, []
+    f = found(host)
+    b, lines = f.package, []
     if b.installed:
         lines.append(f"llama.cpp llama-cpp-python {b.version}, backends: {', '.join(b.backends) or '-'}")
         lines += [f"  {name:<9} {desc} ({kind})" for name, desc, kind in b.devices]
@@ -153,7 +187,7 @@ def report(host: HostCapabilities) -> list[str]:
             lines.append(f"  {b.error}")
     else:
         lines.append(f"llama.cpp {b.error}")
-    for sb in host.llamacpp_builds:
+    for sb in f.beside:
         state = f"backends: {', '.join(sb.backends) or '-'}" if sb.installed else (sb.error or "unusable")
         lines.append(f"  side-by-side build {sb.lib_path}: {state}")
         if sb.installed and sb.cpu_variants:
@@ -169,13 +203,15 @@ def build_for(host: HostCapabilities, engine: str) -> LlamaCppBuild:
     the fewest backends (a CPU-only build for the CPU, the Vulkan build for Vulkan), the installed
     package first on a tie; the package itself when none has it (its finder then says why)."""
     ggml = GGML_NAMES.get(engine, engine)
-    builds = [b for b in (host.llamacpp, *host.llamacpp_builds) if b.installed and b.has(ggml)]
-    return min(builds, key=lambda b: len(b.backends)) if builds else host.llamacpp
+    f = found(host)
+    builds = [b for b in (f.package, *f.beside) if b.installed and b.has(ggml)]
+    return min(builds, key=lambda b: len(b.backends)) if builds else f.package
 
 
 def build_of(host: HostCapabilities, lib_path: str) -> LlamaCppBuild:
     """The build in `lib_path` (a side-by-side one), or the installed package."""
-    return next((x for x in host.llamacpp_builds if x.lib_path and x.lib_path == lib_path), host.llamacpp)
+    f = found(host)
+    return next((x for x in f.beside if x.lib_path and x.lib_path == lib_path), f.package)
 
 
 def _built(b: LlamaCppBuild, engine: str, ggml_name: str) -> Skip | None:
@@ -306,6 +342,7 @@ RUNTIME = register(Runtime(
     offers=tuple(_offer(e) for e in ("cpu", "vulkan", "cuda", "metal")),
     engine_module="engines.llamacpp.engine",
     probe=probe,
+    in_process=lambda host: host.with_found("llamacpp", replace(found(host), beside=())),
     report=report,
     install={"*": INSTALL},
     options=LlamaCppOptions,

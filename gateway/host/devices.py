@@ -42,6 +42,11 @@ def runtime_facts(host: HostCapabilities) -> dict[str, Any]:
     return {k: v for rt in runtimes() for k, v in rt.report_json(host).items()}
 
 
+def runtime_reports(host: HostCapabilities) -> dict[str, list[str]]:
+    """Each runtime's lines of `gateway devices`, by runtime name, in the runtimes' order."""
+    return {rt.name: rt.report(host) for rt in runtimes()}
+
+
 def render(host: HostCapabilities, plans: dict[str, Plan | str], checks: dict[str, Any],
            memory: dict[str, str] | None = None, budgets: dict[str, int] | None = None) -> str:
     c = host.cpu
@@ -75,8 +80,8 @@ def render(host: HostCapabilities, plans: dict[str, Plan | str], checks: dict[st
     else:
         lines.append(f"CUDA      {cu.error}")
     lines.append(f"{'Metal':<9} {'available: ' + host.metal.detail if host.metal.available else host.metal.reason}")
-    for rt in runtimes():
-        lines += rt.report(host)
+    for report in runtime_reports(host).values():
+        lines += report
     if budgets:
         lines.append("Memory    budgets for models: " + ", ".join(
             f"{'RAM' if d == 'cpu' else d} {_gib(b)}" for d, b in budgets.items())

@@ -21,8 +21,6 @@ from engines.host import (
     CudaDevice,
     CudaInfo,
     HostCapabilities,
-    LlamaCppBuild,
-    OrtBuild,
     PlatformRuntime,
     VulkanDevice,
     VulkanDriver,
@@ -32,8 +30,8 @@ from engines.host import (
 )
 from engines.runtimes import runtimes
 
-__all__ = ["CpuInfo", "CudaDevice", "CudaInfo", "HostCapabilities", "LlamaCppBuild", "OrtBuild", "PlatformRuntime",
-           "VulkanDevice", "VulkanDriver", "VulkanInfo", "probe_host", "run_child", "vulkan_visible_env"]
+__all__ = ["CpuInfo", "CudaDevice", "CudaInfo", "HostCapabilities", "PlatformRuntime", "VulkanDevice", "VulkanDriver",
+           "VulkanInfo", "probe_host", "run_child", "vulkan_visible_env"]
 
 log = logging.getLogger(__name__)
 

@@ -1,10 +1,11 @@
-"""`gateway convert`: a model's GGUF -> Hugging Face checkpoint -> ORT GenAI, CoreML or ExecuTorch artifact.
+"""`gateway convert`: a model's GGUF -> Hugging Face checkpoint -> the artifact of a runtime that does not
+read GGUF (ORT GenAI, CoreML, ExecuTorch, or a plug-in's: each runtime's `Converter`, engines/runtimes.py).
 
 Artifacts go into the model cache at `<cache>/converted/<id>/<format>-<precision>[-<provider>]`
 (`Registry.converted_dir`), written under a temporary name and renamed when complete, then
 marked finished by `gateway-artifact.json`; `Registry.resolve(spec, "onnx")` finds them.  The
 intermediate Hugging Face checkpoint (fp32, dequantised from the GGUF) is cached beside them and
-reused.  Needs the `convert` extra (torch, transformers, gguf, onnx, onnx-ir, coremltools).
+reused.  Needs the `convert` extra (torch, transformers, gguf) and what the target names.
 """
 
 from __future__ import annotations
@@ -14,40 +15,49 @@ import json
 import logging
 import os
 import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from engines.runtimes import ConversionError, Converter, ConvertJob, converters, run_step, runtimes
 from gateway.models.registry import ModelSpec, Registry
+
+__all__ = ["MANIFEST", "ConversionError", "convert", "hf_checkpoint", "missing_modules", "targets"]
 
 log = logging.getLogger(__name__)
 
-TARGETS = ("onnx", "coreml", "executorch")
-DELEGATES = ("xnnpack", "vulkan")  # ExecuTorch: what the program is lowered to
-PRECISIONS = ("fp32", "fp16", "int4")
-ONNX_PROVIDERS = ("cpu", "cuda", "dml")
 MANIFEST = "gateway-artifact.json"
-# What each step imports, so a missing piece is reported before minutes of work.
-_NEEDS = {
-    "hf": ("torch", "transformers", "gguf", "accelerate"),
-    "onnx": ("onnx", "onnx_ir", "onnxruntime_genai"),
-    "coreml": ("coremltools",),
-    "executorch": ("executorch",),
-}
+# What the first step (GGUF -> Hugging Face checkpoint) imports; each target adds its own.
+CHECKPOINT_NEEDS = ("torch", "transformers", "gguf", "accelerate")
 
 Progress = Callable[[str], None]
 
 
-class ConversionError(RuntimeError):
-    """A conversion step failed or cannot run here; the message says why."""
+def targets() -> dict[str, Converter]:
+    """`--to`'s targets: those of the registered runtimes (plug-ins' too)."""
+    return converters()
 
 
 def missing_modules(target: str) -> list[str]:
     """Python modules the conversion to `target` needs that are not installed."""
-    return [m for m in (*_NEEDS["hf"], *_NEEDS[target]) if importlib.util.find_spec(m) is None]
+    return [m for m in (*CHECKPOINT_NEEDS, *targets()[target].needs) if importlib.util.find_spec(m) is None]
+
+
+def _choose(c: Converter, precision: str, variant: str | None, progress: Progress) -> tuple[str, str | None]:
+    """The precision and variant `c` builds for these, or ConversionError naming what it takes."""
+    if precision not in c.precisions:
+        raise ConversionError(f"{c.target} takes precision {' or '.join(c.precisions)}, not {precision!r}")
+    if precision in c.substitutes:
+        precision, why = c.substitutes[precision]
+        progress(f"{c.target}: using {precision} ({why})")
+    if not c.variants:
+        return precision, None
+    variant = variant or c.variants[0]
+    if variant not in c.variants:
+        raise ConversionError(f"unknown {c.variant_flag} {variant!r} for {c.target}; one of {', '.join(c.variants)}")
+    return precision, variant
 
 
 def convert(
@@ -55,64 +65,33 @@ def convert(
     spec: ModelSpec,
     to: str,
     precision: str = "fp32",
-    provider: str = "cpu",
+    variant: str | None = None,
     progress: Progress = log.info,
     force: bool = False,
     show_output: bool = False,
-    delegate: str = "xnnpack",
 ) -> Path:
-    """Produce (or find) the `to` artifact of `spec`; returns its folder.  Blocking, minutes.
+    """Produce (or find) the `to` artifact of `spec` (built for `variant`: an execution provider or
+    delegate, the target's first when None); returns its folder.  Blocking, minutes.
 
     Each heavy step runs in a child process (torch and the converters never load into the
     caller); `show_output` lets their own progress bars through to the terminal.
     """
-    if to not in TARGETS:
-        raise ConversionError(f"unknown target {to!r}; one of {', '.join(TARGETS)}")
-    if precision not in PRECISIONS:
-        raise ConversionError(f"unknown precision {precision!r}; one of {', '.join(PRECISIONS)}")
-    if to == "onnx" and provider not in ONNX_PROVIDERS:
-        raise ConversionError(f"unknown provider {provider!r}; one of {', '.join(ONNX_PROVIDERS)}")
-    if to == "coreml" and precision == "fp32":
-        precision = "fp16"  # CoreML ML programs compute in fp16 on the GPU and Neural Engine
-        progress("CoreML: using fp16 (ML programs run fp16 on the GPU / Neural Engine)")
-    if to == "executorch":
-        if delegate not in DELEGATES:
-            raise ConversionError(f"unknown delegate {delegate!r}; one of {', '.join(DELEGATES)}")
-        if precision != "fp32":
-            raise ConversionError("ExecuTorch programs are exported in fp32 for now (--precision fp32)")
-    fmt, variant = {"onnx": ("onnx", provider), "coreml": ("coreml", None), "executorch": ("pte", delegate)}[to]
+    c = targets().get(to)
+    if c is None:
+        raise ConversionError(f"unknown target {to!r}; one of {', '.join(targets())}")
+    precision, variant = _choose(c, precision, variant, progress)
+    fmt = next(rt.format for rt in runtimes() if rt.convert is c)
     out = registry.converted_dir(spec, fmt, precision, variant)
     if (out / MANIFEST).is_file() and not force:  # a finished artifact needs no converter installed
         progress(f"{spec.id}: {out.name} already converted: {out}")
         return out
     missing = missing_modules(to)
     if missing:
-        raise ConversionError(
-            f"converting to {to} needs {', '.join(missing)}: pip install -e '.[convert{',executorch' if to == 'executorch' else ''}]'"
-        )
+        raise ConversionError(f"converting to {to} needs {', '.join(missing)}: {c.install or 'pip install them'}")
     t0 = time.perf_counter()
     hf = hf_checkpoint(registry, spec, progress, show_output)
     with _staging(out) as tmp:
-        if to == "onnx":
-            progress(f"[2/2] Hugging Face -> ORT GenAI ({precision}, provider {provider}) ...")
-            hf_to_onnx(hf, tmp, precision, provider, show_output)
-        elif to == "executorch":
-            progress(f"[2/2] Hugging Face -> ExecuTorch program (fp32, static KV cache, {delegate}) ...")
-            _run_step(
-                [sys.executable, "-m", "gateway.models.executorch_export", str(hf), str(tmp), delegate,
-                 str(spec.context_length)],
-                "ExecuTorch export", show_output,
-            )
-            report = json.loads((tmp / "partition.json").read_text())
-            progress(f"partition ({delegate}): {report['delegated_ops']} operators delegated in "
-                     f"{report['delegate_calls']} call(s) ({report['delegated_share']:.0%}); on portable CPU "
-                     f"kernels: {', '.join(f'{k} x{v}' for k, v in report['fallback'].items()) or 'none'}")
-        else:
-            progress(f"[2/2] Hugging Face -> CoreML ML program ({precision}, stateful KV cache) ...")
-            _run_step(
-                [sys.executable, "-m", "gateway.models.coreml_export", str(hf), str(tmp), precision, str(spec.context_length)],
-                "CoreML conversion", show_output,
-            )
+        c.run(ConvertJob(hf, tmp, precision, variant, spec.context_length, show_output, progress))
     _write_manifest(out, spec, fmt, precision, variant, hf)
     progress(f"{spec.id}: wrote {out} in {time.perf_counter() - t0:.0f}s")
     return out
@@ -131,8 +110,8 @@ def hf_checkpoint(
     gguf = registry.resolve(spec, "gguf")
     progress(f"[1/2] GGUF -> Hugging Face fp32 (dequantising {gguf.name}) ...")
     with _staging(out) as tmp:
-        _run_step([sys.executable, "-m", "gateway.models.convert", "gguf-to-hf", str(gguf), str(tmp)],
-                  "GGUF -> Hugging Face", show_output)
+        run_step([sys.executable, "-m", "gateway.models.convert", "gguf-to-hf", str(gguf), str(tmp)],
+                 "GGUF -> Hugging Face", show_output)
     _write_manifest(out, spec, "hf", "fp32", None, gguf)
     return out
 
@@ -183,35 +162,6 @@ def repair_byte_level_decoder(path: Path) -> bool:
     if back != ROUND_TRIP_PROBE:
         raise ConversionError(f"the converted tokenizer does not round-trip text even with a byte-level decoder: {back!r}")
     return True
-
-
-def hf_to_onnx(hf: Path, out: Path, precision: str, provider: str, show_output: bool = False) -> None:
-    """Run ORT GenAI's model builder on a local Hugging Face checkpoint."""
-    work = out.parent / f".{out.name}-builder-cache"
-    cmd = [
-        sys.executable, "-m", "onnxruntime_genai.models.builder",
-        "-m", str(hf), "-i", str(hf), "-o", str(out), "-p", precision, "-e", provider, "-c", str(work),
-    ]
-    try:
-        _run_step(cmd, "onnxruntime_genai.models.builder", show_output)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    if not (out / "genai_config.json").is_file():
-        raise ConversionError(f"onnxruntime_genai.models.builder wrote no genai_config.json into {out}")
-
-
-def _run_step(cmd: list[str], what: str, show_output: bool) -> None:
-    log.debug("running %s", " ".join(cmd))
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}  # everything is local; never reach for the hub
-    if show_output:
-        rc = subprocess.run(cmd, env=env, check=False).returncode
-        tail = ""
-    else:
-        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=False)
-        rc = proc.returncode
-        tail = "\n" + "\n".join(proc.stdout.replace("\r", "\n").splitlines()[-15:])
-    if rc != 0:
-        raise ConversionError(f"{what} failed (exit {rc}){tail}")
 
 
 @contextmanager

@@ -28,7 +28,7 @@ from engines.base import (
     Supervised,
 )
 from engines.registry import create_engine
-from engines.runtimes import option_values, runtime
+from engines.runtimes import in_one_process, option_values, runtime
 from engines.worker.client import WorkerEngine
 from engines.worker.connections import LocalWorker, RemoteWorker, Supervision
 from gateway.host.functional_check import (
@@ -139,8 +139,7 @@ class ModelManager:
         self.metrics = metrics or Metrics()
         self.host = host if host is not None else probe_host()
         if not settings.workers:
-            # One process loads one llama.cpp build: side-by-side builds need worker processes.
-            self.host = dataclasses.replace(self.host, llamacpp_builds=())
+            self.host = in_one_process(self.host)
         self._checker = checker
         self.checks = CheckCache(Path(registry.cache_dir) / "functional-checks.json")
         self.on_loaded: list[Callable[[Loaded], None]] = []  # called as each load completes

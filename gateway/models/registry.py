@@ -27,7 +27,7 @@ from typing import Any, Literal, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from engines.runtimes import runtimes
+from engines.runtimes import Converter, runtimes
 
 log = logging.getLogger(__name__)
 
@@ -90,9 +90,9 @@ PRECISION_ORDER = ("fp32", "fp16", "int4")
 PROVIDER_ORDER = ("cpu", "cuda", "dml", "xnnpack", "vulkan")
 
 
-def converted_formats() -> dict[str, str]:
-    """Formats `gateway convert` produces -> its `--to` target (the runtimes that convert, in their order)."""
-    return {rt.format: rt.convert for rt in runtimes() if rt.convert}
+def converted_formats() -> dict[str, Converter]:
+    """Formats `gateway convert` produces -> how (the runtimes that convert, in their order)."""
+    return {rt.format: rt.convert for rt in runtimes() if rt.convert is not None}
 
 
 def provider_bound(fmt: str) -> tuple[str, ...]:
@@ -507,8 +507,10 @@ class Registry:
             targets = converted_formats()
             if src is None and fmt not in targets:
                 raise ModelUnavailable(f"model {spec.id!r} has no {fmt} format")
-            to = targets.get(fmt, fmt)
-            extra = f" --delegate {want.provider}" if provider_bound(fmt) and want and want.provider else ""
+            conv = targets.get(fmt)
+            to = conv.target if conv else fmt
+            extra = f" --{conv.variant_flag} {want.provider}" if conv and provider_bound(fmt) and want and want.provider \
+                else ""
             raise ModelUnavailable(
                 f"model {spec.id!r} has no converted {named} artifact in {self.converted_root(spec)}; "
                 f"run: gateway convert --model {spec.id} --to {to}{extra}"

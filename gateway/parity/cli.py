@@ -23,7 +23,7 @@ from gateway.parity.compare import (
     Scores,
     run_parity,
 )
-from gateway.settings import ENGINE_CHOICES, Settings
+from gateway.settings import Settings, engine_choices
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +31,8 @@ log = logging.getLogger(__name__)
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("parity", help="compare an engine's logits with a reference engine's")
     p.add_argument("--model", default=None, help="model id (models.yaml's default otherwise)")
-    p.add_argument("--engine", choices=ENGINE_CHOICES, default="cpu", help="candidate engine")
-    p.add_argument("--reference", choices=ENGINE_CHOICES, default="cpu", help="reference engine")
+    p.add_argument("--engine", choices=engine_choices()[1:], default="cpu", help="candidate engine")
+    p.add_argument("--reference", choices=engine_choices()[1:], default="cpu", help="reference engine")
     p.add_argument("--runtime", default=None, help="the candidate's runtime (default: the model's first)")
     p.add_argument("--reference-runtime", default=None,
                    help="the reference's runtime (default: --runtime), e.g. llamacpp vs ortgenai")

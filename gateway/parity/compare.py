@@ -19,14 +19,14 @@ import logging
 import math
 import os
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from engines.base import Engine, EngineError, GenerationRequest, SamplingParams
-from engines.runtimes import runtimes
+from engines.runtimes import in_one_process, runtimes
 from gateway.host.hardware import HostCapabilities, probe_host, vulkan_visible_env
 from gateway.host.selection import Preference, SelectionError, plan
 from gateway.models.pool import engine_config, local_engine
@@ -406,8 +406,7 @@ async def open_engine(
     """
     host = host if host is not None else await asyncio.to_thread(probe_host)
     if not settings.workers:
-        # One process loads one llama.cpp build; side-by-side builds need worker processes.
-        host = replace(host, llamacpp_builds=())
+        host = in_one_process(host)
         os.environ.update(vulkan_visible_env(host.vulkan))  # before the first Vulkan load
     try:
         the_plan = plan(spec, host, Preference(engine, runtime, settings.device), registry.formats(spec))

@@ -17,7 +17,7 @@ from gateway.api.routes import error_responses
 from gateway.api.serving import model_spec
 from gateway.chat import formats
 from gateway.chat.template import template_of
-from gateway.host.devices import memory_verdict, render, runtime_facts
+from gateway.host.devices import memory_verdict, render, runtime_facts, runtime_reports
 from gateway.host.selection import Candidate, Plan, SelectionError
 from gateway.metrics import SLO_E2E_S, SLO_TPOT_S, SLO_TTFT_S
 from gateway.models.pool import Loaded, ModelBusy, ModelManager, cached_ladder, engine_config, ladder_verdict
@@ -149,6 +149,7 @@ class DevicesResponse(BaseModel):
 
     host: dict[str, Any]  # the probe (HostCapabilities)
     ep_matrix: list[dict[str, Any]]
+    runtimes: dict[str, list[str]]  # each runtime's lines of the `gateway devices` report, by runtime name
     plans: dict[str, PlanOut]  # per configured model, in preference order
     text: str  # the `gateway devices` table as the command prints it
 
@@ -264,6 +265,7 @@ async def devices(request: Request) -> DevicesResponse:
     return DevicesResponse(
         host=host.to_dict(),
         ep_matrix=runtime_facts(host).get("ep_matrix", []),
+        runtimes=runtime_reports(host),
         plans=out,
         text=render(host, plans, checks, memory, manager.budgets),
     )

@@ -21,20 +21,16 @@ function askForKey(message) {
 // --- host and engines -------------------------------------------------------------------------
 
 function renderDevices(d) {
-  const host = d.host, cpu = host.cpu, vk = host.vulkan, cu = host.cuda, ll = host.llamacpp, ort = host.ort;
+  const host = d.host, cpu = host.cpu, vk = host.vulkan, cu = host.cuda;
   const facts = [
     `Host: ${host.os}, ${cpu.arch}`,
     `CPU: ${cpu.model || "?"}, ${cpu.physical_cores} cores (${cpu.logical_cores} threads), ${gib(cpu.memory_bytes)}, SIMD ${cpu.simd.join(" ") || "–"}`,
     vk.loader ? `Vulkan: loader ${vk.loader} (API ${vk.loader_api_version || "?"})` : "Vulkan: no loader",
     ...vk.drivers.filter((x) => !x.ok).map((x) => `Vulkan driver ${x.library || x.manifest}: ${x.error}${x.remedy ? ` (fix: ${x.remedy})` : ""}`),
     cu.devices.length ? `CUDA: driver ${cu.driver_version || "?"}, CUDA ${cu.cuda_version || "?"}` : `CUDA: ${cu.error || "no device"}`,
-    ...[["Metal", host.metal], ["DirectML", host.directml], ["CoreML", host.coreml]]
-      .map(([name, rt]) => `${name}: ${rt.available ? `available: ${rt.detail}` : rt.reason}`),
-    ll.installed ? `llama.cpp: llama-cpp-python ${ll.version}, backends ${ll.backends.join(", ") || "–"}` : `llama.cpp: ${ll.error}`,
-    ...(host.llamacpp_builds || []).map((b) => `llama.cpp side-by-side build ${b.lib_path}: ` +
-      (b.installed ? `backends ${b.backends.join(", ") || "–"}` : b.error || "unusable")),
-    `ONNX Runtime: ${ort.packages.map(([p, v]) => `${p} ${v}`).join(", ") || "not installed"}` +
-      (ort.providers.length ? `; providers ${ort.providers.join(", ")}` : ""),
+    `Metal: ${host.metal.available ? `available: ${host.metal.detail}` : host.metal.reason}`,
+    // Each runtime's own lines of `gateway devices` (its details, indented there, stay in the text below).
+    ...Object.values(d.runtimes).flat().filter((line) => !/^\s/.test(line)).map((line) => line.replace(/\s{2,}/g, " ")),
   ];
   $("#host").replaceChildren(...facts.map((f) => h("li", {}, f)));
 
@@ -43,7 +39,6 @@ function renderDevices(d) {
       `${v.driver_name} ${v.driver_info}`.trim(), `API ${v.api_version}, ${v.vendor}, subgroup ${v.subgroup_size || "–"}, ` +
       `workgroup ${v.max_compute_workgroup_invocations}, shared ${Math.round(v.max_compute_shared_memory_bytes / 1024)} KiB`]),
     ...cu.devices.map((c) => ["CUDA", c.index, c.name, "gpu", gib(c.memory_bytes), cu.driver_version || "", `compute ${c.compute_capability}`]),
-    ...ll.devices.map(([name, desc, kind]) => ["ggml", name, desc, kind, "", "", `llama.cpp device ${name}`]),
     ["CPU", "–", cpu.model || "?", "cpu", gib(cpu.memory_bytes), "", `${cpu.physical_cores} cores, ${cpu.logical_cores} threads`],
   ];
   $("#devices tbody").replaceChildren(...rows.map((r) => h("tr", {}, ...r.map((c) => h("td", {}, c)))));

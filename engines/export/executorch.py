@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from gateway.models.decoder_parts import TOKENIZER_FILES, LlamaParts, load_hf
+from engines.export.decoder_parts import TOKENIZER_FILES, LlamaParts, load_hf
 
 log = logging.getLogger(__name__)
 
@@ -158,5 +158,5 @@ def hf_to_pte(hf_dir: Path, out: Path, delegate: str, context_length: int, max_s
 
 if __name__ == "__main__":  # the child-process entry of `gateway convert --to executorch`
     if len(sys.argv) != 5:
-        sys.exit("usage: python -m gateway.models.executorch_export HF_DIR OUT_DIR DELEGATE CONTEXT_LENGTH")
+        sys.exit("usage: python -m engines.export.executorch HF_DIR OUT_DIR DELEGATE CONTEXT_LENGTH")
     hf_to_pte(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], int(sys.argv[4]))

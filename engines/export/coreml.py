@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from engines.attention import causal_mask
-from gateway.models.decoder_parts import TOKENIZER_FILES, LlamaParts, load_hf
+from engines.export.decoder_parts import TOKENIZER_FILES, LlamaParts, load_hf
 
 log = logging.getLogger(__name__)
 
@@ -123,5 +123,5 @@ if __name__ == "__main__":  # the child-process entry of `gateway convert --to c
     import sys
 
     if len(sys.argv) != 5:
-        sys.exit("usage: python -m gateway.models.coreml_export HF_DIR OUT_DIR PRECISION CONTEXT_LENGTH")
+        sys.exit("usage: python -m engines.export.coreml HF_DIR OUT_DIR PRECISION CONTEXT_LENGTH")
     hf_to_coreml(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], int(sys.argv[4]))
