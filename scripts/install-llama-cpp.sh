@@ -32,7 +32,12 @@ cache_root="${GATEWAY_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/llm-gateway/w
 build_one() {
   local backend="$1"
   # Components we never use from Python; skipping them shortens the build.
+  # --exclude-libs: some toolchains link parts of libstdc++ statically into the libraries (CUDA 13's
+  # into libggml-cuda; an Ubuntu 24.04 host's g++ 13 into every one, the CPU-only build too);
+  # exported, they interpose on the system libstdc++ inside Python and the model load segfaults
+  # (docs/benchmarks.md#if-the-gateways-worker-dies-while-loading).
   common="-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAVA_BUILD=OFF -DLLAMA_CURL=OFF"
+  common="$common -DCMAKE_SHARED_LINKER_FLAGS=-Wl,--exclude-libs,ALL"
   case "$backend" in
     cpu)    flags="" ;;
     vulkan)
@@ -47,10 +52,7 @@ build_one() {
       fi
       vk_include="${VULKAN_INCLUDE_DIR:-$(bash "$(dirname "$0")/vulkan-headers.sh")}"
       flags="-DGGML_VULKAN=on -DVulkan_INCLUDE_DIR=$vk_include ${VULKAN_CMAKE_ARGS:-}" ;;
-    # --exclude-libs: some CUDA toolchains link parts of libstdc++ statically into libggml-cuda;
-    # exported, they interpose on the system libstdc++ inside Python and the model load segfaults
-    # (seen with CUDA 13 on an H100 host, docs/benchmarks.md).
-    cuda)   flags="-DGGML_CUDA=on -DCMAKE_SHARED_LINKER_FLAGS=-Wl,--exclude-libs,ALL ${CUDA_CMAKE_ARGS:-}" ;;
+    cuda)   flags="-DGGML_CUDA=on ${CUDA_CMAKE_ARGS:-}" ;;
     metal)  flags="-DGGML_METAL=on" ;;
     *) echo "unknown backend '$backend' (expected cpu, vulkan, cuda or metal)" >&2; exit 2 ;;
   esac
