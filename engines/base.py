@@ -314,6 +314,7 @@ class Capabilities:
     # Constraint kinds it compiles ("json", "grammar", "tagged"), and whether `triggers` work.
     constraints: frozenset[str] = frozenset()
     lazy_constraints: bool = False
+    images: bool = False  # the model takes images beside its prompt (a vision projector is loaded)
 
 
 @dataclass(frozen=True)

@@ -13,18 +13,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol
 
+from gateway.chat.images import Image
+
 Role = Literal["system", "user", "assistant", "tool"]
 ToolKind = Literal["function", "custom"]  # custom: a freeform tool called with {"input": <text>}
 
 
 @dataclass(frozen=True)
 class Part:
-    """A piece of a message's content. Only text is served; "image" is reserved (an adapter that
-    receives one answers 400 until a vision model can take it)."""
+    """A piece of a message's content: text, or an image (decoded and checked by the adapter,
+    gateway/chat/images.py; `param` says where the client put it, in its protocol's words)."""
 
     type: Literal["text", "image"]
     text: str = ""
-    url: str = ""
+    image: Image | None = None
+    param: str = ""
 
 
 @dataclass(frozen=True)
@@ -119,6 +122,11 @@ class Conversation:
 
     def param(self, what: str) -> str:
         return self.params.get(what, what)
+
+    @property
+    def images(self) -> list[Part]:
+        """The image parts of every turn, in order."""
+        return [p for t in self.turns for p in t.parts if p.type == "image"]
 
     @property
     def uses_tool_history(self) -> bool:

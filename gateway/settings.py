@@ -100,6 +100,9 @@ class Settings(EnvSettings):
     max_messages: int = setting(2048, "chat messages per request", ge=1)
     max_prompt_chars: int = setting(
         1_000_000, "characters of prompt text per request, checked before tokenizing", ge=1)
+    max_image_bytes: int = setting(
+        20 * 1024 * 1024, "bytes of one image in a request, decoded (the body limit bounds them too)",
+        parse="size", ge=1)
     # --- llama.cpp's KV memory ---
     prefix_cache: int | None = setting(
         None, "llama.cpp: host memory per model for the KV of conversations that lost their sequence, "

@@ -156,7 +156,7 @@ def test_models_list_in_anthropic_shape(claude: anthropic.Anthropic) -> None:
     ({"max_tokens": 8, "messages": [{"role": "robot", "content": "hi"}]}, 400, "invalid_request_error", "role"),
     ({"max_tokens": 8, "messages": [{"role": "user", "content": [
         {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}]}]},
-     400, "invalid_request_error", "vision"),
+     400, "invalid_request_error", "not PNG, JPEG, WebP or GIF"),
     ({"max_tokens": 8, "temperature": 1.5, "messages": [{"role": "user", "content": "hi"}]},
      400, "invalid_request_error", "temperature"),
     ({"max_tokens": 8, "model": "nope", "messages": [{"role": "user", "content": "hi"}]},

@@ -184,7 +184,7 @@ def test_options_without_a_sampler_and_unknown_ones_are_accepted_and_named(url: 
     ({"messages": MSG, "tools": [{"type": "function", "function": {"description": "no name"}}]},
      "tools[0].function.name"),
     ({"messages": MSG, "tools": [{"type": "function"}]}, "tools[0].function"),
-    ({"messages": [{"role": "user", "content": "hi", "images": ["AA=="]}]}, "images are not supported"),
+    ({"messages": [{"role": "user", "content": "hi", "images": ["AA=="]}]}, "messages[0].images[0]"),
     ({"messages": MSG, "format": "xml"}, "format"),
 ])
 def test_bad_chat_bodies_are_400_naming_the_field(url: str, body: dict[str, Any], where: str) -> None:

@@ -26,6 +26,7 @@ from gateway.api.admission import Admission, Ticket
 from gateway.api.errors import APIError, ServerShutdown, invalid, record
 from gateway.api.failover import FailoverPolicy, resumable
 from gateway.api.guards import Drain
+from gateway.api.images import check_images, refuse_images
 from gateway.api.notes import header_value
 from gateway.chat import formats
 from gateway.chat.formats import base as parts
@@ -334,7 +335,9 @@ class Service:
     async def render(self, spec: ModelSpec, conv: Conversation) -> Rendered:
         """The sampler's settings, the tool plan, the output constraint and the prompt, rendered by
         the model's own template as the engine serving it reports it."""
-        check_limits(conv, self.manager.settings.max_messages, self.manager.settings.max_prompt_chars)
+        settings = self.manager.settings
+        check_limits(conv, settings.max_messages, settings.max_prompt_chars)
+        check_images(conv, settings.max_image_bytes)
         sp = sampling.resolve(conv.sampling, spec)
         conv = with_preamble(conv, spec.system, [(m.role, m.content) for m in spec.messages])
         skipped: tuple[str, ...] = ()
@@ -346,6 +349,7 @@ class Service:
             conv = replace(conv, tools=None, tool_choice=None)
         loaded = await self.manager.get(spec)
         info, template = loaded.engine.info, template_of(loaded.engine.info)
+        refuse_images(conv, spec.id, info.capabilities)
         fmt = await formats.prepared(spec.tool_format, template, loaded.config, self.manager.registry.cache_dir)
         try:
             tool_plan = tools.plan(conv, fmt)

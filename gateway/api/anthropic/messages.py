@@ -41,13 +41,16 @@ from gateway.api.anthropic.schema import (
 )
 from gateway.api.bodies import unknown_fields
 from gateway.api.errors import invalid, to_api_error
+from gateway.api.images import image_part
 from gateway.api.notes import Notes
+from gateway.chat import images
 from gateway.conversation import (
     ArgumentsDelta,
     CallStarted,
     Conversation,
     Finished,
     Output,
+    Part,
     ReasoningDelta,
     Sampling,
     TextDelta,
@@ -97,7 +100,7 @@ class TokenCount(BaseModel):
 # --- request -> conversation ------------------------------------------------------------------------
 
 
-_VISION = "blocks are not supported: the gateway serves no vision model yet"
+_DOCUMENT = "document blocks are not supported"
 
 
 def _text_of(blocks: str | Sequence[BaseModel], param: str, what: str) -> str:
@@ -109,10 +112,23 @@ def _text_of(blocks: str | Sequence[BaseModel], param: str, what: str) -> str:
         if isinstance(b, TextBlock):
             out.append(b.text)
         elif isinstance(b, ImageBlock | DocumentBlock):
-            raise invalid(f"{b.type} {_VISION}", param=f"{param}[{j}]")
+            raise invalid(f"{what} takes text blocks here (got {b.type})", param=f"{param}[{j}].type",
+                          code="unsupported_content")
         else:
             raise invalid(f"{what} takes text blocks (got {getattr(b, 'type', None)!r})", param=f"{param}[{j}].type")
     return "\n".join(out)
+
+
+def _image(b: ImageBlock, param: str) -> Part:
+    """An image block: base64 data of its media type (a `url` source is not fetched)."""
+    src = b.source
+    if src.get("type") == "url":
+        return image_part(lambda: images.from_url(str(src.get("url", ""))), f"{param}.source.url")
+    if src.get("type") != "base64" or not isinstance(src.get("data"), str):
+        raise invalid("an image block's source is {type: base64, media_type, data}", param=f"{param}.source")
+    media = src.get("media_type")
+    return image_part(lambda: images.from_base64(src["data"], media if isinstance(media, str) else None),
+                      f"{param}.source.data")
 
 
 def _message(m: MessageParam, i: int) -> list[Turn]:
@@ -122,13 +138,14 @@ def _message(m: MessageParam, i: int) -> list[Turn]:
         return [Turn.of("system", _text_of(m.content, f"{param}.content", "a system message"))]
     if isinstance(m.content, str):
         return [Turn.of(m.role, m.content)]
-    texts: list[str] = []
+    parts: list[Part] = []
     calls: list[ToolCall] = []
     results: list[Turn] = []
     for j, b in enumerate(m.content):
         bp = f"{param}.content[{j}]"
         if isinstance(b, TextBlock):
-            texts.append(b.text)
+            joint = "\n" if m.role == "user" and parts and parts[-1].type == "text" else ""
+            parts.append(Part("text", joint + b.text))
         elif isinstance(b, ToolUseBlock):
             if m.role != "assistant":
                 raise invalid("tool_use blocks belong to assistant messages", param=f"{bp}.type")
@@ -138,14 +155,16 @@ def _message(m: MessageParam, i: int) -> list[Turn]:
                 raise invalid("tool_result blocks belong to user messages", param=f"{bp}.type")
             text = _text_of(b.content, f"{bp}.content", "a tool result's content")
             results.append(Turn.of("tool", f"Error: {text}" if b.is_error else text, tool_call_id=b.tool_use_id))
-        elif isinstance(b, ImageBlock | DocumentBlock):
-            raise invalid(f"{b.type} {_VISION}", param=bp)
+        elif isinstance(b, ImageBlock):
+            parts.append(_image(b, bp))
+        elif isinstance(b, DocumentBlock):
+            raise invalid(_DOCUMENT, param=bp, code="unsupported_content")
         # thinking, redacted_thinking and server-side tools' blocks: accepted, not re-rendered
     turns = results
     if m.role == "assistant":
-        turns.append(Turn.of("assistant", "".join(texts), tool_calls=tuple(calls)))
-    elif texts or not results:
-        turns.append(Turn.of("user", "\n".join(texts)))
+        turns.append(Turn("assistant", tuple(parts), tool_calls=tuple(calls)))
+    elif parts or not results:
+        turns.append(Turn("user", tuple(parts)))
     return turns
 
 

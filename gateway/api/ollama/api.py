@@ -15,10 +15,12 @@ import math
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from functools import partial
 from typing import Any
 
 from gateway.api.bodies import unknown_fields
 from gateway.api.errors import invalid
+from gateway.api.images import image_part
 from gateway.api.notes import Notes
 from gateway.api.ollama.schema import (
     SAMPLER_OPTIONS,
@@ -33,7 +35,8 @@ from gateway.api.ollama.schema import (
     OllamaOptions,
     OllamaTool,
 )
-from gateway.conversation import Conversation, Output, Sampling, ToolCall, ToolSpec, Turn
+from gateway.chat import images
+from gateway.conversation import Conversation, Output, Part, Sampling, ToolCall, ToolSpec, Turn
 from gateway.models.create import Recipe
 from gateway.models.quantize import type_code
 from gateway.settings import parse_duration
@@ -89,9 +92,9 @@ def _tools(tools: list[OllamaTool] | None) -> tuple[ToolSpec, ...] | None:
     return tuple(ToolSpec(t.function.name, t.function.description or "", t.function.parameters) for t in tools) or None
 
 
-def _no_images(images: list[str] | None, param: str) -> None:
-    if images:  # an empty list is no image
-        raise invalid("images are not supported: the gateway serves no vision model yet", param=param)
+def _images(data: list[str] | None, param: str) -> tuple[Part, ...]:
+    """Ollama's images: base64 strings (an empty list is no image)."""
+    return tuple(image_part(partial(images.from_base64, d), f"{param}[{k}]") for k, d in enumerate(data or ()))
 
 
 def _arguments(args: dict[str, Any] | str) -> str:
@@ -105,7 +108,7 @@ def chat_conversation(req: ChatRequest, notes: Notes) -> Conversation:
     open_calls: list[ToolCall] = []
     n = 0
     for i, m in enumerate(req.messages):
-        _no_images(m.images, f"messages[{i}].images")
+        pictures = _images(m.images, f"messages[{i}].images")
         content = m.content or ""
         if m.role == "assistant" and m.tool_calls:
             calls = tuple(ToolCall(f"call_{n + j}", c.function.name, _arguments(c.function.arguments))
@@ -119,8 +122,8 @@ def chat_conversation(req: ChatRequest, notes: Notes) -> Conversation:
             if answered is not None:
                 open_calls.remove(answered)
             turns.append(Turn.of("tool", content, tool_call_id=answered.id if answered else None))
-        else:
-            turns.append(Turn.of(m.role, content))
+        else:  # Ollama's images go before the message's text, as its templates place them
+            turns.append(Turn(m.role, (*pictures, *Turn.of(m.role, content).parts)))
     notes.ignored.update(unknown_fields(req))
     return Conversation(tuple(turns), _tools(req.tools), None, True, _output(req.format), thinking(req),
                         sampling(req.options, notes), params={"tools": "tools", "output.schema": "format"},
@@ -128,10 +131,11 @@ def chat_conversation(req: ChatRequest, notes: Notes) -> Conversation:
 
 
 def generate_conversation(req: GenerateRequest, notes: Notes) -> Conversation:
-    _no_images(req.images, "images")
+    pictures = _images(req.images, "images")
     if req.suffix:
         raise invalid("suffix (fill-in-the-middle) is not supported", param="suffix")
-    turns = ([Turn.of("system", req.system)] if req.system else []) + [Turn.of("user", req.prompt)]
+    turns = ([Turn.of("system", req.system)] if req.system else []) + [
+        Turn("user", (*pictures, *Turn.of("user", req.prompt).parts))]
     notes.ignored.update(unknown_fields(req))
     return Conversation(tuple(turns), None, None, True, _output(req.format), thinking(req),
                         sampling(req.options, notes), params={"output.schema": "format", "messages": "prompt"},

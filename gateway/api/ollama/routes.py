@@ -244,6 +244,9 @@ async def generate(body: ol.GenerateRequest, request: Request) -> Response:
     timing = ol.Timing(received)
     was_loaded = service.manager.is_loaded(spec.id)
     if body.raw:  # the prompt as it is, no chat template
+        if conv.images:
+            raise invalid("images go into the prompt through the model's chat template: not with raw true",
+                          param="images")
         p = await until_disconnect(request, service.prepare_prompts(spec, [body.prompt], conv.sampling, 1, "ollama",
                                                                     received, conv.output))
     else:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import replace
+from functools import partial
 
 from gateway.api.errors import invalid
+from gateway.api.images import image_part
 from gateway.api.openai.common import (
     TextChunk,
     asked,
@@ -22,22 +24,26 @@ from gateway.api.openai.protocol import (
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
+    ChatMessageIn,
     ChoiceLogprobs,
     ChunkChoice,
     Delta,
     FunctionCallOut,
     FunctionDelta,
+    TextPart,
     ToolCallDelta,
     ToolCallOut,
     UsageOut,
 )
 from gateway.api.serving import Prepared, Service
+from gateway.chat import images
 from gateway.conversation import (
     CallStarted,
     Conversation,
     Finished,
     Logprob,
     Output,
+    Part,
     ReasoningDelta,
     Scored,
     TextDelta,
@@ -49,12 +55,21 @@ from gateway.conversation import (
 )
 
 
+def _parts(m: ChatMessageIn, i: int) -> tuple[Part, ...]:
+    """A message's content in order: its text, and its images decoded and checked."""
+    if not isinstance(m.content, list):
+        return (Part("text", m.content),) if m.content else ()
+    return tuple(Part("text", p.text) if isinstance(p, TextPart) else
+                 image_part(partial(images.from_url, p.image_url.url), f"messages[{i}].content[{j}].image_url.url")
+                 for j, p in enumerate(m.content))
+
+
 def conversation(req: ChatCompletionRequest) -> Conversation:
     turns = tuple(
-        Turn.of("system" if m.role == "developer" else m.role, m.text(),
-                tool_calls=tuple(ToolCall(c.id, c.function.name, c.function.arguments) for c in m.tool_calls or ()),
-                tool_call_id=m.tool_call_id)
-        for m in req.messages
+        Turn("system" if m.role == "developer" else m.role, _parts(m, i),
+             tool_calls=tuple(ToolCall(c.id, c.function.name, c.function.arguments) for c in m.tool_calls or ()),
+             tool_call_id=m.tool_call_id)
+        for i, m in enumerate(req.messages)
     )
     tools = None
     if req.tools is not None:

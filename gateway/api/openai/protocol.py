@@ -21,6 +21,19 @@ class TextPart(_Request):
     text: str
 
 
+class ImageUrl(_Request):
+    url: str  # a data: URL (base64)
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(_Request):
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
 class FunctionCallIn(_Request):
     name: str
     arguments: str = ""  # JSON text
@@ -34,7 +47,7 @@ class ToolCallIn(_Request):
 
 class ChatMessageIn(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None  # assistant turns that called tools
     tool_call_id: str | None = None  # tool turns: the call this result answers
@@ -48,7 +61,7 @@ class ChatMessageIn(_Request):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.text for p in self.content)
+        return "".join(p.text for p in self.content if isinstance(p, TextPart))
 
 
 class StreamOptions(_Request):

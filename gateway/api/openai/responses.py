@@ -17,21 +17,25 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Literal, cast
 
 from gateway.api.errors import APIError, invalid, to_api_error
+from gateway.api.images import image_part
 from gateway.api.notes import Notes
 from gateway.api.openai.adapters import RESPONSES
 from gateway.api.openai.common import effort_level
 from gateway.api.openai.responses_schema import (
     ResponseCreateRequest,
 )
+from gateway.chat import images
 from gateway.conversation import (
     ArgumentsDelta,
     CallStarted,
     Conversation,
     Finished,
     Output,
+    Part,
     ReasoningDelta,
     Sampling,
     TextDelta,
@@ -61,14 +65,19 @@ def _id(prefix: str) -> str:
 
 
 def _text_of(content: Any, param: str) -> str:
-    """A message's or a tool output's content: a string or a list of text parts."""
-    if content is None:
-        return ""
+    """A tool output's content: a string or a list of text parts."""
+    parts = _parts_of(content, param, images_allowed=False)
+    return "".join(p.text for p in parts)
+
+
+def _parts_of(content: Any, param: str, images_allowed: bool = True) -> tuple[Part, ...]:
+    """A message's content: a string or a list of content parts (text, and input_image with a
+    data: URL), in order."""
     if isinstance(content, str):
-        return content
+        return (Part("text", content),) if content else ()
     if not isinstance(content, list):
         raise invalid("content must be a string or a list of content parts", param=param)
-    out = []
+    out: list[Part] = []
     for j, part in enumerate(content):
         if not isinstance(part, dict) or not isinstance(part.get("type"), str):
             raise invalid("each content part needs a type", param=f"{param}[{j}]")
@@ -76,15 +85,21 @@ def _text_of(content: Any, param: str) -> str:
         if kind in ("input_text", "output_text", "text", "summary_text", "reasoning_text"):
             if not isinstance(part.get("text"), str):
                 raise invalid(f"a {kind} part needs text", param=f"{param}[{j}].text")
-            out.append(part["text"])
+            out.append(Part("text", part["text"]))
         elif kind == "refusal":
             continue  # an earlier refusal, as our own responses could carry it: not shown to the model
+        elif kind == "input_image" and images_allowed:
+            url = part.get("image_url")
+            if not isinstance(url, str):
+                raise invalid("an input_image part needs image_url (a data: URL); file_id is not supported",
+                              param=f"{param}[{j}].image_url", code="unsupported_content")
+            out.append(image_part(partial(images.from_url, url), f"{param}[{j}].image_url"))
         elif kind in ("input_image", "input_file", "input_audio"):
-            raise invalid(f"{kind} content is not supported: the served models take text only",
-                          param=f"{param}[{j}].type", code="unsupported_content")
+            raise invalid(f"{kind} content is not supported here", param=f"{param}[{j}].type",
+                          code="unsupported_content")
         else:
             raise invalid(f"unknown content part type {kind!r}", param=f"{param}[{j}].type")
-    return "".join(out)
+    return tuple(out)
 
 
 def _call_id_of(item: dict[str, Any], param: str) -> str:
@@ -118,8 +133,8 @@ def input_turns(items: str | list[dict[str, Any]] | None, notes: Notes) -> tuple
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
                 raise invalid("role must be user, system, developer or assistant", param=f"{param}.role")
-            text = _text_of(item.get("content"), f"{param}.content")
-            turns.append(Turn.of("system" if role == "developer" else role, text))
+            parts = _parts_of(item.get("content"), f"{param}.content")
+            turns.append(Turn("system" if role == "developer" else role, parts))
         elif kind in ("function_call", "custom_tool_call"):
             call = ToolCall(_call_id_of(item, param), _str_field(item, "name", param),
                             _str_field(item, "arguments" if kind == "function_call" else "input", param),
