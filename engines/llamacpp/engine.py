@@ -159,14 +159,15 @@ class LlamaCppEngine:
 
     def _load_model(self, lc: Any, on_gpu: bool) -> Any:
         """The weights, on the engine's device only; on the CPU, the file pages repacking copied released."""
-        from engines.llamacpp.ggml_devices import backends, device_list
+        from engines.llamacpp.ggml_devices import backends, device_list, split_shares
 
-        o = self.options
+        o, lo = self.options, self.llama_options
         mparams = lc.llama_model_default_params()
-        mparams.use_extra_bufts = self.llama_options.repack
+        mparams.use_extra_bufts = lo.repack
         # An explicit device list, even an empty one: llama.cpp would otherwise spread the
         # model over every GPU the build sees, and a "CPU" engine would not be on the CPU.
-        devices, missing = device_list([o.device_key] if on_gpu else [])
+        names = [o.device_key, *lo.split_devices] if on_gpu else []
+        devices, missing = device_list(names)
         if missing:
             raise ModelLoadError(
                 f"this llama-cpp-python build has no device {', '.join(missing)} "
@@ -175,6 +176,9 @@ class LlamaCppEngine:
         mparams.devices = ctypes.cast(devices, ctypes.c_void_p)
         mparams.n_gpu_layers = (o.n_gpu_layers or -1) if on_gpu else 0
         mparams.main_gpu = 0
+        if len(names) > 1:  # one model over several devices (the shares kept alive through the load)
+            mparams.split_mode = lc.LLAMA_SPLIT_MODE_ROW if lo.split_mode == "row" else lc.LLAMA_SPLIT_MODE_LAYER
+            mparams.tensor_split = self._split = split_shares(lc, len(names), lo.tensor_split)
         model = lc.llama_model_load_from_file(o.model_path.encode(), mparams)
         if not model:
             raise ModelLoadError(f"llama.cpp could not load {o.model_path} on {o.device} ({o.device_key or 'CPU'})")

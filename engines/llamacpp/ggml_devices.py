@@ -18,6 +18,7 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from engines.base import ModelLoadError
 from engines.llamacpp.ggml_backends import ensure_loaded, ggml_lib, lib_dir, variants
 
 DEVICE_TYPES = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel", 4: "meta"}
@@ -100,6 +101,17 @@ def device_list(names: list[str]) -> tuple[Any, list[str]]:
             missing.append(name)
     arr = (ctypes.c_void_p * (len(handles) + 1))(*handles, None)
     return arr, missing
+
+
+def split_shares(lc: Any, n: int, shares: tuple[float, ...]) -> Any:
+    """llama.cpp's tensor_split for `n` devices: each one's share (in the device list's order), or
+    zeros (llama.cpp then splits by each device's free memory)."""
+    if shares and len(shares) != n:
+        raise ModelLoadError(f"tensor_split has {len(shares)} shares for {n} devices")
+    if n > lc.llama_max_devices():
+        raise ModelLoadError(f"this llama.cpp build splits a model over at most {lc.llama_max_devices()} devices")
+    arr = (ctypes.c_float * lc.llama_max_devices())(*(shares or ()))
+    return ctypes.cast(arr, ctypes.POINTER(ctypes.c_float))
 
 
 def build_report() -> dict[str, Any]:

@@ -7,9 +7,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Self
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from engines.base import EngineConfig
 from engines.host import (
@@ -72,10 +72,24 @@ class LlamaCppOptions(RuntimeOptions):
     # a step's tokens of several sequences then go through the model together, but a sequence's
     # context is no longer its own (the sequences share context_length x parallel).
     kv_unified: bool = False
+    # One model across several GPUs: the ggml devices after the engine's own (`device_key`), each
+    # one's share of the layers (tensor_split, in device order, the engine's first; empty = by
+    # llama.cpp's default, each GPU's free memory) and how (llama.cpp's --split-mode: layer, row).
+    split_devices: tuple[str, ...] = ()
+    tensor_split: tuple[float, ...] = ()
+    split_mode: Literal["layer", "row"] = "layer"
     # With kv_unified: requests decoded at once (0 = parallel). More than `parallel` share the KV
     # of context_length x parallel tokens; when it fills, idle sequences' KV goes to the host
     # prefix cache first, then the newest request is paused and resumes when there is room.
     sequences: int = Field(default=0, ge=0)
+
+    @model_validator(mode="after")
+    def _shares(self) -> Self:
+        if self.tensor_split and len(self.tensor_split) != 1 + len(self.split_devices):
+            raise ValueError(f"tensor_split has {len(self.tensor_split)} shares for {1 + len(self.split_devices)} devices")
+        if any(s < 0 for s in self.tensor_split) or (self.tensor_split and not sum(self.tensor_split)):
+            raise ValueError("tensor_split's shares are >= 0, and not all 0")
+        return self
 
 
 # --- the host probe ------------------------------------------------------------------------
@@ -325,6 +339,9 @@ def rung(config: EngineConfig) -> str:
     lo = LlamaCppOptions.of(config)
     how = [f"CPU variant {lo.cpu_variant}"] if lo.cpu_variant else []
     how.append(f"repack {'on' if lo.repack else 'off'}")
+    if lo.split_devices:
+        shares = "/".join(f"{s:g}" for s in lo.tensor_split)
+        how.append(f"split ({lo.split_mode}) with {', '.join(lo.split_devices)}" + (f", shares {shares}" if shares else ""))
     return ", ".join(how)
 
 

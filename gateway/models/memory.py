@@ -129,15 +129,20 @@ def gguf_info(path: str | Path) -> GGUFInfo | None:
 class Need:
     """Bytes a model takes: `host` in RAM and `device` on its GPU (0 when it runs on the CPU)."""
 
-    device: str  # "cpu", or the GPU's key ("cuda:0", "vulkan:1")
+    device: str  # "cpu", or the GPU's key ("cuda:0", "vulkan:1"), or a split's ("cuda:0+cuda:1")
     host: int
     gpu: int
     parts: dict[str, int] = field(default_factory=dict)
     context: int = 0
     parallel: int = 0
+    shares: dict[str, float] = field(default_factory=dict)  # a split: each GPU's share of `gpu`
 
     def on(self, device: str) -> int:
-        return self.gpu if device == self.device and device != "cpu" else self.host if device == "cpu" else 0
+        if device == "cpu":
+            return self.host
+        if self.shares:
+            return int(self.gpu * self.shares.get(device, 0.0))
+        return self.gpu if device == self.device else 0
 
     def describe(self) -> str:
         parts = ", ".join(f"{k} {v / MiB:.0f} MiB" for k, v in self.parts.items() if v)

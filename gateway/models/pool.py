@@ -28,7 +28,7 @@ from engines.base import (
     Supervised,
 )
 from engines.registry import create_engine
-from engines.runtimes import in_one_process, option_values, runtime
+from engines.runtimes import Runtime, in_one_process, option_values, runtime
 from engines.worker.client import WorkerEngine
 from engines.worker.connections import LocalWorker, RemoteWorker, Supervision
 from gateway.host.functional_check import (
@@ -40,8 +40,10 @@ from gateway.host.functional_check import (
     one_token,
 )
 from gateway.host.hardware import HostCapabilities, probe_host, vulkan_visible_env
+from gateway.host.placement import Split, chosen, split_of
 from gateway.host.selection import Candidate, Plan, Preference, SelectionError, plan
 from gateway.metrics import Metrics
+from gateway.models.gguf_info import GGUFInfo
 from gateway.models.memory import MiB, Need, default_reserve, fit_config, gguf_info
 from gateway.models.registry import ModelSpec, ModelUnavailable, Registry
 from gateway.models.routing import WorkerGroup
@@ -235,19 +237,39 @@ class ModelManager:
         """Budgets and what the loaded models hold, per device (for /health and the web page)."""
         return {d: {"budget_bytes": b, "used_bytes": self.used(d)} for d, b in self.budgets.items()}
 
-    def _fit(self, spec: ModelSpec, cand: Candidate, config: EngineConfig) -> tuple[EngineConfig, Need | None, str]:
+    def _fit(self, spec: ModelSpec, cand: Candidate, config: EngineConfig,
+             candidates: tuple[Candidate, ...] = ()) -> tuple[EngineConfig, Need | None, str]:
         """`config` sized down (fewer sequences, then a shorter context) where the model would not
-        fit its device's budget; ModelTooLarge when it cannot fit even then."""
+        fit its device's budget, or split over the model's GPUs (`placement`); ModelTooLarge when it
+        cannot fit even then."""
         rt = runtime(cand.runtime)
         if rt is None or not rt.memory_estimate:
             return config, None, ""
         info = gguf_info(config.model_path)
         if info is None or "cpu" not in self.budgets:
             return config, None, ""
-        device = device_of(cand, self.host)
+        split = None
+        if "split_devices" in rt.options.model_fields:
+            split = split_of(cand, candidates, spec.devices, self.budgets,
+                             {c: device_of(c, self.host) for c in candidates if c.device_index is not None})
+        if split is not None and spec.placement == "split":
+            return self._fit_on(spec, rt, info, config, split)
+        try:
+            return self._fit_on(spec, rt, info, config, None, device_of(cand, self.host))
+        except ModelTooLarge as alone:
+            if split is None:
+                raise
+            log.info("%s does not fit one GPU (%s): splitting it over %s", spec.id, alone, ", ".join(split.keys))
+            return self._fit_on(spec, rt, info, config, split)
+
+    def _fit_on(self, spec: ModelSpec, rt: Runtime, info: GGUFInfo, config: EngineConfig, split: Split | None,
+                device: str = "") -> tuple[EngineConfig, Need | None, str]:
+        budgets = self.budgets
+        if split is not None:  # the GPUs as one budget, each holding its share
+            device, budgets = split.key, {**budgets, split.key: split.room(budgets)}
         # The host prefix cache is part of the estimate and of the RAM budget: by default what the
         # budget has left beside this model and the others, so it never takes memory another holds.
-        need, changed, exceeded = fit_config(info, config, device, self.budgets, self.used("cpu"))
+        need, changed, exceeded = fit_config(info, config, device, budgets, self.used("cpu"))
         if exceeded:
             raise ModelTooLarge(
                 f"model {spec.id!r} needs {need.describe()} even with one sequence and a {need.context}-token "
@@ -260,6 +282,11 @@ class ModelManager:
         values = option_values(config) or dict(rt.load_options({}).model_dump(mode="json"))
         if "prefix_cache_mib" in values:
             values["prefix_cache_mib"] = need.parts["host cache"] // MiB
+        if split is not None:
+            need = dataclasses.replace(need, shares=dict(zip(split.keys, split.shares, strict=True)))
+            values.update(split_devices=[c.device_key for c in split.members[1:]], tensor_split=list(split.shares),
+                          split_mode=spec.split_mode)
+        if "prefix_cache_mib" in values or split is not None:
             config = dataclasses.replace(config, options=rt.load_options(values))
         return config, need, changed
 
@@ -324,7 +351,8 @@ class ModelManager:
             except SelectionError as exc:
                 raise ModelLoadError(str(exc)) from exc
             excluded = self.excluded.get(spec.id, {})
-            kept = tuple(c for c in the_plan.candidates if (c.runtime, c.backend) not in excluded)
+            kept = tuple(c for c in the_plan.candidates if (c.runtime, c.backend) not in excluded
+                         and chosen(c, spec.devices))
             if not kept:
                 raise ModelLoadError(
                     f"every engine for model {spec.id!r} is excluded: "
@@ -339,7 +367,8 @@ class ModelManager:
                 except ModelUnavailable as exc:
                     raise ModelNotAvailable(str(exc)) from exc
                 try:
-                    base, need, fitted = self._fit(spec, cand, self._config(spec, cand, str(path)))
+                    base, need, fitted = self._fit(spec, cand, self._config(spec, cand, str(path)),
+                                                   the_plan.candidates)
                 except ModelTooLarge as exc:
                     failures.append((f"{cand.label} on {cand.device}", str(exc)))
                     too_large.append(exc)

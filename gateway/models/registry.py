@@ -251,6 +251,16 @@ class ModelSpec(_Strict):
         description="engine preference for --engine auto, e.g. [cuda, vulkan, cpu]; the built-in order when unset",
     )
     parallel: int | None = Field(default=None, ge=1, le=64, description="sequences decoded together")
+    devices: list[int | str] | Literal["all"] | None = Field(
+        default=None, description="GPUs this model may use: indexes, parts of their names, or all (`gateway "
+                                  "devices` lists them); the CPU stays a fallback")
+    placement: Literal["auto", "split"] = Field(
+        default="auto", description="with several GPUs: split: one copy across them (llama.cpp's split, each GPU's "
+                                    "share of the layers by its memory budget); auto: on one GPU when it holds the "
+                                    "model, else split")
+    split_mode: Literal["layer", "row"] = Field(
+        default="layer", description="llama.cpp: how a split model is divided (--split-mode): whole layers per GPU, "
+                                     "or the rows of each matrix")
     chat_template: str | None = Field(default=None, description="Jinja chat template overriding the model's")
     tools: bool = Field(default=True, description="the model calls tools; false for models too small to (their "
                         "requests' tools are skipped and named in X-Skipped-Tools, and the model answers in text; "

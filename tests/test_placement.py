@@ -1,0 +1,126 @@
+"""Several GPUs on one host: which GPUs a model may use (models.yaml `devices`) and when one copy
+is split across them (`placement`), decided from the plan's candidates and the memory budgets,
+and carried out by the pool as llama.cpp's device list and tensor split."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from engines.base import EngineConfig, ModelTooLarge
+from engines.llamacpp.runtime import LlamaCppOptions
+from gateway.host.hardware import CudaDevice, CudaInfo
+from gateway.host.placement import chosen, split_of
+from gateway.host.selection import Candidate
+from gateway.models.memory import estimate, gguf_info
+from gateway.models.pool import ModelManager
+from gateway.models.registry import Registry, load_registry
+from gateway.settings import Settings
+from tests import hosts
+from tests.conftest import MODEL, NO_CHECKS
+from tests.fakes import FakeEngine
+
+MiB = 1 << 20
+A, B, C = (Candidate("llamacpp", "cuda", f"NVIDIA H100 #{i}", f"CUDA{i}", "gguf", i) for i in range(3))
+CPU = Candidate("llamacpp", "cpu", "cpu", "", "gguf")
+KEYS = {A: "cuda:0", B: "cuda:1", C: "cuda:2"}
+
+
+@pytest.mark.parametrize(("devices", "allowed"), [
+    (None, [A, B, C, CPU]), ("all", [A, B, C, CPU]), ([1], [B, CPU]), ([0, 2], [A, C, CPU]), (["1"], [B, CPU]),
+    (["#2"], [C, CPU]), (["h100"], [A, B, C, CPU]), (["rtx"], [CPU]),
+])
+def test_devices_keep_the_gpus_named_and_the_cpu(devices: object, allowed: list[Candidate]) -> None:
+    assert [c for c in (A, B, C, CPU) if chosen(c, devices)] == allowed  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("budgets", "devices", "keys", "shares"), [
+    ({"cuda:0": 80, "cuda:1": 80, "cuda:2": 80}, None, ("cuda:0", "cuda:1", "cuda:2"), (0.3333, 0.3333, 0.3333)),
+    ({"cuda:0": 60, "cuda:1": 20, "cuda:2": 20}, [0, 1], ("cuda:0", "cuda:1"), (0.75, 0.25)),
+    ({"cuda:0": 80, "cuda:1": 80, "cuda:2": 80}, [0], None, None),  # one GPU: no split
+    ({"cuda:0": 80, "cuda:1": 0, "cuda:2": 80}, None, None, None),  # a GPU of unknown memory: no split
+])
+def test_a_split_takes_the_other_gpus_of_its_engine_by_budget(budgets: dict[str, int], devices: object,
+                                                               keys: tuple[str, ...] | None,
+                                                               shares: tuple[float, ...] | None) -> None:
+    s = split_of(A, (A, B, C, CPU), devices, budgets, KEYS)  # type: ignore[arg-type]
+    assert (s.keys if s else None, s.shares if s else None) == (keys, shares)
+    if s is not None:
+        assert s.members[0] == A and s.key == "+".join(keys or ()) and s.room(budgets) == sum(budgets[k] for k in s.keys)
+    # Another engine or build is never a mate.
+    vulkan = Candidate("llamacpp", "vulkan", "NVIDIA H100 #1", "Vulkan1", "gguf", 1)
+    assert split_of(A, (A, vulkan), None, {"cuda:0": 80, "vulkan:1": 80}, {A: "cuda:0", vulkan: "vulkan:1"}) is None
+
+
+TWO_H100 = hosts.host(cuda=CudaInfo(devices=tuple(CudaDevice(i, "NVIDIA H100 80GB HBM3", 80 << 30, "9.0")
+                                                  for i in range(2)), driver_version="580", cuda_version="13.0"),
+                      llamacpp=hosts.llama("CUDA", cuda=2))
+
+
+def _registry(tmp_path: Path, extra: str) -> Registry:
+    gguf = load_registry(Path(__file__).resolve().parent.parent / "models.yaml")
+    path = gguf.resolve(gguf.models[MODEL], "gguf")
+    cfg = tmp_path / "models.yaml"
+    cfg.write_text(f"models:\n  - id: m\n    formats: {{gguf: {{path: {path}}}}}\n{extra}")
+    return load_registry(cfg, cache_dir=tmp_path / "cache")
+
+
+def _load(tmp_path: Path, extra: str, gpu_budget: int) -> tuple[EngineConfig, dict[str, int]]:
+    made: list[EngineConfig] = []
+
+    def factory(runtime: str, config: EngineConfig) -> FakeEngine:
+        made.append(config)
+        return FakeEngine(config)
+
+    reg = _registry(tmp_path, extra)
+    settings = Settings.from_env(env=NO_CHECKS, gpu_memory_budget=gpu_budget, parallel=1, prefix_cache=0,
+                                 engine="cuda")
+    manager = ModelManager(reg, settings, factory, host=TWO_H100)  # type: ignore[arg-type]
+
+    async def go() -> dict[str, int]:
+        await manager.get(reg.models["m"])
+        used = {d: s["used_bytes"] for d, s in manager.memory_status().items() if d != "cpu"}
+        await manager.close()
+        return used
+
+    used = asyncio.run(go())
+    return made[-1], used
+
+
+def _gpu_need(tmp_path: Path) -> int:
+    reg = _registry(tmp_path, "")
+    info = gguf_info(reg.resolve(reg.models["m"], "gguf"))
+    assert info is not None
+    return estimate(info, 2048, 1, "cuda:0").gpu
+
+
+def test_a_model_too_large_for_one_gpu_is_split_over_both(tmp_path: Path) -> None:
+    need = _gpu_need(tmp_path)
+    budget = int(need * 0.7)  # one GPU holds 70 % of it, two hold 140 %
+    config, used = _load(tmp_path, "", budget)
+    lo = LlamaCppOptions.of(config)
+    assert (config.device_key, lo.split_devices, lo.tensor_split, lo.split_mode) == ("CUDA0", ("CUDA1",), (0.5, 0.5),
+                                                                                     "layer")
+    # Each GPU's budget holds its half.
+    assert used["cuda:0"] == used["cuda:1"] == need // 2 and used["cuda:0"] <= budget
+
+
+def test_auto_keeps_a_model_that_fits_on_one_gpu(tmp_path: Path) -> None:
+    config, used = _load(tmp_path, "", 40 << 30)
+    assert LlamaCppOptions.of(config).split_devices == () and used["cuda:1"] == 0 < used["cuda:0"]
+
+
+def test_placement_split_splits_a_small_model_and_devices_choose_the_gpus(tmp_path: Path) -> None:
+    config, used = _load(tmp_path, "    placement: split\n    split_mode: row\n", 40 << 30)
+    lo = LlamaCppOptions.of(config)
+    assert (lo.split_devices, lo.split_mode) == (("CUDA1",), "row") and used["cuda:0"] == used["cuda:1"] > 0
+    only = _load(tmp_path, "    placement: split\n    devices: [1]\n", 40 << 30)[0]
+    assert (only.device_key, LlamaCppOptions.of(only).split_devices) == ("CUDA1", ())
+
+
+def test_a_model_too_large_for_both_gpus_says_so(tmp_path: Path) -> None:
+    need = _gpu_need(tmp_path)
+    with pytest.raises(ModelTooLarge, match=r"cuda:0\+cuda:1"):
+        _load(tmp_path, "    devices: all\n", int(need * 0.4))
