@@ -101,8 +101,7 @@ def test_a_model_too_large_for_one_gpu_is_split_over_both(tmp_path: Path) -> Non
     budget = int(need * 0.7)  # one GPU holds 70 % of it, two hold 140 %
     config, used = _load(tmp_path, "", budget)
     lo = LlamaCppOptions.of(config)
-    assert (config.device_key, lo.split_devices, lo.tensor_split, lo.split_mode) == ("CUDA0", ("CUDA1",), (0.5, 0.5),
-                                                                                     "layer")
+    assert (config.device_key, lo.split_devices, lo.tensor_split) == ("CUDA0", ("CUDA1",), (0.5, 0.5))
     # Each GPU's budget holds its half.
     assert used["cuda:0"] == used["cuda:1"] == need // 2 and used["cuda:0"] <= budget
 
@@ -113,9 +112,8 @@ def test_auto_keeps_a_model_that_fits_on_one_gpu(tmp_path: Path) -> None:
 
 
 def test_placement_split_splits_a_small_model_and_devices_choose_the_gpus(tmp_path: Path) -> None:
-    config, used = _load(tmp_path, "    placement: split\n    split_mode: row\n", 40 << 30)
-    lo = LlamaCppOptions.of(config)
-    assert (lo.split_devices, lo.split_mode) == (("CUDA1",), "row") and used["cuda:0"] == used["cuda:1"] > 0
+    config, used = _load(tmp_path, "    placement: split\n", 40 << 30)
+    assert LlamaCppOptions.of(config).split_devices == ("CUDA1",) and used["cuda:0"] == used["cuda:1"] > 0
     only = _load(tmp_path, "    placement: split\n    devices: [1]\n", 40 << 30)[0]
     assert (only.device_key, LlamaCppOptions.of(only).split_devices) == ("CUDA1", ())
 

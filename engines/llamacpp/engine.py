@@ -177,7 +177,7 @@ class LlamaCppEngine:
         mparams.n_gpu_layers = (o.n_gpu_layers or -1) if on_gpu else 0
         mparams.main_gpu = 0
         if len(names) > 1:  # one model over several devices (the shares kept alive through the load)
-            mparams.split_mode = lc.LLAMA_SPLIT_MODE_ROW if lo.split_mode == "row" else lc.LLAMA_SPLIT_MODE_LAYER
+            mparams.split_mode = lc.LLAMA_SPLIT_MODE_LAYER
             mparams.tensor_split = self._split = split_shares(lc, len(names), lo.tensor_split)
         model = lc.llama_model_load_from_file(o.model_path.encode(), mparams)
         if not model:

@@ -72,12 +72,13 @@ class LlamaCppOptions(RuntimeOptions):
     # a step's tokens of several sequences then go through the model together, but a sequence's
     # context is no longer its own (the sequences share context_length x parallel).
     kv_unified: bool = False
-    # One model across several GPUs: the ggml devices after the engine's own (`device_key`), each
-    # one's share of the layers (tensor_split, in device order, the engine's first; empty = by
-    # llama.cpp's default, each GPU's free memory) and how (llama.cpp's --split-mode: layer, row).
+    # One model across several GPUs, whole layers on each (llama.cpp's --split-mode layer): the ggml
+    # devices after the engine's own (`device_key`), and each one's share of the layers
+    # (tensor_split, in device order, the engine's first; empty = by each GPU's free memory). Row
+    # split is not offered: llama.cpp refused it on the CUDA build ("device CUDA0 does not support
+    # split buffers", two H100s).
     split_devices: tuple[str, ...] = ()
     tensor_split: tuple[float, ...] = ()
-    split_mode: Literal["layer", "row"] = "layer"
     # With kv_unified: requests decoded at once (0 = parallel). More than `parallel` share the KV
     # of context_length x parallel tokens; when it fills, idle sequences' KV goes to the host
     # prefix cache first, then the newest request is paused and resumes when there is room.
@@ -341,7 +342,7 @@ def rung(config: EngineConfig) -> str:
     how.append(f"repack {'on' if lo.repack else 'off'}")
     if lo.split_devices:
         shares = "/".join(f"{s:g}" for s in lo.tensor_split)
-        how.append(f"split ({lo.split_mode}) with {', '.join(lo.split_devices)}" + (f", shares {shares}" if shares else ""))
+        how.append(f"split with {', '.join(lo.split_devices)}" + (f", shares {shares}" if shares else ""))
     return ", ".join(how)
 
 

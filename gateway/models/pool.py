@@ -284,8 +284,7 @@ class ModelManager:
             values["prefix_cache_mib"] = need.parts["host cache"] // MiB
         if split is not None:
             need = dataclasses.replace(need, shares=dict(zip(split.keys, split.shares, strict=True)))
-            values.update(split_devices=[c.device_key for c in split.members[1:]], tensor_split=list(split.shares),
-                          split_mode=spec.split_mode)
+            values.update(split_devices=[c.device_key for c in split.members[1:]], tensor_split=list(split.shares))
         if "prefix_cache_mib" in values or split is not None:
             config = dataclasses.replace(config, options=rt.load_options(values))
         return config, need, changed

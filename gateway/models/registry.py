@@ -258,9 +258,6 @@ class ModelSpec(_Strict):
         default="auto", description="with several GPUs: split: one copy across them (llama.cpp's split, each GPU's "
                                     "share of the layers by its memory budget); auto: on one GPU when it holds the "
                                     "model, else split")
-    split_mode: Literal["layer", "row"] = Field(
-        default="layer", description="llama.cpp: how a split model is divided (--split-mode): whole layers per GPU, "
-                                     "or the rows of each matrix")
     chat_template: str | None = Field(default=None, description="Jinja chat template overriding the model's")
     tools: bool = Field(default=True, description="the model calls tools; false for models too small to (their "
                         "requests' tools are skipped and named in X-Skipped-Tools, and the model answers in text; "
