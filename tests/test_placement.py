@@ -7,10 +7,12 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import httpx
 import pytest
 
 from engines.base import EngineConfig, ModelTooLarge
 from engines.llamacpp.runtime import LlamaCppOptions
+from gateway.app import create_app
 from gateway.host.hardware import CudaDevice, CudaInfo
 from gateway.host.placement import chosen, split_of
 from gateway.host.selection import Candidate
@@ -19,7 +21,7 @@ from gateway.models.pool import ModelManager
 from gateway.models.registry import Registry, load_registry
 from gateway.settings import Settings
 from tests import hosts
-from tests.conftest import MODEL, NO_CHECKS
+from tests.conftest import MODEL, NO_CHECKS, ServerThread
 from tests.fakes import FakeEngine
 
 MiB = 1 << 20
@@ -122,3 +124,19 @@ def test_a_model_too_large_for_both_gpus_says_so(tmp_path: Path) -> None:
     need = _gpu_need(tmp_path)
     with pytest.raises(ModelTooLarge, match=r"cuda:0\+cuda:1"):
         _load(tmp_path, "    devices: all\n", int(need * 0.4))
+
+
+def test_health_shows_the_split_and_each_gpus_part(tmp_path: Path) -> None:
+    reg = _registry(tmp_path, "    placement: split\n")
+    settings = Settings.from_env(env=NO_CHECKS, config=str(tmp_path / "models.yaml"), parallel=1, prefix_cache=0,
+                                 engine="cuda")
+    app = create_app(settings, reg, engine_factory=lambda runtime, config: FakeEngine(config),  # type: ignore[arg-type]
+                     host=TWO_H100)
+    server = ServerThread(app).start()
+    try:
+        row = httpx.get(f"{server.url}/health", timeout=30).json()["models"]["m"]
+    finally:
+        server.stop()
+    assert row["split"] == {"cuda:0": 0.5, "cuda:1": 0.5}
+    held = row["memory"]["held_bytes"]
+    assert held["cuda:0"] == held["cuda:1"] > 0 and row["memory"]["estimate"]["device"] == "cuda:0+cuda:1"

@@ -64,6 +64,8 @@ def _models(request: Request) -> dict[str, dict[str, Any]]:
             memory["estimate"] = {"ram_bytes": entry.need.host, "gpu_bytes": entry.need.gpu, "device": entry.need.device,
                                   "context": entry.need.context, "parallel": entry.need.parallel,
                                   "parts_bytes": dict(entry.need.parts)}
+        if entry.need is not None and entry.need.shares:  # one copy over several GPUs: each one's share
+            row["split"] = dict(entry.need.shares)
         if entry.fitted:
             memory["sized_down"] = entry.fitted
         keep = manager.keep_alive_of(entry)
