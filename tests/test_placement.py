@@ -13,12 +13,13 @@ import pytest
 from engines.base import EngineConfig, ModelTooLarge
 from engines.llamacpp.runtime import LlamaCppOptions
 from gateway.app import create_app
-from gateway.host.hardware import CudaDevice, CudaInfo
+from gateway.host.hardware import CudaDevice, CudaInfo, HostCapabilities
 from gateway.host.placement import chosen, split_of
 from gateway.host.selection import Candidate
 from gateway.models.memory import estimate, gguf_info
 from gateway.models.pool import ModelManager
 from gateway.models.registry import Registry, load_registry
+from gateway.models.routing import WorkerGroup
 from gateway.settings import Settings
 from tests import hosts
 from tests.conftest import MODEL, NO_CHECKS, ServerThread
@@ -69,7 +70,9 @@ def _registry(tmp_path: Path, extra: str) -> Registry:
     return load_registry(cfg, cache_dir=tmp_path / "cache")
 
 
-def _load(tmp_path: Path, extra: str, gpu_budget: int) -> tuple[EngineConfig, dict[str, int]]:
+def _load(tmp_path: Path, extra: str, gpu_budget: int, host: HostCapabilities | None = None
+          ) -> tuple[EngineConfig, dict[str, int]]:
+    """Load model "m" on a two-GPU host; the last engine's config, and the bytes each GPU holds."""
     made: list[EngineConfig] = []
 
     def factory(runtime: str, config: EngineConfig) -> FakeEngine:
@@ -79,11 +82,13 @@ def _load(tmp_path: Path, extra: str, gpu_budget: int) -> tuple[EngineConfig, di
     reg = _registry(tmp_path, extra)
     settings = Settings.from_env(env=NO_CHECKS, gpu_memory_budget=gpu_budget, parallel=1, prefix_cache=0,
                                  engine="cuda")
-    manager = ModelManager(reg, settings, factory, host=TWO_H100)  # type: ignore[arg-type]
+    manager = ModelManager(reg, settings, factory, host=host or TWO_H100)  # type: ignore[arg-type]
 
     async def go() -> dict[str, int]:
-        await manager.get(reg.models["m"])
+        entry = await manager.get(reg.models["m"])
         used = {d: s["used_bytes"] for d, s in manager.memory_status().items() if d != "cpu"}
+        members = entry.engine.members if isinstance(entry.engine, WorkerGroup) else [entry.engine]
+        assert [m.config.device_key for m in members] == [c.device_key for c in made[-len(members):]]  # type: ignore[attr-defined]
         await manager.close()
         return used
 
@@ -108,9 +113,24 @@ def test_a_model_too_large_for_one_gpu_is_split_over_both(tmp_path: Path) -> Non
     assert used["cuda:0"] == used["cuda:1"] == need // 2 and used["cuda:0"] <= budget
 
 
-def test_auto_keeps_a_model_that_fits_on_one_gpu(tmp_path: Path) -> None:
+def test_auto_puts_a_replica_on_each_identical_gpu(tmp_path: Path) -> None:
+    need = _gpu_need(tmp_path)
     config, used = _load(tmp_path, "", 40 << 30)
-    assert LlamaCppOptions.of(config).split_devices == () and used["cuda:1"] == 0 < used["cuda:0"]
+    # The second copy's engine, on the second GPU; each GPU holds a whole copy.
+    assert (config.device_key, LlamaCppOptions.of(config).split_devices) == ("CUDA1", ())
+    assert used["cuda:0"] == used["cuda:1"] == need
+
+
+def test_replicas_of_different_gpus_only_when_asked(tmp_path: Path) -> None:
+    mixed = hosts.host(cuda=CudaInfo(devices=(CudaDevice(0, "NVIDIA H100 80GB HBM3", 80 << 30, "9.0"),
+                                              CudaDevice(1, "NVIDIA L4", 24 << 30, "8.9"))),
+                       llamacpp=hosts.llama("CUDA", cuda=2))
+    config, used = _load(tmp_path, "", 20 << 30, mixed)
+    assert config.device_key == "CUDA0" and used["cuda:1"] == 0 < used["cuda:0"]
+    config, used = _load(tmp_path, "    placement: replicas\n", 20 << 30, mixed)
+    assert config.device_key == "CUDA1" and used["cuda:0"] == used["cuda:1"] > 0
+    config, used = _load(tmp_path, "    placement: replicas\n    devices: [1]\n", 20 << 30, mixed)
+    assert config.device_key == "CUDA1" and used["cuda:0"] == 0 < used["cuda:1"]
 
 
 def test_placement_split_splits_a_small_model_and_devices_choose_the_gpus(tmp_path: Path) -> None:
@@ -140,3 +160,22 @@ def test_health_shows_the_split_and_each_gpus_part(tmp_path: Path) -> None:
     assert row["split"] == {"cuda:0": 0.5, "cuda:1": 0.5}
     held = row["memory"]["held_bytes"]
     assert held["cuda:0"] == held["cuda:1"] > 0 and row["memory"]["estimate"]["device"] == "cuda:0+cuda:1"
+
+
+def test_replicas_serve_as_one_model_and_health_lists_them(tmp_path: Path) -> None:
+    reg = _registry(tmp_path, "    placement: replicas\n")
+    settings = Settings.from_env(env=NO_CHECKS, config=str(tmp_path / "models.yaml"), parallel=1, prefix_cache=0,
+                                 engine="cuda")
+    app = create_app(settings, reg, engine_factory=lambda runtime, config: FakeEngine(config),  # type: ignore[arg-type]
+                     host=TWO_H100)
+    server = ServerThread(app).start()
+    try:
+        answers = [httpx.post(f"{server.url}/v1/chat/completions", timeout=30, json={
+            "model": "m", "messages": [{"role": "user", "content": f"conversation {i}"}]}) for i in range(4)]
+        row = httpx.get(f"{server.url}/health", timeout=30).json()["models"]["m"]
+    finally:
+        server.stop()
+    assert all(a.status_code == 200 for a in answers)
+    assert row["replicas"] == ["cuda:0", "cuda:1"] and "split" not in row
+    workers = row["worker"]["workers"]
+    assert len(workers) == 2 and sum(w["routed"] for w in workers) >= 4

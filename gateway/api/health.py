@@ -66,6 +66,8 @@ def _models(request: Request) -> dict[str, dict[str, Any]]:
                                   "parts_bytes": dict(entry.need.parts)}
         if entry.need is not None and entry.need.shares:  # one copy over several GPUs: each one's share
             row["split"] = dict(entry.need.shares)
+        if entry.need is not None and entry.need.copies:  # a copy on each of these GPUs
+            row["replicas"] = list(entry.need.copies)
         if entry.fitted:
             memory["sized_down"] = entry.fitted
         keep = manager.keep_alive_of(entry)

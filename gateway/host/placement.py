@@ -3,9 +3,13 @@ the memory budgets (models.yaml `devices:` and `placement:`).
 
 - `devices` keeps the GPU candidates a model may use (indexes, parts of names, or `all`); the CPU
   stays a fallback.
-- A split puts one copy across several GPUs of one engine and build (llama.cpp's layer or row
-  split), each GPU's share of the layers proportional to its memory budget; `auto` splits only when
-  one GPU cannot hold the model, `split` always (with two or more GPUs).
+- A split puts one copy across several GPUs of one engine and build (llama.cpp's layer split),
+  each GPU's share of the layers proportional to its memory budget; `auto` splits only when one GPU
+  cannot hold the model, `split` always (with two or more GPUs).
+- Replicas are more copies, one per GPU, served as one engine (requests routed by load and by
+  where a conversation's prefix is cached): `replicas` on every GPU of the engine and build that
+  the model may use, `auto` on those of the same name as the first (a copy on a slower card would
+  take its share of the requests).
 """
 
 from __future__ import annotations
@@ -45,16 +49,29 @@ def chosen(cand: Candidate, devices: Devices) -> bool:
                for d in wanted)
 
 
+def _mates(cand: Candidate, candidates: Sequence[Candidate], devices: Devices) -> list[Candidate]:
+    """The other GPUs of `cand`'s engine, build and format that `devices` allows, by index."""
+    return sorted((c for c in candidates if (c.runtime, c.backend, c.lib_path, c.format) ==
+                   (cand.runtime, cand.backend, cand.lib_path, cand.format) and c.device_index is not None
+                   and c != cand and chosen(c, devices)), key=lambda c: c.device_index or 0)
+
+
+def replicas_of(cand: Candidate, candidates: Sequence[Candidate], devices: Devices, placement: str) -> list[Candidate]:
+    """The GPUs that get a copy beside `cand`'s: none for `split`; for `auto` only GPUs of the same
+    name (identical cards)."""
+    if cand.device_index is None or placement == "split":
+        return []
+    mates = _mates(cand, candidates, devices)
+    return mates if placement == "replicas" else [c for c in mates if c.device == cand.device]
+
+
 def split_of(cand: Candidate, candidates: Sequence[Candidate], devices: Devices, budgets: Mapping[str, int],
              key_of: dict[Candidate, str]) -> Split | None:
     """`cand` with the other GPUs of its engine and build that `devices` allows, shares by their
     budgets; None where there is no second one (or a GPU of unknown memory)."""
     if cand.device_index is None:
         return None
-    mates = [c for c in candidates if (c.runtime, c.backend, c.lib_path, c.format) ==
-             (cand.runtime, cand.backend, cand.lib_path, cand.format) and c.device_index is not None
-             and c != cand and chosen(c, devices)]
-    members = (cand, *sorted(mates, key=lambda c: c.device_index or 0))
+    members = (cand, *_mates(cand, candidates, devices))
     keys = tuple(key_of[c] for c in members)
     if len(members) < 2 or len(set(keys)) < len(keys) or any(budgets.get(k, 0) <= 0 for k in keys):
         return None

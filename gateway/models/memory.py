@@ -136,12 +136,15 @@ class Need:
     context: int = 0
     parallel: int = 0
     shares: dict[str, float] = field(default_factory=dict)  # a split: each GPU's share of `gpu`
+    copies: tuple[str, ...] = ()  # replicas: the GPUs holding a whole copy each (`host` is per copy)
 
     def on(self, device: str) -> int:
         if device == "cpu":
-            return self.host
+            return self.host * max(1, len(self.copies))
         if self.shares:
             return int(self.gpu * self.shares.get(device, 0.0))
+        if self.copies:
+            return self.gpu if device in self.copies else 0
         return self.gpu if device == self.device else 0
 
     def describe(self) -> str:

@@ -40,7 +40,7 @@ from gateway.host.functional_check import (
     one_token,
 )
 from gateway.host.hardware import HostCapabilities, probe_host, vulkan_visible_env
-from gateway.host.placement import Split, chosen, split_of
+from gateway.host.placement import Split, chosen, replicas_of, split_of
 from gateway.host.selection import Candidate, Plan, Preference, SelectionError, plan
 from gateway.metrics import Metrics
 from gateway.models.gguf_info import GGUFInfo
@@ -391,6 +391,7 @@ class ModelManager:
                         if more:
                             continue
                         break
+                    engine, need = await self._with_replicas(spec, cand, engine, need, the_plan.candidates, str(path))
                     dt = time.perf_counter() - t0
                     info = engine.info
                     self.metrics.build.labels(spec.id).info(
@@ -418,6 +419,35 @@ class ModelManager:
         finally:
             self.loading.discard(spec.id)
             self._reserved.pop(spec.id, None)
+
+    async def _with_replicas(self, spec: ModelSpec, cand: Candidate, engine: Engine, need: Need | None,
+                             candidates: tuple[Candidate, ...], path: str) -> tuple[Engine, Need | None]:
+        """`engine` and a copy on each further GPU `placement` gives the model (placement.replicas_of),
+        as one engine whose requests go by load and by where their prefix is cached; a copy that
+        does not fit or load is left out, said in the log."""
+        rt = runtime(cand.runtime)
+        info = gguf_info(path) if need is not None and not need.shares else None
+        mates = replicas_of(cand, candidates, spec.devices, spec.placement) if info is not None else []
+        if rt is None or info is None or need is None or not mates:
+            return engine, need
+        members, devices = [engine], [need.device]
+        for mate in mates:
+            try:
+                config, mine, _ = self._fit_on(spec, rt, info, self._config(spec, mate, path), None,
+                                               device_of(mate, self.host))
+            except ModelTooLarge as exc:
+                log.warning("%s: no replica on %s: %s", spec.id, mate.device, exc)
+                continue
+            replica, why, _ = await self._try(spec, mate, config, last=False, need=mine)
+            if replica is None:
+                log.warning("%s: no replica on %s: %s", spec.id, mate.device, why)
+                continue
+            members.append(replica)
+            devices.append(mine.device if mine is not None else device_of(mate, self.host))
+        if len(members) == 1:
+            return engine, need
+        log.info("%s: %d replicas, on %s", spec.id, len(members), ", ".join(devices))
+        return WorkerGroup(members), dataclasses.replace(need, copies=tuple(devices))
 
     def _key(self, cand: Candidate, config: EngineConfig) -> str:
         return fingerprint(cand.runtime, config, *fingerprint_parts(self.host, cand))

@@ -254,10 +254,11 @@ class ModelSpec(_Strict):
     devices: list[int | str] | Literal["all"] | None = Field(
         default=None, description="GPUs this model may use: indexes, parts of their names, or all (`gateway "
                                   "devices` lists them); the CPU stays a fallback")
-    placement: Literal["auto", "split"] = Field(
-        default="auto", description="with several GPUs: split: one copy across them (llama.cpp's split, each GPU's "
-                                    "share of the layers by its memory budget); auto: on one GPU when it holds the "
-                                    "model, else split")
+    placement: Literal["auto", "split", "replicas"] = Field(
+        default="auto", description="with several GPUs: replicas: a copy on each, requests routed by load and by "
+                                    "where a conversation's prefix is cached; split: one copy across them (llama.cpp's "
+                                    "layer split, each GPU's share by its memory budget); auto: replicas on the GPUs "
+                                    "identical to the first when a copy fits one, else split")
     chat_template: str | None = Field(default=None, description="Jinja chat template overriding the model's")
     tools: bool = Field(default=True, description="the model calls tools; false for models too small to (their "
                         "requests' tools are skipped and named in X-Skipped-Tools, and the model answers in text; "
