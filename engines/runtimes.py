@@ -357,7 +357,9 @@ def match_device(device: str | None, index: int, name: str) -> bool:
     """Whether the preference's device (an index or part of the name; None: any) names this one."""
     if device is None:
         return True
-    return device == str(index) or device.lower() in name.lower()
+    if device.isdigit():  # an index, never a part of the name ("1" is in "H100")
+        return int(device) == index
+    return device.lower() in name.lower()
 
 
 def vulkan_devices(host: HostCapabilities, pref: Preference, what: str) -> tuple[list[VulkanDevice], list[Skip]]:

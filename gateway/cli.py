@@ -14,6 +14,7 @@ from engines.runtimes import converters, load_plugins
 from engines.tuning import EngineTuning
 from gateway.host.functional_check import CheckCache
 from gateway.host.hardware import probe_host
+from gateway.host.placement import from_setting
 from gateway.host.selection import Preference, SelectionError, plan
 from gateway.models.gguf_info import parameter_size
 from gateway.models.registry import ModelSpec, Registry, RegistryError, load_registry, source_label
@@ -72,7 +73,7 @@ def _serve(args: argparse.Namespace) -> int:
         assert host is not None
         where = f"{len(default.workers)} remote worker(s)" if default.workers else ""
         if not default.workers:
-            the_plan = plan(default, host, Preference(settings.engine, settings.runtime, settings.device),
+            the_plan = plan(default, host, Preference(settings.engine, settings.runtime, from_setting(settings.device)[0]),
                             registry.formats(default))
             first = the_plan.candidates[0]
             where = f"first choice {first.label} on {first.device} ({len(the_plan.candidates)} candidate(s))"

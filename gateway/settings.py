@@ -49,7 +49,8 @@ class Settings(EnvSettings):
     runtime: str | None = setting(
         None, "pin a runtime: `llamacpp`, `ortgenai`, `coreml`, `executorch` or a plug-in's", flag=True, shown="any", readme=True)
     device: str | None = setting(
-        None, "GPU by index or part of its name (see `gateway devices`)", flag=True, shown="the plan's first")
+        None, "GPU by index or part of its name (see `gateway devices`); several (`0,1`, `all`): the GPUs every "
+        "model may use, as models.yaml's `placement` says (replicas or a split)", flag=True, shown="the plan's first")
     rank_by_speed: bool = setting(
         False, "where several engines pass on one device, serve on the fastest (32-token decode, cached "
         "with the functional check; the first start loads each such candidate once)", flag=True)

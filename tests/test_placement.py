@@ -70,7 +70,7 @@ def _registry(tmp_path: Path, extra: str) -> Registry:
     return load_registry(cfg, cache_dir=tmp_path / "cache")
 
 
-def _load(tmp_path: Path, extra: str, gpu_budget: int, host: HostCapabilities | None = None
+def _load(tmp_path: Path, extra: str, gpu_budget: int, host: HostCapabilities | None = None, device: str | None = None
           ) -> tuple[EngineConfig, dict[str, int]]:
     """Load model "m" on a two-GPU host; the last engine's config, and the bytes each GPU holds."""
     made: list[EngineConfig] = []
@@ -81,7 +81,7 @@ def _load(tmp_path: Path, extra: str, gpu_budget: int, host: HostCapabilities | 
 
     reg = _registry(tmp_path, extra)
     settings = Settings.from_env(env=NO_CHECKS, gpu_memory_budget=gpu_budget, parallel=1, prefix_cache=0,
-                                 engine="cuda")
+                                 engine="cuda", device=device)
     manager = ModelManager(reg, settings, factory, host=host or TWO_H100)  # type: ignore[arg-type]
 
     async def go() -> dict[str, int]:
@@ -179,3 +179,12 @@ def test_replicas_serve_as_one_model_and_health_lists_them(tmp_path: Path) -> No
     assert row["replicas"] == ["cuda:0", "cuda:1"] and "split" not in row
     workers = row["worker"]["workers"]
     assert len(workers) == 2 and sum(w["routed"] for w in workers) >= 4
+
+
+@pytest.mark.parametrize(("device", "keys"), [("all", ("cuda:0", "cuda:1")), ("0,1", ("cuda:0", "cuda:1")),
+                                              ("1", ("cuda:1",)), (None, ("cuda:0",))])
+def test_the_device_setting_names_one_gpu_or_several(tmp_path: Path, device: str | None, keys: tuple[str, ...]) -> None:
+    """`--device all` / `0,1` are the GPUs every model may use (over models.yaml's `devices: [0]`);
+    `--device 1` is the one GPU to serve on, as before."""
+    _, used = _load(tmp_path, "    devices: [0]\n", 40 << 30, device=device)
+    assert tuple(d for d, b in sorted(used.items()) if b) == keys

@@ -11,6 +11,7 @@ from typing import Any
 from engines.runtimes import runtime, runtimes, text_table
 from gateway.host.functional_check import CheckCache, fingerprint, run_isolated
 from gateway.host.hardware import HostCapabilities, probe_host
+from gateway.host.placement import from_setting
 from gateway.host.selection import Plan, Preference, SelectionError, plan
 from gateway.models.pool import describe, engine_config, fingerprint_parts, ladder, ladder_verdict, worker_env
 from gateway.models.registry import RegistryError, load_registry
@@ -127,7 +128,7 @@ def _devices(args: argparse.Namespace) -> int:
     if args.recheck:
         cache.clear()
     ids = [args.model] if args.model else [registry.default or next(iter(registry.models))]
-    pref = Preference(settings.engine, settings.runtime, settings.device)
+    pref = Preference(settings.engine, settings.runtime, from_setting(settings.device)[0])
     plans: dict[str, Plan | str] = {}
     checks: dict[str, Any] = {}
     memory: dict[str, str] = {}

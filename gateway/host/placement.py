@@ -40,6 +40,18 @@ class Split:
         return sum(budgets.get(k, 0) for k in self.keys)
 
 
+def from_setting(device: str | None) -> tuple[str | None, Devices]:
+    """`--device`: one GPU (the plan's preference, as before), or several (`0,1`, `all`: the GPUs
+    every model may use, over models.yaml's `devices`). (preference's device, devices)."""
+    if device is None:
+        return None, None
+    if device.strip().lower() == "all":
+        return None, "all"
+    if "," in device:
+        return None, [d.strip() for d in device.split(",") if d.strip()]
+    return device, None
+
+
 def chosen(cand: Candidate, devices: Devices) -> bool:
     """Whether `devices` lets the model use `cand` (CPU candidates always: the fallback)."""
     if devices is None or devices == "all" or cand.device_index is None:

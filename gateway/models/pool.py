@@ -40,7 +40,7 @@ from gateway.host.functional_check import (
     one_token,
 )
 from gateway.host.hardware import HostCapabilities, probe_host, vulkan_visible_env
-from gateway.host.placement import Split, chosen, replicas_of, split_of
+from gateway.host.placement import Devices, Split, chosen, from_setting, replicas_of, split_of
 from gateway.host.selection import Candidate, Plan, Preference, SelectionError, plan
 from gateway.metrics import Metrics
 from gateway.models.gguf_info import GGUFInfo
@@ -150,7 +150,8 @@ class ModelManager:
         self.loading: set[str] = set()
         self.load_errors: dict[str, str] = {}
         self.attempts: dict[str, list[tuple[str, str]]] = {}  # model -> [(candidate, why it failed)]
-        self.preference = Preference(settings.engine, settings.runtime, settings.device)
+        one, self._devices = from_setting(settings.device)
+        self.preference = Preference(settings.engine, settings.runtime, one)
         self.env = vulkan_visible_env(self.host.vulkan)
         # ggml reads this when its Vulkan backend starts, i.e. before the first model loads.
         os.environ.update(self.env)
@@ -250,7 +251,7 @@ class ModelManager:
             return config, None, ""
         split = None
         if "split_devices" in rt.options.model_fields:
-            split = split_of(cand, candidates, spec.devices, self.budgets,
+            split = split_of(cand, candidates, self.devices_of(spec), self.budgets,
                              {c: device_of(c, self.host) for c in candidates if c.device_index is not None})
         if split is not None and spec.placement == "split":
             return self._fit_on(spec, rt, info, config, split)
@@ -351,7 +352,7 @@ class ModelManager:
                 raise ModelLoadError(str(exc)) from exc
             excluded = self.excluded.get(spec.id, {})
             kept = tuple(c for c in the_plan.candidates if (c.runtime, c.backend) not in excluded
-                         and chosen(c, spec.devices))
+                         and chosen(c, self.devices_of(spec)))
             if not kept:
                 raise ModelLoadError(
                     f"every engine for model {spec.id!r} is excluded: "
@@ -420,6 +421,13 @@ class ModelManager:
             self.loading.discard(spec.id)
             self._reserved.pop(spec.id, None)
 
+    def devices_of(self, spec: ModelSpec) -> Devices:
+        """The GPUs `spec` may use: the command line's (`--device` naming several; one it names is
+        the plan's alone), else models.yaml's `devices`."""
+        if self._devices is not None:
+            return self._devices
+        return None if self.preference.device is not None else spec.devices
+
     async def _with_replicas(self, spec: ModelSpec, cand: Candidate, engine: Engine, need: Need | None,
                              candidates: tuple[Candidate, ...], path: str) -> tuple[Engine, Need | None]:
         """`engine` and a copy on each further GPU `placement` gives the model (placement.replicas_of),
@@ -427,7 +435,7 @@ class ModelManager:
         does not fit or load is left out, said in the log."""
         rt = runtime(cand.runtime)
         info = gguf_info(path) if need is not None and not need.shares else None
-        mates = replicas_of(cand, candidates, spec.devices, spec.placement) if info is not None else []
+        mates = replicas_of(cand, candidates, self.devices_of(spec), spec.placement) if info is not None else []
         if rt is None or info is None or need is None or not mates:
             return engine, need
         members, devices = [engine], [need.device]
