@@ -155,9 +155,11 @@ def test_health_shows_the_split_and_each_gpus_part(tmp_path: Path) -> None:
     server = ServerThread(app).start()
     try:
         row = httpx.get(f"{server.url}/health", timeout=30).json()["models"]["m"]
+        page_row = next(m for m in httpx.get(f"{server.url}/api/status", timeout=30).json()["models"] if m["id"] == "m")
     finally:
         server.stop()
     assert row["split"] == {"cuda:0": 0.5, "cuda:1": 0.5}
+    assert page_row["placement"] == "split over cuda:0 (0.5), cuda:1 (0.5)"
     held = row["memory"]["held_bytes"]
     assert held["cuda:0"] == held["cuda:1"] > 0 and row["memory"]["estimate"]["device"] == "cuda:0+cuda:1"
 
@@ -173,8 +175,10 @@ def test_replicas_serve_as_one_model_and_health_lists_them(tmp_path: Path) -> No
         answers = [httpx.post(f"{server.url}/v1/chat/completions", timeout=30, json={
             "model": "m", "messages": [{"role": "user", "content": f"conversation {i}"}]}) for i in range(4)]
         row = httpx.get(f"{server.url}/health", timeout=30).json()["models"]["m"]
+        page_row = next(m for m in httpx.get(f"{server.url}/api/status", timeout=30).json()["models"] if m["id"] == "m")
     finally:
         server.stop()
+    assert page_row["placement"] == "replicas on cuda:0, cuda:1"
     assert all(a.status_code == 200 for a in answers)
     assert row["replicas"] == ["cuda:0", "cuda:1"] and "split" not in row
     workers = row["worker"]["workers"]

@@ -79,6 +79,17 @@ class Loaded:
     keep_alive: float | None = None  # set by a request (Ollama's keep_alive); else the model's default
     over_estimate: bool = False  # its worker was measured over the estimate (logged and counted once)
 
+    @property
+    def placement(self) -> str:
+        """How it uses several GPUs ("" on one device): "replicas on cuda:0, cuda:1" or "split over
+        cuda:0 (0.5), cuda:1 (0.5)"."""
+        n = self.need
+        if n is not None and n.shares:
+            return "split over " + ", ".join(f"{d} ({s:g})" for d, s in n.shares.items())
+        if n is not None and n.copies:
+            return "replicas on " + ", ".join(n.copies)
+        return ""
+
 
 # A worker measured this much over its estimate is logged and counted (gateway_memory_estimate_misses).
 ESTIMATE_SLACK = 0.15

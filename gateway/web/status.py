@@ -51,6 +51,7 @@ class ModelStatus(BaseModel):
     state: Literal["loaded", "loading", "failed", "not_loaded"]
     engine: str | None  # runtime/backend serving it, as in X-Engine
     device: str | None  # as in X-Device
+    placement: str | None  # loaded on several GPUs: "replicas on cuda:0, cuda:1", "split over cuda:0 (0.5), ..."
     running: int
     waiting: int  # in the engine and in the gateway's queue
     load_seconds: float | None
@@ -170,6 +171,7 @@ def _model(request: Request, spec: ModelSpec) -> ModelStatus:
                else "failed" if spec.id in manager.load_errors else "not_loaded"),
         engine=entry.candidate.label if entry else None,
         device=entry.candidate.device if entry else None,
+        placement=(entry.placement or None) if entry else None,
         running=usage[0],
         waiting=usage[1],
         load_seconds=round(entry.load_seconds, 2) if entry else None,

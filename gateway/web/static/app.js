@@ -169,7 +169,7 @@ function modelRow(m, s) {
     h("td", {}, m.available ? "present" : "not downloaded"),
     h("td", {}, m.state.replace("_", " "), why ? h("div", { class: m.error ? "error small" : "warn small" }, why) : null),
     h("td", { class: "engine" }, m.engine || "–"),
-    h("td", {}, m.device || "–"),
+    h("td", {}, m.device ? `${m.device}${m.placement ? ` (${m.placement})` : ""}` : "–"),
     h("td", { class: "num", title: m.memory_detail || "" }, m.memory_bytes != null ? mib(m.memory_bytes) : "–",
       m.expires_in_s != null ? h("div", { class: "small" }, `unloads in ${Math.round(m.expires_in_s)} s idle`) : null),
     h("td", { class: "num" }, m.running),
