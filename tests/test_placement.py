@@ -156,8 +156,12 @@ def test_health_shows_the_split_and_each_gpus_part(tmp_path: Path) -> None:
     try:
         row = httpx.get(f"{server.url}/health", timeout=30).json()["models"]["m"]
         page_row = next(m for m in httpx.get(f"{server.url}/api/status", timeout=30).json()["models"] if m["id"] == "m")
+        devices = httpx.get(f"{server.url}/api/devices", timeout=60).json()
     finally:
         server.stop()
+    # `gateway devices` (its text and JSON, as the page shows them) says the placement before a load.
+    assert devices["plans"]["m"]["placement"] == "split over cuda:0 (0.5), cuda:1 (0.5)"
+    assert "  placement: split over cuda:0 (0.5), cuda:1 (0.5)" in devices["text"]
     assert row["split"] == {"cuda:0": 0.5, "cuda:1": 0.5}
     assert page_row["placement"] == "split over cuda:0 (0.5), cuda:1 (0.5)"
     held = row["memory"]["held_bytes"]
@@ -176,9 +180,10 @@ def test_replicas_serve_as_one_model_and_health_lists_them(tmp_path: Path) -> No
             "model": "m", "messages": [{"role": "user", "content": f"conversation {i}"}]}) for i in range(4)]
         row = httpx.get(f"{server.url}/health", timeout=30).json()["models"]["m"]
         page_row = next(m for m in httpx.get(f"{server.url}/api/status", timeout=30).json()["models"] if m["id"] == "m")
+        devices = httpx.get(f"{server.url}/api/devices", timeout=60).json()
     finally:
         server.stop()
-    assert page_row["placement"] == "replicas on cuda:0, cuda:1"
+    assert page_row["placement"] == devices["plans"]["m"]["placement"] == "replicas on cuda:0, cuda:1"
     assert all(a.status_code == 200 for a in answers)
     assert row["replicas"] == ["cuda:0", "cuda:1"] and "split" not in row
     workers = row["worker"]["workers"]

@@ -11,7 +11,7 @@ from typing import Any
 from engines.runtimes import runtime, runtimes, text_table
 from gateway.host.functional_check import CheckCache, fingerprint, run_isolated
 from gateway.host.hardware import HostCapabilities, probe_host
-from gateway.host.placement import from_setting
+from gateway.host.placement import Devices, decide, from_setting
 from gateway.host.selection import Plan, Preference, SelectionError, plan
 from gateway.models.pool import describe, engine_config, fingerprint_parts, ladder, ladder_verdict, worker_env
 from gateway.models.registry import RegistryError, load_registry
@@ -38,6 +38,23 @@ def memory_verdict(spec: Any, cand: Any, config: Any, host: HostCapabilities, bu
     return f"needs {need.describe()}" + (f"; sized down to fit: {changed}" if changed else "")
 
 
+def placement_of(spec: Any, p: Plan, memory: dict[str, str], host: HostCapabilities, budgets: dict[str, int],
+                 devices: Devices) -> str:
+    """How the plan's first candidate would use several GPUs ("" on one device): its memory verdict
+    says whether one GPU holds the model (gateway/host/placement.py decides)."""
+    from gateway.models.pool import device_of
+
+    first = p.candidates[0] if p.candidates else None
+    rt = runtime(first.runtime) if first is not None else None
+    if first is None or first.device_index is None or rt is None or not rt.memory_estimate:
+        return ""
+    fits = not memory.get(f"{spec.id}|{first.label}|{first.device_key}", "").startswith("DOES NOT FIT")
+    key_of = {c: device_of(c, host) for c in p.candidates if c.device_index is not None}
+    if "split_devices" not in rt.options.model_fields:
+        fits = True  # no split: replicas or one device
+    return decide(first, p.candidates, devices, spec.placement, fits, budgets, key_of).describe(key_of)
+
+
 def runtime_facts(host: HostCapabilities) -> dict[str, Any]:
     """What the runtimes add to `gateway devices --json` beside the host (ORT's ep_matrix, …)."""
     return {k: v for rt in runtimes() for k, v in rt.report_json(host).items()}
@@ -49,7 +66,8 @@ def runtime_reports(host: HostCapabilities) -> dict[str, list[str]]:
 
 
 def render(host: HostCapabilities, plans: dict[str, Plan | str], checks: dict[str, Any],
-           memory: dict[str, str] | None = None, budgets: dict[str, int] | None = None) -> str:
+           memory: dict[str, str] | None = None, budgets: dict[str, int] | None = None,
+           placements: dict[str, str] | None = None) -> str:
     c = host.cpu
     lines = [
         f"Host      {host.os}, {c.arch}",
@@ -106,6 +124,9 @@ def render(host: HostCapabilities, plans: dict[str, Plan | str], checks: dict[st
             mem = (memory or {}).get(f"{model_id}|{cand.label}|{cand.device_key}")
             if mem:
                 lines.append(f"       memory: {mem}")
+        where = (placements or {}).get(model_id)
+        if where:
+            lines.append(f"  placement: {where}")
         for s in p.skipped:
             lines.append(f"  - {s.what}: {s.why}" + (" (fallback)" if s.kind == "unusable" else ""))
     return "\n".join(lines)
@@ -132,6 +153,8 @@ def _devices(args: argparse.Namespace) -> int:
     plans: dict[str, Plan | str] = {}
     checks: dict[str, Any] = {}
     memory: dict[str, str] = {}
+    placements: dict[str, str] = {}
+    one, several = from_setting(settings.device)
     from gateway.models.pool import memory_budgets
 
     budgets = memory_budgets(host, settings)
@@ -170,6 +193,8 @@ def _devices(args: argparse.Namespace) -> int:
                     "ok": verdict.ok, "reason": verdict.reason, "tok_s": verdict.tok_s,
                     "ladder": [{"how": describe(cand, c), "ok": r.ok, "reason": r.reason}
                                for c, r in rungs if r is not None]}
+        devices = several if several is not None else (None if one is not None else spec.devices)
+        placements[mid] = placement_of(spec, p, memory, host, budgets, devices)
     if args.json:
         out = {
             "host": host.to_dict(),
@@ -184,13 +209,14 @@ def _devices(args: argparse.Namespace) -> int:
                         for c in p.candidates
                     ],
                     "skipped": [{"what": s.what, "why": s.why, "kind": s.kind} for s in p.skipped],
+                    "placement": placements.get(mid) or None,
                 })
                 for mid, p in plans.items()
             },
         }
         print(json.dumps(out, indent=2))
     else:
-        print(render(host, plans, checks, memory, budgets))
+        print(render(host, plans, checks, memory, budgets, placements))
     return 0 if all(not isinstance(p, str) for p in plans.values()) else 1
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from gateway.host.selection import Candidate
 
@@ -89,3 +90,31 @@ def split_of(cand: Candidate, candidates: Sequence[Candidate], devices: Devices,
         return None
     total = sum(budgets[k] for k in keys)
     return Split(members, keys, tuple(round(budgets[k] / total, 4) for k in keys))
+
+
+@dataclass(frozen=True)
+class Placement:
+    """What a model gets: one device, a copy on each of several GPUs, or one copy split over them."""
+
+    kind: Literal["one", "replicas", "split"]
+    replicas: tuple[Candidate, ...] = ()  # the GPUs with a copy beside the candidate's
+    split: Split | None = None
+
+    def describe(self, key_of: Mapping[Candidate, str]) -> str:
+        if self.split is not None:
+            return "split over " + ", ".join(f"{k} ({s:g})" for k, s in zip(self.split.keys, self.split.shares,
+                                                                             strict=True))
+        if self.replicas:
+            return "replicas on " + ", ".join(key_of[c] for c in self.replicas)
+        return ""
+
+
+def decide(cand: Candidate, candidates: Sequence[Candidate], devices: Devices, placement: str, fits_one: bool,
+           budgets: Mapping[str, int], key_of: dict[Candidate, str]) -> Placement:
+    """Where a model goes from `cand`: split when asked or when one GPU cannot hold it (and there
+    are GPUs to split over), else `cand` with its replicas (none where it does not fit)."""
+    split = split_of(cand, candidates, devices, budgets, key_of)
+    if split is not None and (placement == "split" or not fits_one):
+        return Placement("split", split=split)
+    mates = replicas_of(cand, candidates, devices, placement) if fits_one else []
+    return Placement("replicas", (cand, *mates)) if mates else Placement("one")

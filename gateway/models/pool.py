@@ -40,7 +40,7 @@ from gateway.host.functional_check import (
     one_token,
 )
 from gateway.host.hardware import HostCapabilities, probe_host, vulkan_visible_env
-from gateway.host.placement import Devices, Split, chosen, from_setting, replicas_of, split_of
+from gateway.host.placement import Devices, Split, chosen, decide, from_setting, replicas_of
 from gateway.host.selection import Candidate, Plan, Preference, SelectionError, plan
 from gateway.metrics import Metrics
 from gateway.models.gguf_info import GGUFInfo
@@ -260,19 +260,25 @@ class ModelManager:
         info = gguf_info(config.model_path)
         if info is None or "cpu" not in self.budgets:
             return config, None, ""
-        split = None
+        device = device_of(cand, self.host)
+        alone: tuple[EngineConfig, Need | None, str] | None = None
+        too_large: ModelTooLarge | None = None
+        if spec.placement != "split":
+            try:
+                alone = self._fit_on(spec, rt, info, config, None, device)
+            except ModelTooLarge as exc:
+                too_large = exc
         if "split_devices" in rt.options.model_fields:
-            split = split_of(cand, candidates, self.devices_of(spec), self.budgets,
-                             {c: device_of(c, self.host) for c in candidates if c.device_index is not None})
-        if split is not None and spec.placement == "split":
-            return self._fit_on(spec, rt, info, config, split)
-        try:
-            return self._fit_on(spec, rt, info, config, None, device_of(cand, self.host))
-        except ModelTooLarge as alone:
-            if split is None:
-                raise
-            log.info("%s does not fit one GPU (%s): splitting it over %s", spec.id, alone, ", ".join(split.keys))
-            return self._fit_on(spec, rt, info, config, split)
+            key_of = {c: device_of(c, self.host) for c in candidates if c.device_index is not None}
+            where = decide(cand, candidates, self.devices_of(spec), spec.placement, too_large is None, self.budgets,
+                           key_of)
+            if where.split is not None:
+                if too_large is not None:
+                    log.info("%s does not fit one GPU (%s): %s", spec.id, too_large, where.describe(key_of))
+                return self._fit_on(spec, rt, info, config, where.split)
+        if too_large is not None:
+            raise too_large
+        return alone if alone is not None else self._fit_on(spec, rt, info, config, None, device)
 
     def _fit_on(self, spec: ModelSpec, rt: Runtime, info: GGUFInfo, config: EngineConfig, split: Split | None,
                 device: str = "") -> tuple[EngineConfig, Need | None, str]:

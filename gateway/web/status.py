@@ -17,7 +17,7 @@ from gateway.api.routes import error_responses
 from gateway.api.serving import model_spec
 from gateway.chat import formats
 from gateway.chat.template import template_of
-from gateway.host.devices import memory_verdict, render, runtime_facts, runtime_reports
+from gateway.host.devices import memory_verdict, placement_of, render, runtime_facts, runtime_reports
 from gateway.host.selection import Candidate, Plan, SelectionError
 from gateway.metrics import SLO_E2E_S, SLO_TPOT_S, SLO_TTFT_S
 from gateway.models.pool import Loaded, ModelBusy, ModelManager, cached_ladder, engine_config, ladder_verdict
@@ -143,6 +143,7 @@ class PlanOut(BaseModel):
     candidates: list[CandidateOut] = []
     skipped: list[SkipOut] = []
     error: str | None = None  # no engine can serve the model here
+    placement: str | None = None  # over several GPUs: "replicas on cuda:0, cuda:1", "split over ..."
 
 
 class DevicesResponse(BaseModel):
@@ -240,6 +241,7 @@ async def devices(request: Request) -> DevicesResponse:
     plans: dict[str, Plan | str] = {}
     checks: dict[str, Any] = {}
     memory: dict[str, str] = {}
+    placements: dict[str, str] = {}
     out: dict[str, PlanOut] = {}
     for spec in manager.registry.models.values():
         try:
@@ -262,14 +264,16 @@ async def devices(request: Request) -> DevicesResponse:
             cands.append(CandidateOut(runtime=c.runtime, engine=c.backend, device=c.device, device_key=c.device_key,
                                       check=check, serving=serving.get(spec.id) == c, build=c.lib_path,
                                       memory=mem or None))
-        out[spec.id] = PlanOut(candidates=cands, skipped=[SkipOut(what=s.what, why=s.why, kind=s.kind) for s in p.skipped])
+        placements[spec.id] = placement_of(spec, p, memory, manager.host, manager.budgets, manager.devices_of(spec))
+        out[spec.id] = PlanOut(candidates=cands, skipped=[SkipOut(what=s.what, why=s.why, kind=s.kind) for s in p.skipped],
+                               placement=placements[spec.id] or None)
     host = manager.host
     return DevicesResponse(
         host=host.to_dict(),
         ep_matrix=runtime_facts(host).get("ep_matrix", []),
         runtimes=runtime_reports(host),
         plans=out,
-        text=render(host, plans, checks, memory, manager.budgets),
+        text=render(host, plans, checks, memory, manager.budgets, placements),
     )
 
 

@@ -52,6 +52,7 @@ function renderDevices(d) {
       !c.check ? "not checked yet" : c.check.ok ? `check ok${c.check.tok_s ? `, ${Math.round(c.check.tok_s)} tok/s measured` : ""}`
         : h("span", { class: "error" }, `check failed: ${c.check.reason}`),
       c.serving ? h("span", { class: "badge" }, "serving") : null))),
+    p.placement ? h("p", { class: "placement" }, `Placement: ${p.placement}`) : null,
     skips(p.skipped.filter((s) => s.kind === "unusable"), "fallback"),
     // Engines this host simply lacks are not news: folded away.
     p.skipped.some((s) => s.kind !== "unusable") ? h("details", {},
