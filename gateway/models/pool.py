@@ -463,12 +463,15 @@ class ModelManager:
             except ModelTooLarge as exc:
                 log.warning("%s: no replica on %s: %s", spec.id, mate.device, exc)
                 continue
-            replica, why, _ = await self._try(spec, mate, config, last=False, need=mine)
+            at = mine.device if mine is not None else device_of(mate, self.host)
+            # Room for every copy so far and this one (reserved while it loads).
+            replica, why, _ = await self._try(spec, mate, config, last=False,
+                                              need=dataclasses.replace(need, copies=(*devices, at)))
             if replica is None:
                 log.warning("%s: no replica on %s: %s", spec.id, mate.device, why)
                 continue
             members.append(replica)
-            devices.append(mine.device if mine is not None else device_of(mate, self.host))
+            devices.append(at)
         if len(members) == 1:
             return engine, need
         log.info("%s: %d replicas, on %s", spec.id, len(members), ", ".join(devices))
