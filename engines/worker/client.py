@@ -297,8 +297,8 @@ class WorkerEngine:
                     self._writer.write(wire.frame(wire.Cancel(rid)))
 
     def _submit(self, p: _Pending) -> int:
-        if self.failed:
-            raise EngineCrashed(self.failed)
+        if self.failed:  # it gave up before this request came: not this request's doing (a failover moves it on)
+            raise EngineCrashed(self.failed, outside=True)
         if self._closed:
             raise EngineClosed("the model was unloaded")
         rid = next(self._ids)
