@@ -146,13 +146,18 @@ def test_a_model_too_large_for_both_gpus_says_so(tmp_path: Path) -> None:
         _load(tmp_path, "    devices: all\n", int(need * 0.4))
 
 
-def test_health_shows_the_split_and_each_gpus_part(tmp_path: Path) -> None:
-    reg = _registry(tmp_path, "    placement: split\n")
+def _served(tmp_path: Path, extra: str) -> ServerThread:
+    """A started gateway serving model "m" (models.yaml `extra`) with test engines on the two-H100 host."""
     settings = Settings.from_env(env=NO_CHECKS, config=str(tmp_path / "models.yaml"), parallel=1, prefix_cache=0,
                                  engine="cuda")
-    app = create_app(settings, reg, engine_factory=lambda runtime, config: FakeEngine(config),  # type: ignore[arg-type]
+    app = create_app(settings, _registry(tmp_path, extra),
+                     engine_factory=lambda runtime, config: FakeEngine(config),  # type: ignore[arg-type]
                      host=TWO_H100)
-    server = ServerThread(app).start()
+    return ServerThread(app).start()
+
+
+def test_health_shows_the_split_and_each_gpus_part(tmp_path: Path) -> None:
+    server = _served(tmp_path, "    placement: split\n")
     try:
         row = httpx.get(f"{server.url}/health", timeout=30).json()["models"]["m"]
         page_row = next(m for m in httpx.get(f"{server.url}/api/status", timeout=30).json()["models"] if m["id"] == "m")
@@ -169,12 +174,7 @@ def test_health_shows_the_split_and_each_gpus_part(tmp_path: Path) -> None:
 
 
 def test_replicas_serve_as_one_model_and_health_lists_them(tmp_path: Path) -> None:
-    reg = _registry(tmp_path, "    placement: replicas\n")
-    settings = Settings.from_env(env=NO_CHECKS, config=str(tmp_path / "models.yaml"), parallel=1, prefix_cache=0,
-                                 engine="cuda")
-    app = create_app(settings, reg, engine_factory=lambda runtime, config: FakeEngine(config),  # type: ignore[arg-type]
-                     host=TWO_H100)
-    server = ServerThread(app).start()
+    server = _served(tmp_path, "    placement: replicas\n")
     try:
         answers = [httpx.post(f"{server.url}/v1/chat/completions", timeout=30, json={
             "model": "m", "messages": [{"role": "user", "content": f"conversation {i}"}]}) for i in range(4)]
