@@ -125,6 +125,13 @@ class GenerationRequest:
     # Special tokens whose text the output shows (a model family's tags that its vocabulary holds
     # as control tokens, e.g. `[TOOL_CALLS]`, `<|channel|>`): other control tokens stay unseen.
     shown: tuple[str, ...] = ()
+    # Images (their encoded bytes: PNG, JPEG, WebP, GIF), one for each IMAGE_MARKER in the prompt, in
+    # order; for engines whose Capabilities.images says they take them.
+    images: tuple[bytes, ...] = ()
+
+
+# Where an image goes in a rendered prompt (llama.cpp's multimodal library's default media marker).
+IMAGE_MARKER = "<__media__>"
 
 
 @dataclass(frozen=True)

@@ -9,14 +9,16 @@ the response is returned (WAL, synchronous=NORMAL): a restart or crash after tha
 
 from __future__ import annotations
 
+import base64
 import json
 import sqlite3
 import threading
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from gateway.chat.images import from_base64
 from gateway.conversation import Part, ToolCall, Turn
 
 SCHEMA = """
@@ -31,15 +33,24 @@ CREATE INDEX IF NOT EXISTS responses_created ON responses (created_at);
 """
 
 
+def _part(p: Part) -> dict[str, Any]:
+    """A part as JSON: an image as its base64 bytes (read back and checked as when it arrived)."""
+    if p.image is None:
+        return {"type": p.type, "text": p.text, "param": p.param}
+    return {"type": p.type, "param": p.param, "image": base64.b64encode(p.image.data).decode()}
+
+
 def turns_to_json(turns: tuple[Turn, ...]) -> str:
-    return json.dumps([asdict(t) for t in turns], ensure_ascii=False)
+    return json.dumps([{**asdict(replace(t, parts=())), "parts": [_part(p) for p in t.parts]} for t in turns],
+                      ensure_ascii=False)
 
 
 def turns_from_json(text: str) -> tuple[Turn, ...]:
     out = []
     for t in json.loads(text):
-        out.append(Turn(t["role"], tuple(Part(**p) for p in t.get("parts", ())),
-                        tuple(ToolCall(**c) for c in t.get("tool_calls", ())), t.get("tool_call_id")))
+        parts = tuple(Part(p["type"], p.get("text", ""), from_base64(p["image"]) if p.get("image") else None,
+                           p.get("param", "")) for p in t.get("parts", ()))
+        out.append(Turn(t["role"], parts, tuple(ToolCall(**c) for c in t.get("tool_calls", ())), t.get("tool_call_id")))
     return tuple(out)
 
 

@@ -36,7 +36,7 @@ build_one() {
   # into libggml-cuda; an Ubuntu 24.04 host's g++ 13 into every one, the CPU-only build too);
   # exported, they interpose on the system libstdc++ inside Python and the model load segfaults
   # (docs/benchmarks.md#if-the-gateways-worker-dies-while-loading).
-  common="-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAVA_BUILD=OFF -DLLAMA_CURL=OFF"
+  common="-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAVA_BUILD=ON -DLLAMA_CURL=OFF"
   common="$common -DCMAKE_SHARED_LINKER_FLAGS=-Wl,--exclude-libs,ALL"
   case "$backend" in
     cpu)    flags="" ;;
@@ -111,6 +111,14 @@ build_one() {
     done
     CMAKE_ARGS="$cmake_args" CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}" \
       "$python" -m pip wheel --no-deps --no-cache-dir --no-build-isolation -w "$tmp" "$tmp/src"
+    # llama.cpp's Hugging Face converter of this version, kept for scripts/tiny_vlm.py (the test
+    # vision model is converted the way a real one is).
+    convert="${XDG_CACHE_HOME:-$HOME/.cache}/llm-gateway/llama-convert-$version"
+    if [ ! -e "$convert/convert_hf_to_gguf.py" ]; then
+      rm -rf "$convert.part" && mkdir -p "$convert.part"
+      (cd "$tmp/src/vendor/llama.cpp" && cp -r convert_hf_to_gguf.py conversion gguf-py "$convert.part/")
+      rm -rf "$convert" && mv "$convert.part" "$convert"
+    fi
     rm -rf "$req" "$tmp/src" "$tmp/sdist"
     rm -rf "$dir"; mv "$tmp" "$dir"
     printf '%s\n' "$cmake_args" > "$dir/CMAKE_ARGS"

@@ -51,6 +51,7 @@ from engines.llamacpp.slots import (
     used,
 )
 from engines.llamacpp.speculation import NgramDrafter
+from engines.llamacpp.vision import Vision, floor_media, media_at, next_media
 from engines.steptrace import StepTrace
 from engines.text import Detokenizer, StopMatcher
 
@@ -68,8 +69,9 @@ class BatchScheduler:
                  host_cache: HostPrefixCache | None = None, identity: str = "", prefill_budget: int = 0,
                  n_swa: int = 0, kv_pool: int = 0, n_cells: int = 0, split_mixed: bool = False,
                  follow: bool = True, attach_defer: bool = True, trim_payback: float = TRIM_PAYBACK,
-                 trace: StepTrace | None = None) -> None:
+                 trace: StepTrace | None = None, vision: Vision | None = None) -> None:
         self._ctx = ctx
+        self._vision = vision  # the model's vision projector: feeds prompts' images
         self._trace = trace
         self._mem = lc.llama_get_memory(ctx)
         self._n_cells = n_cells  # the KV cache's cells, every sequence's (reported in kv_stats)
@@ -279,11 +281,15 @@ class BatchScheduler:
         slot.n_restored, slot.lookup = 0, ""
         if isinstance(job, GenJob):
             keep, own, held = self._reuse_prefix(slot, job)
+            keep = floor_media(job.media, keep)  # an image is fed whole
         if keep == 0 or not lc.llama_memory_seq_rm(self._mem, slot.seq_id, keep, -1):
             lc.llama_memory_seq_rm(self._mem, slot.seq_id, -1, -1)
             keep = 0
-        slot.follow = prefix.leader_for(self._active(), job, keep) if isinstance(job, GenJob) and self._follow_on else None
-        slot.checkpoint = self._checkpoint_for(job, keep, max(own, held))
+        # (A prompt with images takes no stops inside them: no waiting for another's prefill, no checkpoint.)
+        plain = isinstance(job, GenJob) and not job.media
+        slot.follow = prefix.leader_for(self._active(), job, keep) if isinstance(job, GenJob) and plain and \
+            self._follow_on else None
+        slot.checkpoint = self._checkpoint_for(job, keep, max(own, held)) if plain else 0
         slot.cached = slot.cached[:keep]
         slot.job = job
         slot.n_fed = keep
@@ -443,8 +449,9 @@ class BatchScheduler:
         stops = self._follow_stops(running)
         for slot in running:
             job = slot.job
-            if job is None or slot.follow is not None or slot.n_fed >= len(job.prompt_ids):
-                continue  # finished in the decode pass above, waiting, or fed
+            if job is None or slot.follow is not None or slot.n_fed >= len(job.prompt_ids) or \
+                    not self._feed_image(slot, job):
+                continue  # finished in the decode pass above, waiting, fed, or its image failed
             take = self._chunk(slot, job, min(self._n_batch - n, prefill_room), stops)
             if take <= 0:
                 continue
@@ -494,9 +501,30 @@ class BatchScheduler:
                 stops[leader.seq_id] = min(shared, stops.get(leader.seq_id, shared))
         return stops
 
+    def _feed_image(self, slot: Slot, job: Job) -> bool:
+        """The image that starts where the slot's prompt stands, if one does, decoded whole now: its
+        own pass, before the step's batch (which holds nothing of this sequence yet) and after the
+        text before it (fed in earlier steps). False: it failed, and the request with it."""
+        m = media_at(job.media, slot.n_fed) if isinstance(job, GenJob) else None
+        if m is None:
+            return True
+        assert self._vision is not None
+        try:
+            self._vision.feed(self._ctx, m, len(slot.cached), slot.seq_id, self._n_batch)
+        except EngineFailure as exc:
+            self._fail(slot, exc)
+            return False
+        slot.cached.extend(job.prompt_ids[slot.n_fed : slot.n_fed + m.n_tokens])
+        slot.n_fed += m.n_tokens
+        return True
+
     def _chunk(self, slot: Slot, job: Job, room: int, stops: dict[int, int]) -> int:
         """Prompt tokens the slot feeds in this step, with `room` left in the batch and budget."""
         take = min(len(job.prompt_ids) - slot.n_fed, room)
+        if isinstance(job, GenJob) and job.media:
+            image = next_media(job.media, slot.n_fed)
+            if image is not None:
+                take = min(take, image - slot.n_fed)  # up to the next image, fed whole next step
         if slot.seq_id in stops:
             take = min(take, stops[slot.seq_id] - slot.n_fed)
         if slot.n_fed < slot.checkpoint:

@@ -2,7 +2,8 @@
 
 Loads a GGUF with the low-level API, reports the GGUF's chat template (the gateway renders it),
 compiles output constraints to GBNF grammars, and runs every request through the
-continuous-batching scheduler in `engines.llamacpp.batch`.
+continuous-batching scheduler in `engines.llamacpp.batch`; images through a vision projector
+(`engines.llamacpp.vision`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from engines.base import (
     token_prompt,
 )
 from engines.bridge import EventChannel, settle_from_thread
+from engines.llamacpp.ggml_backends import load_variant
 from engines.llamacpp.grammar import compile_constraint, lazy_patterns
 from engines.llamacpp.host_memory import HostMemory, PinnedHostMemory
 from engines.llamacpp.load_settings import (
@@ -50,6 +52,7 @@ from engines.llamacpp.load_settings import (
 )
 from engines.llamacpp.prefix_cache import HostPrefixCache, default_limit_bytes
 from engines.llamacpp.runtime import LlamaCppOptions
+from engines.llamacpp.vision import Media, Vision, with_images
 from engines.registry import register_runtime
 from engines.steptrace import open_trace
 from engines.text import with_scored_prompt
@@ -94,6 +97,7 @@ class LlamaCppEngine:
         self._eog: list[int] = []
         self._bos_text = ""
         self._embedder: Any = None
+        self._vision: Vision | None = None  # the vision projector (LlamaCppOptions.mmproj)
 
     # --- lifecycle -----------------------------------------------------------------------
 
@@ -123,12 +127,14 @@ class LlamaCppEngine:
         except ValueError as exc:
             raise ModelLoadError(str(exc)) from exc
         _route_native_logs(lc)
-        variant = self._cpu_variant()
+        variant = load_variant(self.llama_options.cpu_variant)  # before llama_backend_init
         lc.llama_backend_init()
         on_gpu = bool(o.device_key)
         model = self._load_model(lc, on_gpu)
         cparams, on_device = self._context_params(lc, model, on_gpu)
         ctx = self._new_context(lc, model, cparams)
+        if self.llama_options.mmproj:
+            self._vision = Vision.load(self.llama_options.mmproj, model, o.n_threads or os.cpu_count() or 1, on_gpu)
         template = self._load_template(lc)
         identity = self._identity(lc, variant)
         shared = self._start(lc, ctx, identity, on_device, tuning, payback)
@@ -136,26 +142,13 @@ class LlamaCppEngine:
             self._open_side(lc, model, cparams, o, long_min, long_sms, identity, shared)
         self.info = replace(self.info, context_length=self._n_ctx_seq, template=template,
                             capabilities=Capabilities(resume=True, embeddings=True, lazy_constraints=True,
-                                                      constraints=frozenset({"json", "grammar", "tagged"})),
+                                                      constraints=frozenset({"json", "grammar", "tagged"}),
+                                                      images=self._vision is not None),
                             extra=self._facts(lc, variant, on_device, long_min, long_sms))
         log.info(
             "llama.cpp loaded %s: backend=%s device=%s ctx/seq=%d parallel=%d vocab=%d",
             o.model_path, o.backend, o.device, self._n_ctx_seq, o.parallel, self._n_vocab,
         )
-
-    def _cpu_variant(self) -> str | None:
-        """Load ggml's backends, with the CPU variant asked for (a process loads one)."""
-        from engines.llamacpp.ggml_backends import ensure_loaded
-
-        lo = self.llama_options
-        try:
-            variant = ensure_loaded(lo.cpu_variant or None)
-        except OSError as exc:
-            raise ModelLoadError(str(exc)) from exc
-        if lo.cpu_variant and variant and lo.cpu_variant != variant:
-            raise ModelLoadError(f"CPU variant {lo.cpu_variant} was asked for, but this process runs {variant} "
-                                 "(a process loads one; engines in worker processes can each choose)")
-        return variant
 
     def _load_model(self, lc: Any, on_gpu: bool) -> Any:
         """The weights, on the engine's device only; on the CPU, the file pages repacking copied released."""
@@ -198,8 +191,7 @@ class LlamaCppEngine:
 
     @property
     def _pass_tokens(self) -> int:
-        """Tokens a pass may take (n_batch = n_ubatch): the config's, or a larger prefill budget
-        (a budget above it would otherwise be cut to it)."""
+        """Tokens a pass may take (n_batch = n_ubatch): the config's, or a larger prefill budget."""
         return max(self.options.n_batch, self.llama_options.prefill_budget)
 
     def _context_params(self, lc: Any, model: Any, on_gpu: bool) -> tuple[Any, bool]:
@@ -280,6 +272,7 @@ class LlamaCppEngine:
             # What idle KV must have cost before it leaves a shared cache, in its copies' time.
             trim_payback=payback,
             trace=open_trace(tuning.step_trace, f"llama.cpp {o.backend} {os.path.basename(o.model_path)}"),
+            vision=self._vision,
         )
         self._sched = BatchScheduler(
             ctx=ctx,
@@ -396,6 +389,9 @@ class LlamaCppEngine:
         if self._side is not None:
             self._side.close()
             self._side = None
+        if self._vision is not None:
+            self._vision.close()
+            self._vision = None
         if self._side_ctx is not None:
             lc.llama_free(self._side_ctx)
             self._side_ctx = None
@@ -439,8 +435,6 @@ class LlamaCppEngine:
                 f"{lc.__version__} {o.backend} {o.device_key or 'CPU'} {variant or ''} repack={lo.repack}"
                 f"|ctx/seq={self._n_ctx_seq} parallel={o.parallel} sequences={_sequences(o, lo)} type_k/v=f16 swa={self._n_swa or 'full'}"
                 f"{' unified' if lo.kv_unified else ''}")
-
-    # --- text ------------------------------------------------------------------------------
 
     def piece(self, token: int, special: bool = False) -> bytes:
         if not special:
@@ -494,55 +488,60 @@ class LlamaCppEngine:
         text = request.prompt or ""
         return self.encode(text, add_special=not (request.templated and self._bos_text and text.startswith(self._bos_text)))
 
-    # --- generation ------------------------------------------------------------------------
-
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
         if self._sched is None:
             raise ModelLoadError("model is not loaded")
-        # A long prompt is tokenized on another thread: on this loop it would hold back every
-        # running stream's next token at once (tens of ms for a 10k-token prompt: one gap in each
-        # of 32 streams set their ITL p99 on the H200).
-        size = len(request.prompt or "")
-        prompt = await asyncio.to_thread(self.prompt_tokens, request) if size > LONG_RENDER_CHARS else \
-            self.prompt_tokens(request)
+        # A long prompt (or images) is prepared on another thread: on this loop it would hold back every
+        # running stream's next token (tens of ms for a 10k-token prompt: a gap in 32 streams' ITL p99, H200).
+        media: list[Media] = []
+        if request.images:
+            prompt, media = await asyncio.to_thread(with_images, self._vision, request, self._bos_text)
+        elif len(request.prompt or "") > LONG_RENDER_CHARS:
+            prompt = await asyncio.to_thread(self.prompt_tokens, request)
+        else:
+            prompt = self.prompt_tokens(request)
         async for item in with_scored_prompt(prompt, request.sampling, self.logits, self.piece,
-                                             lambda: self._generate(request, prompt)):
+                                             lambda: self._generate(request, prompt, media)):
             yield item
 
-    async def _generate(self, request: GenerationRequest, prompt: list[int]) -> AsyncIterator[TokenEvent]:
+    async def _generate(self, request: GenerationRequest, prompt: list[int],
+                        media: list[Media]) -> AsyncIterator[TokenEvent]:
+        import llama_cpp as lc
+
         from engines.llamacpp.batch import GenJob, build_sampler, sampler_key
 
         assert self._sched is not None
-        sp = request.sampling
-        max_new = new_token_budget(prompt, self._n_ctx_seq, sp.max_tokens)
-        resumed = list(resumed_tokens(request, max_new))
-        c = sp.constraint
-        grammar = compile_constraint(c) if c is not None else None
-        lazy = lazy_patterns(c) if c is not None else []
-        sampler = build_sampler(self._vocab, self._n_vocab, sp, grammar, self._eog, max_new, lazy)
-        if sampler is None:
-            assert c is not None
-            what = c.part or "the output constraint"
-            raise InvalidGenerationRequest(f"llama.cpp could not compile the grammar for {what}", param=c.part or None)
-        channel = EventChannel()
-        # A resumed job samples on the host: a device chain starts from a fresh state.
-        on_host = grammar is not None or sp.logprobs or bool(resumed)
-        job = GenJob(prompt_ids=prompt, sampling=sp, max_new_tokens=max_new, sampler=sampler, emit=channel.emit,
-                     device_key=None if on_host else sampler_key(sp, max_new), shown=self._shown(request.shown))
-        if resumed and request.resume_replay:
-            job.forced.extend(resumed)
-        elif resumed:
-            import llama_cpp as lc
-
-            for t in resumed:  # penalties' history and the grammar's position, as if just generated
-                lc.llama_sampler_accept(sampler, t)
-            job.prompt_ids, job.resumed = prompt + resumed, len(resumed)
-        try:
+        sp, sampler = request.sampling, None
+        try:  # until the scheduler has it, the job's sampler and images are freed here
+            max_new = new_token_budget(prompt, self._n_ctx_seq, sp.max_tokens)
+            resumed = list(resumed_tokens(request, max_new))
+            c = sp.constraint
+            grammar = compile_constraint(c) if c is not None else None
+            lazy = lazy_patterns(c) if c is not None else []
+            sampler = build_sampler(self._vocab, self._n_vocab, sp, grammar, self._eog, max_new, lazy)
+            if sampler is None:
+                assert c is not None
+                what = c.part or "the output constraint"
+                raise InvalidGenerationRequest(f"llama.cpp could not compile the grammar for {what}",
+                                               param=c.part or None)
+            channel = EventChannel()
+            # A resumed job samples on the host: a device chain starts from a fresh state.
+            on_host = grammar is not None or sp.logprobs or bool(resumed)
+            job = GenJob(prompt_ids=prompt, sampling=sp, max_new_tokens=max_new, sampler=sampler, emit=channel.emit,
+                         device_key=None if on_host else sampler_key(sp, max_new), shown=self._shown(request.shown),
+                         media=media)
+            if resumed and request.resume_replay:
+                job.forced.extend(resumed)
+            elif resumed:
+                for t in resumed:  # penalties' history and the grammar's position, as if just generated
+                    lc.llama_sampler_accept(sampler, t)
+                job.prompt_ids, job.resumed = prompt + resumed, len(resumed)
             sched = self._submit_gen(job)
         except BaseException:
-            import llama_cpp as lc
-
-            lc.llama_sampler_free(sampler)
+            if sampler is not None:
+                lc.llama_sampler_free(sampler)
+            for m in media:
+                m.free()
             raise
         try:
             async for item in channel.events():

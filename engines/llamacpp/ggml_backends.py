@@ -190,3 +190,18 @@ def ensure_loaded(wanted: str | None = None) -> str:
     _loaded = choice.name
     log.debug("CPU backend: %s (%s)", choice.name, choice.path)
     return _loaded
+
+
+def load_variant(wanted: str) -> str | None:
+    """`ensure_loaded` for an engine: its failures as ModelLoadError, and a variant other than the
+    one asked for (`wanted`, "" = auto) refused (a process loads one)."""
+    from engines.base import ModelLoadError
+
+    try:
+        variant = ensure_loaded(wanted or None)
+    except OSError as exc:
+        raise ModelLoadError(str(exc)) from exc
+    if wanted and variant and wanted != variant:
+        raise ModelLoadError(f"CPU variant {wanted} was asked for, but this process runs {variant} "
+                             "(a process loads one; engines in worker processes can each choose)")
+    return variant

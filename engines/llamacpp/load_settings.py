@@ -140,6 +140,15 @@ def _route_native_logs(lc: Any) -> None:
     lc.llama_log_set(callback, ctypes.c_void_p(0))
 
 
+def route_vision_logs() -> None:
+    """The multimodal library's log lines (its own logger, and its helpers') the same way."""
+    import llama_cpp.mtmd_cpp as mt
+
+    if _log_callback is not None:
+        mt.mtmd_log_set(_log_callback, ctypes.c_void_p(0))
+        mt.mtmd_helper_log_set(_log_callback, ctypes.c_void_p(0))
+
+
 def llama_cpp_version() -> str:
     try:
         import llama_cpp

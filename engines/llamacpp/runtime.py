@@ -83,6 +83,9 @@ class LlamaCppOptions(RuntimeOptions):
     # of context_length x parallel tokens; when it fills, idle sequences' KV goes to the host
     # prefix cache first, then the newest request is paused and resumes when there is room.
     sequences: int = Field(default=0, ge=0)
+    # The vision projector GGUF that goes with the model (llama-server's --mmproj): the model then
+    # takes images (engines/llamacpp/vision.py). "" = none.
+    mmproj: str = ""
 
     @model_validator(mode="after")
     def _shares(self) -> Self:

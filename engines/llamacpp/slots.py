@@ -18,6 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 from engines.base import SamplingParams, TokenEvent
+from engines.llamacpp.vision import Media
 from engines.text import Detokenizer, StopMatcher
 
 EmitFn = Callable[[TokenEvent | BaseException], None]
@@ -46,6 +47,9 @@ class GenJob:
     forced: deque[int] = field(default_factory=deque)
     # Control tokens whose text the output shows (GenerationRequest.shown), with that text.
     shown: dict[int, bytes] = field(default_factory=dict)
+    # The prompt's images (engines/llamacpp/vision.py), owned by the job: their places in prompt_ids
+    # hold stand-in ids, and the scheduler feeds each whole.
+    media: list[Media] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -176,6 +180,9 @@ def free_job(job: Job) -> None:
     if isinstance(job, GenJob) and job.sampler is not None:
         lc.llama_sampler_free(job.sampler)
         job.sampler = None
+    if isinstance(job, GenJob):
+        for m in job.media:
+            m.free()
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

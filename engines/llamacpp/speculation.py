@@ -53,6 +53,11 @@ class NgramDrafter:
         if k <= 0:
             return []
         draft = hist[start : start + k]
+        cut = next((i for i, t in enumerate(draft) if t < 0), None)  # an image's stand-ins are no tokens
+        if cut is not None:
+            draft = draft[:cut]
+            if not draft:
+                return []
         self.drafted += len(draft)
         slot.drafted += len(draft)
         return draft

@@ -6,8 +6,9 @@ and images over the size limit, before any engine sees them."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
-from engines.base import Capabilities
+from engines.base import IMAGE_MARKER, Capabilities
 from gateway.api.errors import invalid
 from gateway.chat.images import Image, ImageError, check_size
 from gateway.conversation import Conversation, Part
@@ -38,3 +39,14 @@ def refuse_images(conv: Conversation, model: str, capabilities: Capabilities) ->
         raise invalid(f"model {model!r} does not take images (it has no vision projector); the request has "
                       f"{len(images)}, the first at {images[0].param}", param=images[0].param,
                       code="model_not_multimodal")
+
+
+def placed(conv: Conversation) -> tuple[Conversation, tuple[bytes, ...]]:
+    """The conversation with each image part as the engine's image marker in its text, and the
+    images' bytes in the same order (the engine puts each where its marker is)."""
+    images = tuple(p.image.data for p in conv.images if p.image is not None)
+    if not images:
+        return conv, ()
+    turns = [replace(t, parts=tuple(Part("text", IMAGE_MARKER) if p.type == "image" else p for p in t.parts))
+             for t in conv.turns]
+    return replace(conv, turns=tuple(turns)), images

@@ -26,7 +26,7 @@ from gateway.api.admission import Admission, Ticket
 from gateway.api.errors import APIError, ServerShutdown, invalid, record
 from gateway.api.failover import FailoverPolicy, resumable
 from gateway.api.guards import Drain
-from gateway.api.images import check_images, refuse_images
+from gateway.api.images import check_images, placed, refuse_images
 from gateway.api.notes import header_value
 from gateway.chat import formats
 from gateway.chat.formats import base as parts
@@ -350,6 +350,7 @@ class Service:
         loaded = await self.manager.get(spec)
         info, template = loaded.engine.info, template_of(loaded.engine.info)
         refuse_images(conv, spec.id, info.capabilities)
+        conv, images = placed(conv)
         fmt = await formats.prepared(spec.tool_format, template, loaded.config, self.manager.registry.cache_dir)
         try:
             tool_plan = tools.plan(conv, fmt)
@@ -383,7 +384,7 @@ class Service:
         if rplan is not None and rplan.tags is not None:
             shown, rplan = (*shown, *rplan.tags), rplan.opened_by(text)
         base = GenerationRequest(request_id="", sampling=sp, prompt=text, templated=True, affinity=_head(messages),
-                                 shown=shown)
+                                 shown=shown, images=images)
         return Rendered(base, tool_plan, skipped, rplan, fmt)
 
     async def conversation_events(self, p: Prepared) -> AsyncGenerator[tuple[int, OutputEvent], None]:

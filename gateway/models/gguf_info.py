@@ -49,6 +49,7 @@ class GGUFInfo:
     tensors: list[Tensor] = field(default_factory=list)
     array_lengths: dict[str, int] = field(default_factory=dict)  # skipped arrays: key -> length
     files: list[Path] = field(default_factory=list)  # every file of a split model, in order
+    projector_bytes: int = 0  # a vision projector loaded beside it (models.yaml mmproj): its file's size
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(key, default)

@@ -30,7 +30,9 @@ when a load would not fit.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -171,9 +173,11 @@ def estimate(info: GGUFInfo, context: int, parallel: int, device: str = "cpu", w
     embed = next((t.nbytes for t in info.tensors if t.name == "token_embd.weight"), 0)
     process = WORKER_BYTES if worker else 0
     if device == "cpu":
-        parts = {"weights": weights, "kv": kv, "compute": compute, "host cache": host_cache, "worker": process}
+        parts = {"weights": weights, "projector": info.projector_bytes, "kv": kv, "compute": compute,
+                 "host cache": host_cache, "worker": process}
         return Need("cpu", sum(parts.values()), 0, parts, ctx, parallel)
-    gpu_parts = {"weights": weights - embed, "kv": kv, "compute": compute, "gpu runtime": GPU_CONTEXT_BYTES}
+    gpu_parts = {"weights": weights - embed, "projector": info.projector_bytes, "kv": kv, "compute": compute,
+                 "gpu runtime": GPU_CONTEXT_BYTES}
     host_parts = {"embeddings": embed, "runtime": GPU_RUNTIME_HOST_BYTES + PER_SEQ_VOCAB_HOST_BYTES * info.n_vocab * seqs,
                   "host cache": host_cache, "worker": process}
     return Need(device, sum(host_parts.values()), sum(gpu_parts.values()), {**gpu_parts, **host_parts}, ctx, parallel)
@@ -299,6 +303,9 @@ def fit_config(info: GGUFInfo, config: EngineConfig, device: str, budgets: dict[
     and the `ram_used` by others (auto_host_cache)."""
     kv = kv_options(config)
     shared = shared_sequences(config)
+    mmproj = str(getattr(config.options, "mmproj", "") or "")
+    if mmproj and os.path.isfile(mmproj):  # its weights beside the model's (an image's KV is in the context's)
+        info = dataclasses.replace(info, projector_bytes=os.path.getsize(mmproj))
     if kv.prefix_cache_mib >= 0:
         cache = kv.prefix_cache_mib * MiB
     else:

@@ -380,7 +380,7 @@ class ModelManager:
                 the_plan = dataclasses.replace(the_plan, candidates=await self._rank_by_speed(spec, kept))
             for ci, cand in enumerate(the_plan.candidates):
                 try:
-                    path = await asyncio.to_thread(self.registry.resolve, spec, cand.format)
+                    path = await asyncio.to_thread(self._resolve, spec, cand.format)
                 except ModelUnavailable as exc:
                     raise ModelNotAvailable(str(exc)) from exc
                 try:
@@ -546,7 +546,7 @@ class ModelManager:
             for i in positions:
                 cand = candidates[i]
                 try:
-                    path = await asyncio.to_thread(self.registry.resolve, spec, cand.format)
+                    path = await asyncio.to_thread(self._resolve, spec, cand.format)
                 except ModelUnavailable:
                     continue
                 config = ladder(cand, self._config(spec, cand, str(path)), self.host, self.settings)[0]
@@ -629,8 +629,16 @@ class ModelManager:
                             on_failed=lambda why: self.crashed_out(spec.id, cand, key, why),
                             can_fall_back=lambda: not last, probation=True, standby=spec.standby)
 
+    def _resolve(self, spec: ModelSpec, fmt: str) -> Path:
+        """The model's file, with its vision projector beside it (blocking: either may be downloaded)."""
+        path = self.registry.resolve(spec, fmt)
+        if fmt == "gguf":
+            self.registry.projector(spec, fetch=True)
+        return path
+
     def _config(self, spec: ModelSpec, cand: Candidate, path: str) -> EngineConfig:
-        return engine_config(spec, cand, path, self.settings)
+        mmproj = self.registry.projector(spec) if cand.format == "gguf" else None
+        return engine_config(spec, cand, path, self.settings, str(mmproj or ""))
 
     def _remote_crash(self, model_id: str, url: str, _why: str) -> None:
         self.metrics.worker_crashes.labels(model_id, "remote", url).inc()
@@ -835,7 +843,7 @@ def kv_sharing(spec: ModelSpec, settings: Settings) -> tuple[bool, int]:
     return spec.kv_unified, spec.sequences or 0
 
 
-def engine_config(spec: ModelSpec, cand: Candidate, path: str, settings: Settings) -> EngineConfig:
+def engine_config(spec: ModelSpec, cand: Candidate, path: str, settings: Settings, mmproj: str = "") -> EngineConfig:
     """How `spec` is instantiated on `cand`: with its runtime's own options (validated by the
     runtime's options model) where the runtime is described."""
     rt = runtime(cand.runtime)
@@ -851,11 +859,11 @@ def engine_config(spec: ModelSpec, cand: Candidate, path: str, settings: Setting
         chat_template=spec.chat_template,
         pooling=spec.embedding.pooling,
         normalize_embeddings=spec.embedding.normalize,
-        options=rt.load_options(runtime_option_values(spec, settings).get(rt.name, {})) if rt is not None else None,
+        options=rt.load_options(runtime_option_values(spec, settings, mmproj).get(rt.name, {})) if rt is not None else None,
     )
 
 
-def runtime_option_values(spec: ModelSpec, settings: Settings) -> dict[str, dict[str, Any]]:
+def runtime_option_values(spec: ModelSpec, settings: Settings, mmproj: str = "") -> dict[str, dict[str, Any]]:
     """The runtimes' own options as models.yaml (its keys spread flat in a model's entry) and the
     settings give them, by runtime: the command line over models.yaml over the default."""
     kv_unified, sequences = kv_sharing(spec, settings)
@@ -872,6 +880,7 @@ def runtime_option_values(spec: ModelSpec, settings: Settings) -> dict[str, dict
             "swa_full": spec.swa_full,
             "kv_unified": kv_unified,
             "sequences": sequences,
+            "mmproj": mmproj,
         },
         "coreml": {"compute_units": spec.compute_units},
     }

@@ -260,6 +260,9 @@ class ModelSpec(_Strict):
                                     "layer split, each GPU's share by its memory budget); auto: replicas on the GPUs "
                                     "identical to the first when a copy fits one, else split")
     chat_template: str | None = Field(default=None, description="Jinja chat template overriding the model's")
+    mmproj: Source | None = Field(default=None, description="llama.cpp: the vision projector GGUF that goes with the "
+                                  "model (llama-server's --mmproj), as a source (a path, or a file of a Hugging Face "
+                                  "repo; `gateway pull` finds it beside the model): the model then takes images")
     tools: bool = Field(default=True, description="the model calls tools; false for models too small to (their "
                         "requests' tools are skipped and named in X-Skipped-Tools, and the model answers in text; "
                         "tool_choice required or named is a 400)")
@@ -503,6 +506,14 @@ class Registry:
         except Exception:  # noqa: BLE001 - an unreadable cache is just "not downloaded"
             return None
         return Path(hits[0]) if all(isinstance(h, str) for h in hits) else None  # type: ignore[arg-type]
+
+    def projector(self, spec: ModelSpec, fetch: bool = False) -> Path | None:
+        """The model's vision projector (models.yaml `mmproj`): fetched if `fetch` (blocking), else
+        only where present. None: the model has none."""
+        if spec.mmproj is None:
+            return None
+        part = spec.model_copy(update={"formats": {"gguf": spec.mmproj}})
+        return self.resolve(part, "gguf") if fetch else self.local_path(part, "gguf")
 
     def resolve(self, spec: ModelSpec, fmt: str) -> Path:
         """The model's file, fetching or assembling it if needed.  Blocking."""

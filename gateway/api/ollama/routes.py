@@ -406,7 +406,8 @@ async def show(body: ol.ModelRequest, request: Request) -> JSONResponse:
     manager: ModelManager = request.app.state.manager
     loaded = manager.entry(spec.id)
     context = loaded.engine.info.context_length if loaded is not None else spec.context_length
-    caps = ["embedding"] if spec.embedding_only else ["completion", *(["tools"] if spec.tools else [])]
+    caps = ["embedding"] if spec.embedding_only else ["completion", *(["tools"] if spec.tools else []),
+                                                       *(["vision"] if spec.mmproj is not None else [])]
     facts = await asyncio.to_thread(_file_facts, request, spec)
     parameters = _parameters(spec)
     body_out: dict[str, Any] = {

@@ -1,0 +1,218 @@
+"""Images through the real engine: a tiny Gemma-3-shaped vision model (random weights, converted by
+llama.cpp's own converter: scripts/tiny_vlm.py) served with its projector, through every protocol's
+official client. Its words are noise; what is checked is what images do to the prompt and the logits:
+an image adds its tokens, two different images give different logits and the same image the same,
+a follow-up about the same image reuses its KV, and bad images get their 400s."""
+
+from __future__ import annotations
+
+import base64
+import io
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import ollama
+import openai
+import pytest
+import yaml
+from PIL import Image as PILImage
+
+from gateway.app import create_app
+from gateway.models.registry import load_registry
+from gateway.settings import Settings
+from tests.conftest import NO_CHECKS, ROOT, ServerThread
+
+sys.path.insert(0, str(ROOT / "scripts"))
+import tiny_vlm  # noqa: E402
+
+VISION, TEXT = "tiny-vision", "tiny-vision-text-only"
+# Gemma 3's projector wraps an image's tokens in <start_of_image> ... <end_of_image>.
+IMAGE_TOKENS = tiny_vlm.TOKENS_PER_IMAGE + 2
+
+
+def picture(colour: tuple[int, int, int], fmt: str = "PNG", size: tuple[int, int] = (40, 30)) -> bytes:
+    buf = io.BytesIO()
+    PILImage.new("RGB", size, colour).save(buf, format=fmt)
+    return buf.getvalue()
+
+
+RED, BLUE = picture((220, 20, 30)), picture((20, 40, 230))
+
+
+def url(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    tmp = tmp_path_factory.mktemp("vision")
+    model, mmproj = tiny_vlm.write(tmp)
+    cfg = tmp / "models.yaml"
+    cfg.write_text(yaml.safe_dump({"models": [
+        {"id": VISION, "formats": {"gguf": {"path": str(model)}}, "mmproj": {"path": str(mmproj)},
+         "parallel": 2, "context_length": 4096},
+        {"id": TEXT, "formats": {"gguf": {"path": str(model)}}, "parallel": 1, "context_length": 4096}]}))
+    settings = Settings.from_env(env=NO_CHECKS, config=str(cfg), engine="cpu", max_resident=2)
+    srv = ServerThread(create_app(settings, load_registry(cfg, cache_dir=tmp / "cache"))).start(timeout=300)
+    yield srv.url
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def ask(client: openai.OpenAI, image: bytes | None, text: str = "What is in the picture?", mime: str = "image/png",
+        **kw: Any) -> Any:
+    content: list[dict[str, Any]] = [{"type": "text", "text": text}]
+    if image is not None:
+        content.append({"type": "image_url", "image_url": {"url": url(image, mime)}})
+    return client.chat.completions.create(model=kw.pop("model", VISION), messages=[{"role": "user", "content": content}],
+                                          max_tokens=kw.pop("max_tokens", 3), temperature=0, **kw)
+
+
+def first_logprobs(r: Any) -> dict[int, float]:
+    """The first token's top log-probabilities, by token text."""
+    assert r.choices[0].logprobs is not None
+    return {t.token: t.logprob for t in r.choices[0].logprobs.content[0].top_logprobs}
+
+
+def test_an_image_adds_its_tokens_to_the_prompt(client: openai.OpenAI) -> None:
+    plain, seen = ask(client, None), ask(client, RED)
+    assert plain.usage is not None and seen.usage is not None
+    assert seen.usage.prompt_tokens - plain.usage.prompt_tokens == IMAGE_TOKENS
+    assert seen.choices[0].finish_reason in ("length", "stop")
+
+
+def test_different_images_give_different_logits_and_the_same_image_the_same(client: openai.OpenAI) -> None:
+    kw = {"logprobs": True, "top_logprobs": 5, "max_tokens": 1}
+    red, blue, red_again = (first_logprobs(ask(client, img, **kw)) for img in (RED, BLUE, RED))
+
+    def gap(a: dict[str, float], b: dict[str, float]) -> float:
+        return max(abs(a.get(t, -100.0) - b.get(t, -100.0)) for t in {*a, *b})
+
+    # The same image: equal up to the rounding of a differently composed batch (part of the second
+    # prompt's KV comes from the cache); another image: far apart.
+    assert red.keys() == red_again.keys() and gap(red, red_again) < 1e-3
+    assert gap(red, blue) > 100 * max(gap(red, red_again), 1e-4)
+
+
+def test_a_follow_up_about_the_same_image_reuses_its_kv(client: openai.OpenAI) -> None:
+    text = "Describe the colours, please."
+    first = ask(client, BLUE, text)
+    again = ask(client, BLUE, text)
+    other = ask(client, RED, text)
+    assert first.usage is not None and again.usage is not None and other.usage is not None
+    cached = again.usage.prompt_tokens_details.cached_tokens  # type: ignore[union-attr]
+    # All but the last prompt token (one is decoded for the first logits): the image's KV with it.
+    assert cached == again.usage.prompt_tokens - 1
+    # Another image differs from its first token: only the text before it can be reused.
+    other_cached = other.usage.prompt_tokens_details.cached_tokens  # type: ignore[union-attr]
+    assert other_cached < other.usage.prompt_tokens - IMAGE_TOKENS
+
+
+@pytest.mark.parametrize(("fmt", "mime"), [("JPEG", "image/jpeg"), ("WEBP", "image/webp"), ("GIF", "image/gif")])
+def test_each_image_type_is_read(client: openai.OpenAI, fmt: str, mime: str) -> None:
+    r = ask(client, picture((10, 200, 30), fmt), mime=mime)
+    assert r.usage is not None and r.usage.prompt_tokens > IMAGE_TOKENS
+
+
+def test_a_stream_with_an_image(client: openai.OpenAI) -> None:
+    chunks = list(ask(client, RED, stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 3
+    assert any(c.choices and c.choices[0].finish_reason for c in chunks)
+
+
+def test_two_images_in_one_message(client: openai.OpenAI) -> None:
+    one = ask(client, RED)
+    two = client.chat.completions.create(model=VISION, max_tokens=2, temperature=0, messages=[
+        {"role": "user", "content": [{"type": "text", "text": "What is in the picture?"},
+                                     {"type": "image_url", "image_url": {"url": url(RED)}},
+                                     {"type": "image_url", "image_url": {"url": url(BLUE)}}]}])
+    assert one.usage is not None and two.usage is not None
+    assert two.usage.prompt_tokens - one.usage.prompt_tokens == IMAGE_TOKENS
+
+
+def test_a_corrupt_image_is_a_400_and_the_model_serves_on(client: openai.OpenAI) -> None:
+    broken = RED[:40]  # its header (type and size) is read; its pixels are not there
+    with pytest.raises(openai.BadRequestError, match="could not be decoded"):
+        ask(client, broken)
+    assert ask(client, RED).usage is not None
+
+
+def test_a_text_only_model_given_an_image_is_a_400_naming_it(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        ask(client, RED, model=TEXT)
+    body = err.value.body
+    assert isinstance(body, dict) and body["code"] == "model_not_multimodal" and TEXT in body["message"]
+
+
+def test_responses_input_image(client: openai.OpenAI) -> None:
+    plain = client.responses.create(model=VISION, max_output_tokens=3, temperature=0, input=[
+        {"role": "user", "content": [{"type": "input_text", "text": "What is in the picture?"}]}])
+    r = client.responses.create(model=VISION, max_output_tokens=3, temperature=0, input=[{"role": "user", "content": [
+        {"type": "input_text", "text": "What is in the picture?"},
+        {"type": "input_image", "image_url": url(RED), "detail": "auto"}]}])
+    assert r.usage is not None and plain.usage is not None
+    assert r.usage.input_tokens - plain.usage.input_tokens == IMAGE_TOKENS
+    # The stored conversation keeps the image: a follow-up by previous_response_id reuses its KV.
+    follow = client.responses.create(model=VISION, max_output_tokens=3, temperature=0, previous_response_id=r.id,
+                                     input="And its colour?")
+    assert follow.usage is not None and follow.usage.input_tokens > r.usage.input_tokens
+    details = follow.usage.input_tokens_details
+    assert details is not None and details.cached_tokens >= r.usage.input_tokens - 1
+
+
+def test_anthropic_image_block(server: str) -> None:
+    with anthropic.Anthropic(base_url=server, api_key="unused", max_retries=0) as c:
+        def send(*blocks: dict[str, Any]) -> anthropic.types.Message:
+            return c.messages.create(model=VISION, max_tokens=3, messages=[
+                {"role": "user", "content": [*blocks, {"type": "text", "text": "What is this?"}]}])
+
+        image = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                             "data": base64.b64encode(BLUE).decode()}}
+        seen, plain = send(image), send()
+        assert seen.usage.input_tokens - plain.usage.input_tokens == IMAGE_TOKENS
+        assert seen.stop_reason in ("max_tokens", "end_turn")
+        broken = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                              "data": base64.b64encode(BLUE[:40]).decode()}}
+        with pytest.raises(anthropic.BadRequestError, match="could not be decoded"):
+            send(broken)
+
+
+def test_ollama_images(server: str) -> None:
+    with ollama.Client(host=server) as c:
+        seen = c.chat(model=VISION, messages=[{"role": "user", "content": "What is it?", "images": [RED]}],
+                      options={"num_predict": 3, "temperature": 0})
+        plain = c.chat(model=VISION, messages=[{"role": "user", "content": "What is it?"}],
+                       options={"num_predict": 3, "temperature": 0})
+        assert seen.prompt_eval_count is not None and plain.prompt_eval_count is not None
+        assert seen.prompt_eval_count - plain.prompt_eval_count == IMAGE_TOKENS
+        gen = c.generate(model=VISION, prompt="What is it?", images=[BLUE], options={"num_predict": 3})
+        assert gen.done and gen.eval_count == 3
+        with pytest.raises(ollama.ResponseError) as err:
+            c.chat(model=VISION, messages=[{"role": "user", "content": "What is it?", "images": [RED[:40]]}])
+        assert err.value.status_code == 400 and "could not be decoded" in err.value.error
+        assert "vision" in c.show(VISION).capabilities  # type: ignore[operator]
+        assert "vision" not in (c.show(TEXT).capabilities or [])
+
+
+def test_the_memory_estimate_counts_the_projector(tmp_path: Path) -> None:
+    from engines.base import EngineConfig
+    from engines.llamacpp.runtime import LlamaCppOptions
+    from gateway.models.gguf_info import read_gguf
+    from gateway.models.memory import MiB, fit_config
+
+    model, mmproj = tiny_vlm.write(tmp_path)
+    info = read_gguf(model)
+    budgets = {"cpu": 4096 * MiB}
+    bare = EngineConfig(model_path=str(model), options=LlamaCppOptions(prefix_cache_mib=0))
+    seeing = EngineConfig(model_path=str(model), options=LlamaCppOptions(prefix_cache_mib=0, mmproj=str(mmproj)))
+    without, _, _ = fit_config(info, bare, "cpu", budgets)
+    with_it, _, _ = fit_config(info, seeing, "cpu", budgets)
+    assert with_it.parts["projector"] == mmproj.stat().st_size > 0
+    assert with_it.host - without.host == mmproj.stat().st_size
