@@ -150,7 +150,7 @@ def _pull(args: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level="WARNING", format="%(levelname)s %(name)s: %(message)s")
     try:
-        done = pull(name, context=args.context)
+        done = pull(name, context=args.context, mmproj=args.mmproj)
     except PullError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -162,6 +162,8 @@ def _pull(args: argparse.Namespace) -> int:
           f"{parameter_size(p['parameters'])} parameters, {_human(p['size_bytes'])}, context {done.entry['context_length']}"
           f" of {p['context_trained']} trained)")
     print(f"  file: {done.path}")
+    if "mmproj" in done.entry:
+        print(f"  vision projector: {done.entry['mmproj']['hf']['file']} (the model takes images)")
     print(f"  registered in {done.registry_file}")
     print(f"  serve it: gateway serve --model {done.model_id}")
     return 0
@@ -481,6 +483,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("name", help="hf.co/<user>/<repo>[:<quant>] (Q4_K_M when no quantisation is named)")
     pl.add_argument("--context", type=int, default=None,
                     help="context length to register (default: the model's trained length, at most 8192)")
+    pl.add_argument("--mmproj", default=None, metavar="FILE",
+                    help="the vision projector to fetch beside the model (default: the repository's mmproj "
+                         "GGUF, F16 first; none for a text model)")
     pl.set_defaults(func=_pull)
     ls = sub.add_parser("ls", help="list models: source, quantisation, size on disk, loaded or not")
     ls.add_argument("--config", default=None, help="models.yaml path")

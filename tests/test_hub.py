@@ -16,10 +16,13 @@ import pytest
 import yaml
 
 from gateway.models.gguf_info import read_gguf
-from gateway.models.hub import HubName, RemoteFile, choose, parse_name, quant_of
+from gateway.models.hub import HubName, RemoteFile, choose, choose_projector, parse_name, quant_of
 from gateway.models.registry import load_registry
 from tests.conftest import ROOT
 from tests.hub_standin import HubStandIn, Repo, split_gguf
+
+sys.path.insert(0, str(ROOT / "scripts"))
+import tiny_vlm  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -27,6 +30,7 @@ SMOL = "test-org/SmolLM2-135M-Instruct-GGUF"
 GEMMA = "test-org/gemma-3-270m-GGUF"
 SPLIT = "test-org/SmolLM2-split-GGUF"
 GATED = "test-org/gated-GGUF"
+VISION = "test-org/tiny-gemma3-vision-GGUF"
 TOKEN = "hf_standin_token_0123456789"
 SMOL_FILE = "SmolLM2-135M-Instruct-Q4_1.gguf"
 
@@ -41,11 +45,15 @@ def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HubStandIn]:
     smol = _file("smollm2-135m-instruct")
     gemma = _file("gemma-3-270m")
     shards = split_gguf(smol, tmp_path_factory.mktemp("split") / "smollm2-Q4_1.gguf", 3)
+    vlm, mmproj = tiny_vlm.write(tmp_path_factory.mktemp("vision"))
     hub = HubStandIn(repos={
         SMOL: Repo({SMOL_FILE: smol, "SmolLM2-135M-Instruct-Q8_0.gguf": smol, "README.md": ROOT / "README.md"}),
         GEMMA: Repo({"gemma-3-270m-Q4_K_M.gguf": gemma, "gemma-3-270m-Q8_0.gguf": gemma}),
         SPLIT: Repo({f"Q4_1/{p.name}": p for p in shards}),
         GATED: Repo({SMOL_FILE: smol}, gated_token=TOKEN),
+        # (both projectors are the same f32 file; the names are what the choice reads)
+        VISION: Repo({"tiny-gemma3-vision-F32.gguf": vlm, "mmproj-tiny-gemma3-vision-F32.gguf": mmproj,
+                      "mmproj-tiny-gemma3-vision-F16.gguf": mmproj}),
     }).start()
     yield hub
     hub.stop()
@@ -105,6 +113,19 @@ def test_names_and_quantisations() -> None:
         choose(split[:2], None, "u/r")
 
 
+def test_the_vision_projector_is_chosen_by_precision_or_by_name() -> None:
+    files = [RemoteFile(n, size, None) for n, size in (
+        ("m-Q4_K_M.gguf", 50), ("mmproj-m-Q8_0.gguf", 5), ("mmproj-m-F32.gguf", 20), ("mmproj-m-F16.gguf", 10),
+        ("mmproj-m-bf16.gguf", 10))]
+    assert choose_projector(files, None, "u/r").path == "mmproj-m-F16.gguf"  # type: ignore[union-attr]
+    assert choose_projector(files[:3], None, "u/r").path == "mmproj-m-F32.gguf"  # type: ignore[union-attr]
+    assert choose_projector(files, "mmproj-m-Q8_0.gguf", "u/r").path == "mmproj-m-Q8_0.gguf"  # type: ignore[union-attr]
+    assert choose_projector(files[:1], None, "u/r") is None  # a text model
+    with pytest.raises(Exception, match="has no projector 'x.gguf'; it has: mmproj-m-Q8_0.gguf"):
+        choose_projector(files, "x.gguf", "u/r")
+    assert choose(files, None, "u/r").files[0].path == "m-Q4_K_M.gguf"  # never the projector as the model
+
+
 # --- pulls ---------------------------------------------------------------------------------
 
 
@@ -123,6 +144,26 @@ def test_pull_by_repo_and_quant_then_again(hub: HubStandIn, env: dict[str, str])
     again = gateway(env, "pull", f"{SMOL}:q4_1")  # the short spelling, any case
     assert again.returncode == 0 and f"already present: {model_id}" in again.stdout, again.stderr
     assert hub.downloads(SMOL_FILE) == [""], "a present, verified file is not downloaded again"
+
+
+def test_pull_a_vision_model_with_its_projector_then_remove_both(hub: HubStandIn, env: dict[str, str]) -> None:
+    r = gateway(env, "pull", f"hf.co/{VISION}")
+    assert r.returncode == 0, r.stderr
+    assert "vision projector: mmproj-tiny-gemma3-vision-F16.gguf" in r.stdout
+    model_id = f"hf.co/{VISION}:F32"
+    e = entries(env)[model_id]
+    assert e["mmproj"] == {"hf": {"repo": VISION, "file": "mmproj-tiny-gemma3-vision-F16.gguf",
+                                  "revision": hub.repos[VISION].commit}}
+    assert hub.downloads("mmproj-tiny-gemma3-vision-F16.gguf") == [""]
+    assert hub.downloads("mmproj-tiny-gemma3-vision-F32.gguf") == []
+    files = hub.repos[VISION].files
+    assert sorted(digest(b) for b in blobs(env)) == sorted(
+        digest(files[f]) for f in ("tiny-gemma3-vision-F32.gguf", "mmproj-tiny-gemma3-vision-F16.gguf"))
+    shown = gateway(env, "models")
+    assert shown.returncode == 0 and model_id in shown.stdout, shown.stderr
+    gone = gateway(env, "rm", model_id)
+    assert gone.returncode == 0, gone.stderr
+    assert blobs(env) == [], "the model's and its projector's files are removed"
 
 
 def test_pull_default_quantisation_and_unknown_one(hub: HubStandIn, env: dict[str, str]) -> None:

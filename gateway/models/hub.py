@@ -38,6 +38,9 @@ DEFAULT_QUANTS = ("Q4_K_M", "Q4_K_S", "Q4_0", "Q4_1", "IQ4_XS", "IQ4_NL", "Q5_K_
 DEFAULT_PULL_CONTEXT = 8192
 _QUANT = re.compile(r"(?<![A-Za-z0-9])((?:I?Q\d(?:_[A-Za-z0-9]+)*)|BF16|F16|F32|MXFP4|TQ\d_0)(?![A-Za-z0-9])",
                     re.IGNORECASE)
+# A vision model's projector (`mmproj-*.gguf` beside the model), by precision: as llama-server's
+# and Ollama's vision models ship it (F16 first).
+PROJECTOR_PRECISIONS = ("F16", "BF16", "F32", "Q8_0")
 _SHARD = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
 _REPO = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -133,6 +136,25 @@ def choose(files: list[RemoteFile], want: str | None, repo: str) -> Choice:
         raise PullError(f"{repo} has several {q} GGUFs ({', '.join(f.path for f in chosen)}); "
                         "name one with hf.co/<user>/<repo>:<file stem>")
     return Choice(q, (chosen[0],))
+
+
+def choose_projector(files: list[RemoteFile], named: str | None, repo: str) -> RemoteFile | None:
+    """The repository's vision projector: the file `named`, else the first of PROJECTOR_PRECISIONS
+    (else the smallest); None when it has none (a text model)."""
+    found = [f for f in files if f.path.lower().endswith(".gguf") and "mmproj" in Path(f.path).name.lower()]
+    if named:
+        hit = next((f for f in found if named in (f.path, Path(f.path).name)), None)
+        if hit is None:
+            raise PullError(f"{repo} has no projector {named!r}; it has: {', '.join(f.path for f in found) or 'none'}")
+        return hit
+    if not found:
+        return None
+    ranked = sorted(found, key=lambda f: (_rank_of(quant_of(f.path)), f.size or 0, f.path))
+    return ranked[0]
+
+
+def _rank_of(quant: str | None) -> int:
+    return PROJECTOR_PRECISIONS.index(quant) if quant in PROJECTOR_PRECISIONS else len(PROJECTOR_PRECISIONS)
 
 
 def _total(files: list[RemoteFile]) -> int:
@@ -264,21 +286,23 @@ def _discard(path: Path) -> None:
 
 
 def pull(name: HubName, context: int | None = None, progress: PullProgress | None = None,
-         notify: Callable[[], None] = lambda: None, directory: Path | None = None) -> Pulled:
-    """Download and register `name`. Blocking; safe to run twice at once (the Hub cache locks each
-    file; the registry entry is replaced atomically)."""
+         notify: Callable[[], None] = lambda: None, directory: Path | None = None, mmproj: str | None = None) -> Pulled:
+    """Download and register `name`, with the repository's vision projector when it has one (`mmproj`:
+    the projector's file name, else by PROJECTOR_PRECISIONS). Blocking; safe to run twice at once
+    (the Hub cache locks each file; the registry entry is replaced atomically)."""
 
     progress = progress or PullProgress(name.canonical)
     progress.status = "listing"
     notify()
     commit, files = list_files(name)
     choice = choose(files, name.quant, name.repo)
-    progress.total = choice.size
+    projector = choose_projector(files, mmproj, name.repo)
+    progress.total = choice.size + (projector.size or 0 if projector else 0)
     model_id = HubName(name.repo, choice.quant).canonical
     progress.model_id = model_id
     paths: list[Path] = []
     fresh = False
-    for f in choice.files:
+    for f in (*choice.files, *([projector] if projector else [])):
         done = sum(p.stat().st_size for p in paths)
         progress.status, progress.file = "downloading", f.path
         notify()
@@ -312,10 +336,13 @@ def pull(name: HubName, context: int | None = None, progress: PullProgress | Non
             "name": name.canonical, "quant": choice.quant, "size_bytes": choice.size,
             "parameters": info.parameters, "context_trained": trained, "architecture": info.arch,
             "chat_template": bool(info.chat_template),
-            "sha256": {f.path: f.sha256 for f in choice.files if f.sha256},
+            "sha256": {f.path: f.sha256 for f in (*choice.files, *([projector] if projector else [])) if f.sha256},
             "pulled_at": datetime.now(UTC).isoformat(timespec="seconds"),
         },
     }
+    if projector is not None:
+        entry["mmproj"] = {"hf": {"repo": name.repo, "file": projector.path, "revision": commit}}
+        entry["description"] += f", with its vision projector {projector.path}"
     if info.chat_template is None:
         log.warning("%s has no chat template in its GGUF; chat requests will use llama.cpp's default", model_id)
     path = write_entry(entry, directory)
@@ -530,13 +557,12 @@ def _remove_hub_files(registry: Any, spec: Any) -> tuple[int, list[str]]:
     src = spec.formats["gguf"].hf if "gguf" in spec.formats else None
     if src is None:
         return 0, []
-    mine = _cached_links(src.repo, src.revision, [src.file, *src.parts])
+    mine = [link for s in _hub_sources(spec) for link in _cached_links(s.repo, s.revision, [s.file, *s.parts])]
     others: set[Path] = set()
     for other in registry.models.values():
-        o = other.formats.get("gguf")
-        if other.id == spec.id or o is None or o.hf is None:
+        if other.id == spec.id:
             continue
-        others |= {p.resolve() for p in _cached_links(o.hf.repo, o.hf.revision, [o.hf.file, *o.hf.parts])}
+        others |= {p.resolve() for o in _hub_sources(other) for p in _cached_links(o.repo, o.revision, [o.file, *o.parts])}
     freed, kept = 0, []
     for link in mine:
         blob = link.resolve()
@@ -555,6 +581,12 @@ def _remove_hub_files(registry: Any, spec: Any) -> tuple[int, list[str]]:
         _marker(blob, registry.user_dir).unlink(missing_ok=True)
         _prune_empty(link.parent, stop=repo_dir / "snapshots")
     return freed, kept
+
+
+def _hub_sources(spec: Any) -> list[Any]:
+    """A model's files on the Hub: its GGUF (all its shards) and its vision projector."""
+    found = [spec.formats["gguf"].hf if "gguf" in spec.formats else None, spec.mmproj.hf if spec.mmproj else None]
+    return [s for s in found if s is not None]
 
 
 def _prune_empty(folder: Path, stop: Path) -> None:
