@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import base64
 import io
+import json
+import os
+import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import anthropic
+import httpx
 import ollama
 import openai
 import pytest
@@ -216,3 +220,61 @@ def test_the_memory_estimate_counts_the_projector(tmp_path: Path) -> None:
     with_it, _, _ = fit_config(info, seeing, "cpu", budgets)
     assert with_it.parts["projector"] == mmproj.stat().st_size > 0
     assert with_it.host - without.host == mmproj.stat().st_size
+
+
+def test_a_stream_with_an_image_goes_on_through_a_worker_kill(server: str, client: openai.OpenAI) -> None:
+    """The resumed request carries its image: the new worker feeds it again, and the answer is the
+    uninterrupted one (greedy), its prompt counted once."""
+    content = [{"type": "text", "text": "What is in the picture?"}, {"type": "image_url", "image_url": {"url": url(RED)}}]
+    body = {"model": VISION, "messages": [{"role": "user", "content": content}], "max_tokens": 1500, "temperature": 0}
+    reference = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=120).json()
+    pid = httpx.get(f"{server}/health", timeout=10).json()["models"][VISION]["worker"]["pid"]
+    text, usage, frames = "", None, 0
+    with httpx.stream("POST", f"{server}/v1/chat/completions", timeout=120,
+                      json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            frames += 1
+            if frames == 5:
+                os.kill(pid, signal.SIGKILL)
+            if chunk["choices"]:
+                text += chunk["choices"][0]["delta"].get("content") or ""
+            usage = chunk.get("usage") or usage
+    assert usage is not None and usage.get("failovers", 0) >= 1, (usage, frames)
+    assert usage["completion_tokens"] == 1500 and usage["prompt_tokens"] == reference["usage"]["prompt_tokens"]
+    assert text == reference["choices"][0]["message"]["content"]
+
+
+from tests.test_web import _page, browser  # noqa: E402, F401 - the Chromium fixture
+
+
+async def test_the_page_chat_attaches_an_image(browser, server: str) -> None:  # noqa: F811
+    page, console = await _page(browser, server)
+    sent: list[dict[str, Any]] = []
+    page.on("request", lambda r: sent.append(json.loads(r.post_data or "{}"))
+            if r.url.endswith("/v1/chat/completions") else None)
+    await page.wait_for_selector(f'#model option[value="{VISION}"]', state="attached")
+    await page.select_option("#model", TEXT)
+    assert await page.is_disabled("#image")  # a model without a projector takes none
+    await page.select_option("#model", VISION)
+    assert await page.is_enabled("#image")
+    await page.set_input_files("#image", files=[{"name": "red.png", "mimeType": "image/png", "buffer": RED}])
+    await page.fill("#max-tokens", "3")
+    await page.fill("#prompt", "What is in the picture?")
+    await page.press("#prompt", "Enter")
+    await page.wait_for_selector(".stats[data-ending]", timeout=60_000)
+    assert await page.get_attribute(".stats", "data-ending") in ("length", "stop")
+    assert await page.locator(".msg.user img.attached").count() == 1
+    parts = sent[0]["messages"][0]["content"]
+    assert parts[1]["image_url"]["url"] == url(RED)
+    # The follow-up's history carries the image: the conversation stays about it.
+    await page.fill("#prompt", "And its colour?")
+    await page.press("#prompt", "Enter")
+    await page.wait_for_function("() => document.querySelectorAll('.stats[data-ending]').length === 2", timeout=60_000)
+    assert sent[1]["messages"][0]["content"][1]["image_url"]["url"] == url(RED)
+    assert isinstance(sent[1]["messages"][2]["content"], str)
+    assert console.errors == []
+    await page.close()

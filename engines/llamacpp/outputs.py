@@ -103,7 +103,8 @@ class Outputs:
             completion_tokens=slot.n_generated,
             cached_tokens=slot.n_cached_prompt,
             queue_seconds=slot.queue_seconds,
-            prompt_ids=tuple(job.prompt_ids[:len(job.prompt_ids) - job.resumed]),
+            # (none for a prompt with images: shadow parity re-scores token ids, which cannot carry them)
+            prompt_ids=() if job.media else tuple(job.prompt_ids[:len(job.prompt_ids) - job.resumed]),
             draft_tokens=slot.drafted,
             accepted_draft_tokens=slot.accepted,
             restored_tokens=min(slot.n_restored, slot.n_cached_prompt),

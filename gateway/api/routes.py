@@ -182,6 +182,7 @@ def _card(request: Request, spec: Any) -> ModelCard:
         available=manager.available(spec),
         loaded=manager.is_loaded(spec.id),
         endpoints=spec.endpoints(),
+        images=spec.mmproj is not None,
         description=spec.description,
         tool_format=fmt.name if fmt is not None else spec.tool_format,
         reasoning_format=(reasoning.format_name(spec, traits_of(loaded.engine.info), fmt)

@@ -47,6 +47,7 @@ class ModelStatus(BaseModel):
     id: str
     description: str
     endpoints: list[str]
+    images: bool  # it takes images (a vision projector, models.yaml mmproj)
     available: bool  # its files are on this machine (no download needed)
     state: Literal["loaded", "loading", "failed", "not_loaded"]
     engine: str | None  # runtime/backend serving it, as in X-Engine
@@ -167,6 +168,7 @@ def _model(request: Request, spec: ModelSpec) -> ModelStatus:
         id=spec.id,
         description=spec.description,
         endpoints=spec.endpoints(),
+        images=spec.mmproj is not None,
         available=manager.available(spec),
         state=("loaded" if entry is not None else "loading" if spec.id in manager.loading
                else "failed" if spec.id in manager.load_errors else "not_loaded"),

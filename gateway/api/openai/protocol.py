@@ -358,6 +358,7 @@ class ModelCard(_Response):
     available: bool
     loaded: bool
     endpoints: list[str]  # which API endpoints serve it: chat.completions, completions, embeddings
+    images: bool = False  # it takes images (a vision projector: models.yaml mmproj)
     description: str = ""
     # The family format of its tool calls and reasoning (models.yaml's, or its template's once loaded).
     tool_format: str | None = None

@@ -5,6 +5,28 @@ import { $, AuthError, errorText, h, headers, ms } from "./api.js";
 
 const history = [];
 let controller = null;
+let seeing = new Set();  // models that take images
+
+// The attached image as a data: URL (read by the browser), or null.
+function attached() {
+  const file = $("#image").files?.[0];
+  if (!file) return Promise.resolve(null);
+  return new Promise((resolve, reject) => {
+    const reader = new FileReader();
+    reader.onload = () => resolve(reader.result);
+    reader.onerror = () => reject(new Error(`could not read ${file.name}`));
+    reader.readAsDataURL(file);
+  });
+}
+
+// The image control follows the model picked: enabled for a model that takes images.
+function syncImage() {
+  const input = $("#image");
+  const ok = seeing.has($("#model").value);
+  input.disabled = !ok;
+  if (!ok) input.value = "";
+  $("#image-note").textContent = ok ? "" : "this model takes no images";
+}
 
 function setBusy(busy) {
   $("#send").disabled = busy;
@@ -34,10 +56,20 @@ async function send(onAuth) {
   const text = prompt.value.trim();
   if (!text || controller) return;
   const model = $("#model").value;
-  history.push({ role: "user", content: text });
+  let image = null;
+  try {
+    image = await attached();
+  } catch (err) {
+    $("#chat-msg").textContent = err.message;
+    return;
+  }
+  // With an image, the turn is OpenAI's content parts; the history keeps it, so a follow-up is about it.
+  history.push({ role: "user", content: image ? [{ type: "text", text }, { type: "image_url", image_url: { url: image } }] : text });
   prompt.value = "";
+  $("#image").value = "";
   const log = $("#log");
-  log.append(h("div", { class: "msg user" }, h("span", { class: "who" }, "You"), h("p", {}, text)));
+  const shown = image ? [h("img", { class: "attached", src: image, alt: "the attached image" })] : [];
+  log.append(h("div", { class: "msg user" }, h("span", { class: "who" }, "You"), h("p", {}, text), ...shown));
   const body = h("p", { class: "reply" });
   const stats = h("p", { class: "stats", role: "status" }, "waiting for the first token…");
   log.append(h("div", { class: "msg assistant" }, h("span", { class: "who" }, model), body, stats));
@@ -120,6 +152,7 @@ export function initChat(onAuth) {
     }
   });
   $("#stop").addEventListener("click", () => controller?.abort());
+  $("#model").addEventListener("change", syncImage);
   $("#clear").addEventListener("click", () => {
     controller?.abort();
     history.length = 0;
@@ -132,6 +165,9 @@ export function setModels(models, preferred) {
   const select = $("#model");
   const keep = select.value || preferred;
   const ids = models.filter((m) => m.endpoints.includes("chat.completions")).map((m) => m.id);
-  if (ids.join("\n") === [...select.options].map((o) => o.value).join("\n")) return;
-  select.replaceChildren(...ids.map((id) => h("option", { value: id, selected: id === keep }, id)));
+  seeing = new Set(models.filter((m) => m.images).map((m) => m.id));
+  if (ids.join("\n") !== [...select.options].map((o) => o.value).join("\n")) {
+    select.replaceChildren(...ids.map((id) => h("option", { value: id, selected: id === keep }, id)));
+  }
+  syncImage();
 }
