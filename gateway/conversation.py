@@ -28,6 +28,7 @@ class Part:
     text: str = ""
     image: Image | None = None
     param: str = ""
+    url: str = ""  # an http(s) image not fetched yet (gateway/api/images.py fetches it, where allowed)
 
 
 @dataclass(frozen=True)

@@ -104,6 +104,11 @@ class Settings(EnvSettings):
     max_image_bytes: int = setting(
         20 * 1024 * 1024, "bytes of one image in a request, decoded (the body limit bounds them too)",
         parse="size", ge=1)
+    image_fetch: Literal["off", "public", "any"] = setting(
+        "off", "http(s) image URLs in requests: off (images travel in the request), public (fetched from "
+        "hosts whose addresses are all public), any (private and loopback hosts too)", flag=True,
+        choices=("off", "public", "any"))
+    image_fetch_timeout: float = setting(10.0, "seconds a fetched image may take, its whole download", ge=0.1)
     # --- llama.cpp's KV memory ---
     prefix_cache: int | None = setting(
         None, "llama.cpp: host memory per model for the KV of conversations that lost their sequence, "

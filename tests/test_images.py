@@ -5,7 +5,11 @@ not inline, or sent to a model that takes none (the default model reads text onl
 from __future__ import annotations
 
 import base64
+import http.server
 import io
+import threading
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import anthropic
@@ -16,7 +20,7 @@ import pytest
 from PIL import Image as PILImage
 
 from gateway.api.errors import APIError
-from gateway.api.images import check_images
+from gateway.api.images import check_images, fetch_images, image_part
 from gateway.chat import images
 from gateway.chat.images import ImageError
 from gateway.conversation import Conversation, Part, Turn
@@ -97,7 +101,8 @@ def test_openai_chat_image_to_a_text_model(client: openai.OpenAI) -> None:
 @pytest.mark.parametrize(("url", "code", "why"), [
     ("data:image/png;base64,@@@", "invalid_image", "not valid base64"),
     (f"data:image/bmp;base64,{BMP}", "invalid_image", "not PNG, JPEG, WebP or GIF"),
-    ("https://example.com/cat.png", "invalid_image", "not fetched"),
+    # (an image URL to a text model: refused before it would be fetched)
+    ("https://example.com/cat.png", "model_not_multimodal", "does not take images"),
 ])
 def test_openai_chat_bad_images(client: openai.OpenAI, url: str, code: str, why: str) -> None:
     with pytest.raises(openai.BadRequestError) as err:
@@ -136,7 +141,7 @@ def _anthropic_images(c: anthropic.Anthropic) -> None:
     with pytest.raises(anthropic.BadRequestError, match="is image/png, not image/gif"):
         c.messages.create(model=MODEL, max_tokens=8, messages=[{"role": "user", "content": [
             {"type": "image", "source": {"type": "base64", "media_type": "image/gif", "data": B64}}]}])
-    with pytest.raises(anthropic.BadRequestError, match="not fetched"):
+    with pytest.raises(anthropic.BadRequestError, match="does not take images.*source.url"):
         c.messages.create(model=MODEL, max_tokens=8, messages=[{"role": "user", "content": [
             {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}]}])
 
@@ -160,3 +165,64 @@ def _ollama_images(c: ollama.Client) -> None:
     assert err.value.status_code == 400 and f"model {MODEL!r} does not take images" in err.value.error
     with pytest.raises(ollama.ResponseError, match="not PNG, JPEG, WebP or GIF"):
         c.generate(model=MODEL, prompt="What is it?", images=[base64.b64decode(BMP)])
+
+
+# --- http(s) images, fetched where the operator allows it ----------------------------------------
+
+
+class _Images(http.server.BaseHTTPRequestHandler):
+    routes: dict[str, tuple[int, str, bytes, float]] = {}  # path -> (status, content type, body, delay)
+
+    def do_GET(self) -> None:  # noqa: N802 - the handler's name
+        if self.path == "/moved":
+            self.send_response(302)
+            self.send_header("Location", "/red.png")
+            self.end_headers()
+            return
+        status, ctype, body, delay = self.routes.get(self.path, (404, "text/plain", b"no", 0.0))
+        time.sleep(delay)
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def image_host() -> Iterator[str]:
+    _Images.routes = {"/red.png": (200, "image/png", PNG, 0.0), "/page.html": (200, "text/html", b"<html>", 0.0),
+                      "/big.png": (200, "image/png", PNG + b"\0" * 5000, 0.0), "/slow.png": (200, "image/png", PNG, 3.0)}
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Images)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+    srv.server_close()
+
+
+def _asking(url: str) -> Conversation:
+    return Conversation(turns=(Turn("user", (Part("text", "What is it?"),
+                                             image_part(lambda: images.from_url(url), "messages[0].content[1]"))),))
+
+
+@pytest.mark.parametrize(("path", "mode", "why"), [
+    ("/red.png", "off", "not fetched by this gateway"),
+    ("/red.png", "public", "non-public address (127.0.0.1)"),
+    ("/page.html", "any", "the URL is text/html, not an image"),
+    ("/big.png", "any", "larger than 4096 bytes"),
+    ("/slow.png", "any", "longer than 1 s"),
+    ("/gone.png", "any", "answered HTTP 404"),
+])
+async def test_an_image_url_that_is_not_fetched_says_why(image_host: str, path: str, mode: str, why: str) -> None:
+    with pytest.raises(APIError) as err:
+        await fetch_images(_asking(image_host + path), mode, max_bytes=4096, timeout=1.0)
+    assert why in str(err.value) and err.value.param == "messages[0].content[1]" and err.value.code == "invalid_image"
+
+
+async def test_an_image_url_is_fetched_through_redirects_when_allowed(image_host: str) -> None:
+    conv = await fetch_images(_asking(f"{image_host}/moved"), "any", max_bytes=4096, timeout=5.0)
+    (img,) = [p.image for p in conv.images]
+    assert img is not None and img.data == PNG and img.mime == "image/png"
+    assert conv.images[0].param == "messages[0].content[1]"

@@ -42,6 +42,7 @@ OLD_FLAGS = {
     "--prefix-cache": "prefix_cache", "--prefill-budget": "prefill_budget", "--drain-timeout": "drain_timeout",
     "--max-body": "max_body", "--parity-reference": "parity_reference", "--parity-sample": "parity_sample",
     "--parity-window": "parity_window", "--parity-queue": "parity_queue", "--parity-enforce": "parity_enforce",
+    "--image-fetch": "image_fetch",
 }
 # A well-formed text of each kind of setting, and what it means.
 SAMPLES = {"int": "2", "float": "0.5", "size": "12G", "mib": "2G", "duration": "1h30m", "list": "a, b", "str": "x"}

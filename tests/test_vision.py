@@ -7,11 +7,14 @@ a follow-up about the same image reuses its KV, and bad images get their 400s.""
 from __future__ import annotations
 
 import base64
+import functools
+import http.server
 import io
 import json
 import os
 import signal
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -59,7 +62,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         {"id": VISION, "formats": {"gguf": {"path": str(model)}}, "mmproj": {"path": str(mmproj)},
          "parallel": 2, "context_length": 4096},
         {"id": TEXT, "formats": {"gguf": {"path": str(model)}}, "parallel": 1, "context_length": 4096}]}))
-    settings = Settings.from_env(env=NO_CHECKS, config=str(cfg), engine="cpu", max_resident=2)
+    # Image URLs fetched from any host: the tests serve them on loopback.
+    settings = Settings.from_env(env=NO_CHECKS, config=str(cfg), engine="cpu", max_resident=2, image_fetch="any")
     srv = ServerThread(create_app(settings, load_registry(cfg, cache_dir=tmp / "cache"))).start(timeout=300)
     yield srv.url
     srv.stop()
@@ -278,3 +282,31 @@ async def test_the_page_chat_attaches_an_image(browser, server: str) -> None:  #
     assert isinstance(sent[1]["messages"][2]["content"], str)
     assert console.errors == []
     await page.close()
+
+
+def test_an_image_url_is_fetched_where_the_operator_allows_it(client: openai.OpenAI, server: str,
+                                                              tmp_path: Path) -> None:
+    (tmp_path / "red.png").write_bytes(RED)
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    host = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=host.serve_forever, daemon=True).start()
+    try:
+        where = f"http://127.0.0.1:{host.server_address[1]}/red.png"
+        fetched = client.chat.completions.create(model=VISION, max_tokens=1, temperature=0, logprobs=True,
+                                                 top_logprobs=5, messages=[{"role": "user", "content": [
+                                                     {"type": "text", "text": "What is in the picture?"},
+                                                     {"type": "image_url", "image_url": {"url": where}}]}])
+        inline = ask(client, RED, max_tokens=1, logprobs=True, top_logprobs=5)
+        assert fetched.usage is not None and inline.usage is not None
+        assert fetched.usage.prompt_tokens == inline.usage.prompt_tokens
+        assert first_logprobs(fetched).keys() == first_logprobs(inline).keys()
+        with anthropic.Anthropic(base_url=server, api_key="unused", max_retries=0) as c:
+            m = c.messages.create(model=VISION, max_tokens=2, messages=[{"role": "user", "content": [
+                {"type": "image", "source": {"type": "url", "url": where}}, {"type": "text", "text": "What is this?"}]}])
+            assert m.usage.input_tokens > IMAGE_TOKENS
+            with pytest.raises(anthropic.BadRequestError, match="source.url: fetching the image answered HTTP 404"):
+                c.messages.create(model=VISION, max_tokens=2, messages=[{"role": "user", "content": [
+                    {"type": "image", "source": {"type": "url", "url": where + ".gone"}}]}])
+    finally:
+        host.shutdown()
+        host.server_close()

@@ -26,7 +26,7 @@ from gateway.api.admission import Admission, Ticket
 from gateway.api.errors import APIError, ServerShutdown, invalid, record
 from gateway.api.failover import FailoverPolicy, resumable
 from gateway.api.guards import Drain
-from gateway.api.images import check_images, placed, refuse_images
+from gateway.api.images import check_images, fetch_images, placed, refuse_images
 from gateway.api.notes import header_value
 from gateway.chat import formats
 from gateway.chat.formats import base as parts
@@ -350,6 +350,7 @@ class Service:
         loaded = await self.manager.get(spec)
         info, template = loaded.engine.info, template_of(loaded.engine.info)
         refuse_images(conv, spec.id, info.capabilities)
+        conv = await fetch_images(conv, settings.image_fetch, settings.max_image_bytes, settings.image_fetch_timeout)
         conv, images = placed(conv)
         fmt = await formats.prepared(spec.tool_format, template, loaded.config, self.manager.registry.cache_dir)
         try:

@@ -5,8 +5,8 @@ and Ollama's `images` carry base64. Each becomes an `Image`: its bytes, its type
 bytes, not taken from the client's word), its size in pixels and its SHA-256. What is not an image
 the gateway takes — not base64, not PNG, JPEG, WebP or GIF, larger than the limit, its header cut
 short, larger than the `max_image_bytes` setting — is an `ImageError` whose message says which,
-answered 400 with the part that carried it. http(s) URLs are not fetched: the image travels in the
-request.
+answered 400 with the part that carried it. An http(s) URL is a `RemoteImage`: fetched later where
+the operator allows it (`--image-fetch`, gateway/api/images.py), else refused.
 """
 
 from __future__ import annotations
@@ -26,6 +26,15 @@ _DATA_URL = re.compile(r"data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^;,]*)*?
 
 class ImageError(ValueError):
     """Not an image this gateway takes; the message says why."""
+
+
+class RemoteImage(ImageError):
+    """An http(s) image URL: fetched only where the operator allows it."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__("image URLs are not fetched by this gateway: send the image in the request, as a data: "
+                         "URL (data:image/png;base64,...), or ask its operator to allow fetching (--image-fetch)")
+        self.url = url
 
 
 @dataclass(frozen=True)
@@ -53,8 +62,7 @@ def from_base64(text: str, declared: str | None = None) -> Image:
 def from_url(url: str) -> Image:
     """An image from an OpenAI-style URL: a `data:` URL with base64 data."""
     if url.startswith(("http://", "https://")):
-        raise ImageError("image URLs are not fetched by this gateway: send the image in the request, as a "
-                         "data: URL (data:image/png;base64,...)")
+        raise RemoteImage(url)
     m = _DATA_URL.fullmatch(url)
     if m is None:
         raise ImageError("the image URL is not a base64 data: URL (data:image/png;base64,...)")
