@@ -310,3 +310,41 @@ def test_an_image_url_is_fetched_where_the_operator_allows_it(client: openai.Ope
     finally:
         host.shutdown()
         host.server_close()
+
+
+def _on_lavapipe() -> bool:
+    from engines.llamacpp.runtime import found
+    from gateway.host.hardware import probe_host
+    from tests.conftest import VULKAN
+
+    return found(probe_host()).package.has("Vulkan") and any(d.type == "cpu" for d in VULKAN.devices)
+
+
+@pytest.mark.skipif(not os.environ.get("CI") and not _on_lavapipe(),
+                    reason="needs the Vulkan build of llama-cpp-python and Mesa's lavapipe (scripts/test.sh installs both)")
+def test_images_on_the_vulkan_build(tmp_path: Path, client: openai.OpenAI) -> None:
+    """The Vulkan build's multimodal library serves the same model: an image's tokens, and logits
+    close to the CPU engine's (fp16 kernels on lavapipe against fp32)."""
+    model, mmproj = tiny_vlm.write(tmp_path)
+    cfg = tmp_path / "models.yaml"
+    cfg.write_text(yaml.safe_dump({"models": [
+        {"id": VISION, "formats": {"gguf": {"path": str(model)}}, "mmproj": {"path": str(mmproj)},
+         "parallel": 1, "context_length": 4096}]}))
+    settings = Settings.from_env(env=NO_CHECKS, config=str(cfg), engine="vulkan")
+    srv = ServerThread(create_app(settings, load_registry(cfg, cache_dir=tmp_path / "cache"))).start(timeout=600)
+    try:
+        vk = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=300)
+        assert "vulkan" in httpx.get(f"{srv.url}/health", timeout=30).json()["models"][VISION]["engine"]
+        kw = {"logprobs": True, "top_logprobs": 5, "max_tokens": 1}
+        plain, red = ask(vk, None), ask(vk, RED, **kw)
+        assert red.usage.prompt_tokens - plain.usage.prompt_tokens == IMAGE_TOKENS
+        blue = first_logprobs(ask(vk, BLUE, **kw))
+        cpu_red = first_logprobs(ask(client, RED, **kw))
+        on_vk = first_logprobs(red)
+        shared = on_vk.keys() & cpu_red.keys()
+        assert shared, (on_vk, cpu_red)
+        close = max(abs(on_vk[t] - cpu_red[t]) for t in shared)
+        apart = max(abs(on_vk.get(t, -100.0) - blue.get(t, -100.0)) for t in {*on_vk, *blue})
+        assert close < 0.1 and apart > 3 * close, (close, apart, on_vk, cpu_red, blue)
+    finally:
+        srv.stop()
