@@ -87,9 +87,13 @@ def rgb(data: bytes, index: int) -> tuple[int, int, bytes]:
                 im.seek(0)
                 px = im.convert("RGB")
                 return px.width, px.height, px.tobytes()
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError,
-            Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-        raise InvalidGenerationRequest(f"image {index + 1} could not be decoded: {exc}") from None
+    except UnidentifiedImageError:
+        why = "its data is damaged (no decoder reads it)"
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
+        why = "it has too many pixels"
+    except (OSError, ValueError, SyntaxError, EOFError) as exc:
+        why = str(exc) or type(exc).__name__
+    raise InvalidGenerationRequest(f"image {index + 1} could not be decoded: {why}")
 
 
 def with_images(vision: Vision | None, request: GenerationRequest, bos_text: str) -> tuple[list[int], list[Media]]:
