@@ -157,14 +157,16 @@ class Vision:
         if found != len(images):
             raise InvalidGenerationRequest(f"the prompt has {found} image places ({IMAGE_MARKER}) for "
                                            f"{len(images)} images")
-        bitmaps = [self._bitmap(data, i) for i, data in enumerate(images)]
+        bitmaps: list[Any] = []
         chunks = mt.mtmd_input_chunks_init()
         try:
+            bitmaps.extend(self._bitmap(data, i) for i, data in enumerate(images))
             raw = text.encode()
             inp = mt.mtmd_input_text(raw, len(raw), add_special, True)
             arr = (mt.mtmd_bitmap_p_ctypes * max(1, len(bitmaps)))(*bitmaps)
-            with self._lock:
-                rc = mt.mtmd_tokenize(self._mctx, chunks, ctypes.byref(inp), arr, len(bitmaps))
+            # On the request's thread, beside the scheduler's encodes, as llama-server does: the
+            # preprocessing reads the projector's parameters only.
+            rc = mt.mtmd_tokenize(self._mctx, chunks, ctypes.byref(inp), arr, len(bitmaps))
             if rc != 0:
                 raise InvalidGenerationRequest(f"the images could not be prepared for the model (mtmd_tokenize: {rc})")
             return self._split(chunks, images)
