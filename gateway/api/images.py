@@ -59,9 +59,12 @@ def placed(conv: Conversation) -> tuple[Conversation, tuple[bytes, ...]]:
     images = tuple(p.image.data for p in conv.images if p.image is not None)
     if not images:
         return conv, ()
-    turns = [replace(t, parts=tuple(Part("text", IMAGE_MARKER) if p.type == "image" else p for p in t.parts))
-             for t in conv.turns]
-    return replace(conv, turns=tuple(turns)), images
+    return _each_part(conv, lambda p: Part("text", IMAGE_MARKER) if p.type == "image" else p), images
+
+
+def _each_part(conv: Conversation, change: Callable[[Part], Part]) -> Conversation:
+    """The conversation with `change` applied to every part of every turn."""
+    return replace(conv, turns=tuple(replace(t, parts=tuple(change(p) for p in t.parts)) for t in conv.turns))
 
 
 async def fetch_images(conv: Conversation, mode: str, max_bytes: int, timeout: float) -> Conversation:
@@ -77,9 +80,7 @@ async def fetch_images(conv: Conversation, mode: str, max_bytes: int, timeout: f
     async with httpx.AsyncClient(follow_redirects=False, timeout=timeout) as client:
         got = await asyncio.gather(*(_fetch(client, p, mode, max_bytes, timeout) for p in remote))
     by_id = {id(p): img for p, img in zip(remote, got, strict=True)}
-    turns = tuple(replace(t, parts=tuple(Part("image", image=by_id[id(p)], param=p.param) if id(p) in by_id else p
-                                         for p in t.parts)) for t in conv.turns)
-    return replace(conv, turns=turns)
+    return _each_part(conv, lambda p: Part("image", image=by_id[id(p)], param=p.param) if id(p) in by_id else p)
 
 
 async def _fetch(client: httpx.AsyncClient, part: Part, mode: str, max_bytes: int, timeout: float) -> Image:
