@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 import yaml
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from tests.conftest import MODEL, ROOT
 from tests.test_production import Gateway, _is_envelope
@@ -72,8 +72,10 @@ def test_stream_accumulates_to_the_final_text(client: openai.OpenAI) -> None:
 
 
 class City(BaseModel):
-    name: str
-    country: str
+    # Lengths bound the strings, as a schema for a small model should: the grammar then closes
+    # each string in time (greedy text from a 135M model may otherwise run on inside one).
+    name: str = Field(max_length=40)
+    country: str = Field(max_length=40)
 
 
 def test_parse_with_a_pydantic_model(client: openai.OpenAI) -> None:
