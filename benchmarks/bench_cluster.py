@@ -104,11 +104,11 @@ class RayGateway:
 
 
 class Direct:
-    def __init__(self, parallel: int) -> None:
+    def __init__(self, parallel: int, engine: str = "cpu") -> None:
         self.port = _port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--port", str(self.port),
-                                      "--engine", "cpu", "--parallel", str(parallel)], cwd=ROOT,
+                                      "--engine", engine, "--parallel", str(parallel)], cwd=ROOT,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         _wait(self.url, self.proc)  # type: ignore[arg-type]
 
@@ -188,8 +188,10 @@ def main() -> int:
                     "each replica reserving 1/REPLICAS of it, at --layout-streams")
     ap.add_argument("--layout-streams", default="8,16")
     ap.add_argument("--engine", default="auto", help="the replicas' engine (cuda for --layouts)")
+    ap.add_argument("--overhead-streams", default="1,8,16", help="streams of the direct-vs-Serve part")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
+    streams = [int(x) for x in args.overhead_streams.split(",")]
     raw: dict[str, Any] = {"scale": {}, "overhead": {}, "affinity": {}, "layouts": {}}
     for rnd in range(args.rounds):
         for layout in filter(None, args.layouts.split(",")):
@@ -209,15 +211,15 @@ def main() -> int:
                 finally:
                     g.close()
         if "overhead" not in skip:
-            d = Direct(args.parallel)
+            d = Direct(args.parallel, "cpu" if args.engine == "auto" else args.engine)
             try:
-                for c in (1, 8):
+                for c in streams:
                     raw["overhead"].setdefault(f"direct {c}", []).append(bench(d.url, c, args, f"round {rnd} direct"))
             finally:
                 d.close()
-            g = RayGateway(1, args.parallel)
+            g = RayGateway(1, args.parallel, engine=args.engine, gpus=1 if args.engine == "cuda" else None)
             try:
-                for c in (1, 8):
+                for c in streams:
                     raw["overhead"].setdefault(f"serve {c}", []).append(bench(g.url, c, args, f"round {rnd} serve, 1 replica"))
             finally:
                 g.close()
@@ -253,7 +255,7 @@ def main() -> int:
             print(f"| {n} | {cell(rs)} | {statistics.median(r['ttft']['p50'] for r in rs) * 1000:.0f} |")
     if raw["overhead"]:
         print("\n| streams | direct tok/s | Serve (1 replica) tok/s | Serve / direct | TTFT p50 ms direct / Serve |\n|---|---|---|---|---|")
-        for c in (1, 8):
+        for c in streams:
             d, s = raw["overhead"][f"direct {c}"], raw["overhead"][f"serve {c}"]
             ratio = statistics.median(r["output_token_throughput"] for r in s) / statistics.median(r["output_token_throughput"] for r in d)
             print(f"| {c} | {cell(d)} | {cell(s)} | {ratio:.2f} | "

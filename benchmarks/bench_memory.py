@@ -6,7 +6,7 @@ memory there, from nvidia-smi) is set beside the estimate that residency decisio
     .venv/bin/python benchmarks/bench_memory.py [--engine cpu|cuda] [--models ID,ID] [--json FILE]
 
 Models: those of models.yaml (or --config), plus any GGUF given with --gguf PATH (e.g. the random
-Llama-3-8B-shaped Q4_K_M of benchmarks/make_random_llama8b.py on the H100).
+Llama-3-8B-shaped Q4_K_M of benchmarks/make_random_llama.py on the H100).
 
 The host prefix cache is part of the estimate: --prefix-cache MIB sizes it (default: the gateway's
 own default, a quarter of the free memory up to 8 GiB; 0: none), and the cache is filled with

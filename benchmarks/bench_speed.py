@@ -211,7 +211,7 @@ def main() -> int:
                          "(before/after a change, one run)")
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--gguf", default=None, metavar="PATH",
-                    help="serve this GGUF as the model on every server (e.g. benchmarks/make_random_llama8b.py's)")
+                    help="serve this GGUF as the model on every server (e.g. benchmarks/make_random_llama.py's)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="also write the table, the machine and every round's numbers here")
     args = ap.parse_args()
