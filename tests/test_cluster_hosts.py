@@ -141,7 +141,7 @@ class Hosts:
 def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hosts]:
     tmp = tmp_path_factory.mktemp("hosts")
     (tmp / "models.yaml").write_text(yaml.safe_dump(_CONFIG))
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32), "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
            "GATEWAY_THREADS": "1", "PYTHONPATH": str(ROOT), "GATEWAY_CONFIG": str(tmp / "models.yaml")}
     h = Hosts(tmp, env)
     _network()

@@ -10,6 +10,8 @@ exception a local engine would.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import os
 import socket
@@ -21,7 +23,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from engines.base import EngineError, GenerationRequest
+from engines.base import EngineError, GenerationRequest, TokenEvent
 from engines.worker import wire
 from gateway.metrics import Metrics
 from gateway.models.pool import Loaded, ModelManager
@@ -29,6 +31,8 @@ from gateway.models.registry import Registry, RegistryFile, _default_cache
 from gateway.settings import Settings
 
 log = logging.getLogger(__name__)
+
+_END = object()
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,7 @@ class ModelReplica:
         self.tag = _where()
         self.manager = ModelManager(registry, settings, metrics=Metrics())
         loaded = await self.manager.get(spec)
+        self.stream_interval = settings.serve_stream_interval
         self.served = 0
         self.cancelled = 0
         log.info("replica %s on %s serves %s on %s (%s)", self.tag.replica, self.tag.node, model_id,
@@ -104,19 +109,18 @@ class ModelReplica:
         del affinity
         yield self.tag
         self.served += 1
-        stream = (await self._loaded()).engine.generate(request)
+        stream: AsyncIterator[TokenEvent] = (await self._loaded()).engine.generate(request)
         finished = False
         try:
-            async for event in stream:
-                yield [event]
-                finished = event.finish_reason is not None
+            async for events in batched(stream, self.stream_interval):
+                yield events
+                finished = events[-1].finish_reason is not None
         except EngineError as exc:
             finished = True
             yield Failed(wire.error_message(0, exc))
         finally:
             if not finished:
                 self.cancelled += 1  # the client went away (Serve cancelled this generator)
-            await stream.aclose()  # type: ignore[attr-defined]
 
     async def tokenize(self, text: str) -> list[int] | Failed:
         try:
@@ -146,4 +150,61 @@ class ModelReplica:
         await self.manager.close()
 
 
-__all__ = ["Failed", "ModelReplica", "ReplicaTag"]
+async def batched(stream: AsyncIterator[TokenEvent], interval: float) -> AsyncIterator[list[TokenEvent]]:
+    """A stream's events in lists, a list at most every `interval` seconds: the first event at once,
+    each later one held until `interval` after the list before went out (or the stream ends), with
+    whatever else arrived meanwhile.
+
+    Every item of a Serve stream is a message from the replica to the ingress, and on as SSE to the
+    proxy; their cost, not the engine's, bounds the Serve path's tokens per second once streams are
+    many or fast (an H100 serving a small model: 0.60x the direct path at 16 streams). A stream sends
+    at most 1/interval messages a second, its tokens reaching the client in groups no further apart
+    than `interval` (20 ms: faster than text is read). Ray sends a stream's items as they are
+    yielded, so the replica cannot see a slow reader: the interval stands in for that. Closing the
+    lists closes the stream (its request is cancelled)."""
+    queue: asyncio.Queue[Any] = asyncio.Queue()
+    ended = asyncio.Event()
+
+    async def pump() -> None:
+        try:
+            async for event in stream:
+                queue.put_nowait(event)
+                if event.finish_reason is not None:
+                    ended.set()
+        except Exception as exc:  # noqa: BLE001 - raised where the lists are read
+            queue.put_nowait(exc)
+            ended.set()
+            return
+        queue.put_nowait(_END)
+        ended.set()
+
+    loop = asyncio.get_running_loop()
+    task = asyncio.create_task(pump())
+    sent = 0.0
+    try:
+        while True:
+            items = [await queue.get()]
+            wait = sent + interval - loop.time()
+            if sent and wait > 0 and not ended.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(ended.wait(), wait)
+            while not queue.empty():
+                items.append(queue.get_nowait())
+            last = items[-1]
+            stop = last is _END or isinstance(last, Exception)
+            out: list[TokenEvent] = items[:-1] if stop else items
+            if out:
+                yield out
+                sent = loop.time()
+            if isinstance(last, Exception):
+                raise last
+            if stop or out[-1].finish_reason is not None:
+                return
+    finally:
+        task.cancel()  # the pump's `async for` ends the stream with it (its request cancelled)
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await stream.aclose()  # type: ignore[attr-defined]
+
+
+__all__ = ["Failed", "batched", "ModelReplica", "ReplicaTag"]
