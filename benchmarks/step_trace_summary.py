@@ -99,10 +99,41 @@ def summarize(steps: list[Step], client_p99: float | None = None) -> str:
         f"{statistics.median(s.outputs_ms for _, s, _ in gaps):.1f}, between steps "
         f"{statistics.median(idle for *_, idle in gaps):.1f}",
     ]
+    lines += _by_kind(steps)
     if client_p99 is not None:
         lines.append(f"clients' ITL p99 {client_p99:.1f} ms: {max(0.0, client_p99 - p99):.1f} ms of it after the "
                      f"worker (events to the gateway, the gateway, HTTP)")
     return "\n".join(lines)
+
+
+SIZES = ((1, 32), (33, 128), (129, 512), (513, 1 << 30))
+
+
+def _by_kind(steps: list[Step]) -> list[str]:
+    """Whole steps (model pass and host work together: on a GPU their split depends on where the
+    device is waited for) by what they held: decoding only, right after a decode-only step or right
+    after one that prefilled (a change of batch shape can cost the next steps, e.g. a rebuilt CUDA
+    graph); and steps that prefilled beside decoding streams, by their prompt tokens, with what
+    each prompt token added over the median decode-only step."""
+    def ms(s: Step) -> float:
+        return (s.end - s.start) / 1000
+
+    plain = [(prev, cur) for prev, cur in zip(steps, steps[1:], strict=False) if cur.decoding and not cur.prompt_tokens]
+    calm = [ms(c) for p, c in plain if not p.prompt_tokens]
+    after = [ms(c) for p, c in plain if p.prompt_tokens]
+    if not calm:
+        return []
+    base = statistics.median(calm)
+    out = [f"decode-only steps (ms, whole step): p50 {base:.1f} after a decode-only step ({len(calm)}), "
+           f"p50 {pct(after, 0.5):.1f} right after a step that prefilled ({len(after)})"]
+    for lo, hi in SIZES:
+        mixed = [s for s in steps if s.decoding and lo <= s.prompt_tokens <= hi]
+        if mixed:
+            med = statistics.median(ms(s) for s in mixed)
+            per = (med - base) / statistics.median(s.prompt_tokens for s in mixed)
+            out.append(f"steps prefilling {lo}-{hi if hi < 1 << 30 else 'more'} prompt tokens beside decoding: "
+                       f"{len(mixed)}, p50 {med:.1f} ms, {per * 1000:.0f} µs a prompt token over a decode step")
+    return out
 
 
 def main() -> None:

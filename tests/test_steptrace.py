@@ -46,3 +46,4 @@ async def test_a_served_engine_traces_each_step(tmp_path: Path, monkeypatch: pyt
     assert any(s.prompt_tokens and s.decoding for s in steps)  # the late prompt prefilled beside them
     out = step_trace_summary.summarize(steps, client_p99=50.0)
     assert "worker gap between tokens: p50" in out and "after the worker" in out, out
+    assert "decode-only steps (ms, whole step): p50" in out and "prompt tokens beside decoding: " in out, out
