@@ -103,29 +103,24 @@ def main() -> int:
                     (p + "ffn_gate.weight", n_ff, n_embd), (p + "ffn_up.weight", n_ff, n_embd),
                     (p + "ffn_down.weight", n_embd, n_ff)]
     block, type_size = gguf.GGML_QUANT_SIZES[qtype]
-    for name, rows, cols in tensors:  # rows 0: a norm, F32 ones
-        if not rows:
+    sizes = [rows * cols // block * type_size for _, rows, cols in tensors]  # bytes of each matrix (0: a norm)
+    for (name, rows, cols), nbytes in zip(tensors, sizes, strict=True):
+        if not rows:  # a norm: F32 ones
             w.add_tensor_info(name, (cols,), np.dtype(np.float32), cols * 4)
         else:
             if cols % block:
                 sys.exit(f"{name}: {cols} columns are not a whole number of {args.type} blocks of {block}")
-            nbytes = rows * cols // block * type_size
-            w.add_tensor_info(name, (rows, cols // block * type_size), np.dtype(np.uint8), nbytes, raw_dtype=qtype)
+            w.add_tensor_info(name, (rows, nbytes // rows), np.dtype(np.uint8), nbytes, raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     pattern = np.frombuffer(random_blocks(args.type), dtype=np.uint8)
-    total = 0
-    for _name, rows, cols in tensors:
-        if not rows:
-            w.write_tensor_data(np.ones(cols, dtype=np.float32))
-            continue
-        nbytes = rows * cols // block * type_size
-        w.write_tensor_data(np.resize(pattern, nbytes))  # whole blocks: the pattern is whole blocks
-        total += nbytes
+    for (_name, rows, cols), nbytes in zip(tensors, sizes, strict=True):
+        # whole blocks: the pattern is whole blocks
+        w.write_tensor_data(np.resize(pattern, nbytes) if rows else np.ones(cols, dtype=np.float32))
     w.close()
     print(f"wrote {args.out}: {args.shape}-shaped, {n_layer} layers, {n_embd} wide, vocab {n_vocab}, "
-          f"{args.type}, {total / 2**30:.1f} GiB of weights, ctx {args.ctx}")
+          f"{args.type}, {sum(sizes) / 2**30:.1f} GiB of weights, ctx {args.ctx}")
     return 0
 
 

@@ -182,11 +182,12 @@ def burst(url: str, prompt: str, max_tokens: int, timeout: float = 120) -> None:
         t.join(timeout)
 
 
-def stream_events(url: str, body: dict[str, Any], on_open: threading.Event | None = None) -> list[Any]:
+def stream_events(url: str, body: dict[str, Any], on_open: threading.Event | None = None,
+                  timeout: float = 120) -> list[Any]:
     """Every SSE data payload of one streamed chat ("[DONE]" as a string)."""
     out: list[Any] = []
     with httpx.stream("POST", f"{url}/v1/chat/completions", json={"model": MODEL, "stream": True, **body},
-                      timeout=120) as r:
+                      timeout=timeout) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
             if not line.startswith("data: "):
@@ -196,6 +197,15 @@ def stream_events(url: str, body: dict[str, Any], on_open: threading.Event | Non
             if on_open is not None and len(out) == 2:
                 on_open.set()
     return out
+
+
+def assert_streams_finished(results: list[list[Any]], n: int) -> None:
+    """`n` streams, each ended by its length and `[DONE]`, none with an error frame."""
+    assert len(results) == n
+    failed = [r for r in results if any(isinstance(e, dict) and "error" in e for e in r)]
+    assert not failed, failed[0][-3:]
+    for r in results:
+        assert r[-1] == "[DONE]" and r[-2]["choices"][0]["finish_reason"] == "length"
 
 
 def test_chat_and_stream_through_the_ingress(cluster: Cluster) -> None:
@@ -268,11 +278,7 @@ def test_a_node_lost_mid_stream(cluster: Cluster) -> None:
     cluster.command(f"kill {victim.split('/')[1]}")
     for t in threads:
         t.join(240)
-    assert len(results) == 4
-    failed = [r for r in results if any(isinstance(e, dict) and "error" in e for e in r)]
-    assert not failed, failed[0][-3:]
-    for r in results:
-        assert r[-1] == "[DONE]" and r[-2]["choices"][0]["finish_reason"] == "length"
+    assert_streams_finished(results, 4)
     lost = httpx.get(f"{cluster.url}/metrics", timeout=10).text
     assert 'gateway_failovers_total{model="smollm2-135m-instruct",reason="restarted"}' in lost, "no stream ran on the killed node"
     assert time.monotonic() - killed_at < 200
