@@ -95,15 +95,22 @@ class Cluster:
         return int(self.model()["cluster"]["deployment"].get("replicas", {}).get("RUNNING", 0))
 
     def wait(self, what: str, cond: Any, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                if cond():
-                    return
-            except (httpx.HTTPError, KeyError):
-                pass
-            time.sleep(0.25)
-        raise AssertionError(f"{what} within {timeout}s; /health: {self.health()}")
+        if not poll(cond, timeout, 0.25, (httpx.HTTPError, KeyError)):
+            raise AssertionError(f"{what} within {timeout}s; /health: {self.health()}")
+
+
+def poll(cond: Any, timeout: float, every: float, errors: tuple[type[Exception], ...]) -> bool:
+    """Whether `cond()` turns true within `timeout` seconds, asked every `every` (`errors` count as
+    not yet: a cluster's /health while it starts or loses a node)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if cond():
+                return True
+        except errors:
+            pass
+        time.sleep(every)
+    return False
 
 
 def read_answer(proc: subprocess.Popen[str]) -> dict[str, Any]:

@@ -25,7 +25,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.test_cluster import MODEL, MODELS_YAML, assert_streams_finished, stream_events
+from tests.test_cluster import MODEL, MODELS_YAML, assert_streams_finished, poll, stream_events
 
 pytest.importorskip("ray", reason="the `cluster` extra (ray[serve]) is not installed")
 
@@ -120,14 +120,8 @@ class Hosts:
         return r
 
     def wait(self, what: str, cond: Any, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                if cond():
-                    return
-            except (httpx.HTTPError, KeyError, ValueError):
-                pass
-            time.sleep(0.5)
+        if poll(cond, timeout, 0.5, (httpx.HTTPError, KeyError, ValueError)):
+            return
         log = (self.tmp / "gateway.log").read_text()[-3000:]
         try:
             seen = httpx.get(f"{self.url}/health", timeout=10).json()
