@@ -30,6 +30,7 @@ class Step:
     outputs_ms: float = 0.0
     prompt_tokens: int = 0
     decoding: int = 0
+    passes: int = 0  # model passes in the step (more than one: prompt passes while the streams wait)
 
 
 def read_events(path: Path) -> list[dict[str, Any]]:
@@ -56,6 +57,7 @@ def steps_of(events: list[dict[str, Any]]) -> list[Step]:
             s = steps[-1]
             if e["name"] == "llama_decode":
                 s.decode_ms += e["dur"] / 1000
+                s.passes += 1
                 s.prompt_tokens += e["args"].get("prompt_tokens", 0)
                 s.decoding += e["args"].get("decoding", 0)
             elif e["name"] == "outputs":

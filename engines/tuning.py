@@ -30,6 +30,9 @@ class EngineTuning(EnvSettings):
         "(off: each prefills its own)")
     attach_defer: bool = setting(
         True, "llama.cpp: a device sampler chain is attached after the request's first pass (off: before it)")
+    prefill_passes: int = setting(
+        1, "llama.cpp: passes of prompt tokens one step may run beside running streams, which wait for them "
+        "(more: a burst of prompts costs a stream one long gap instead of one per pass)", ge=1, le=64)
     step_trace: str | None = setting(
         None, "write a trace of every scheduler step to DIR/steps-PID.json (Chrome's trace format: open it in "
         "Perfetto; `benchmarks/step_trace_summary.py` breaks it down)", shown="off")

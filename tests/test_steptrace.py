@@ -47,3 +47,35 @@ async def test_a_served_engine_traces_each_step(tmp_path: Path, monkeypatch: pyt
     out = step_trace_summary.summarize(steps, client_p99=50.0)
     assert "worker gap between tokens: p50" in out and "after the worker" in out, out
     assert "decode-only steps (ms, whole step): p50" in out and "prompt tokens beside decoding: " in out, out
+
+
+@pytest.mark.parametrize("passes", [1, 4])
+async def test_a_burst_of_prompts_beside_a_stream_takes_the_passes_it_may(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, passes: int) -> None:
+    """GATEWAY_PREFILL_PASSES: beside a decoding stream a step feeds the prompts waiting in up to
+    that many passes of the prefill budget (the stream waits for them once); 1 is one pass a step."""
+    monkeypatch.setenv("GATEWAY_STEP_TRACE", str(tmp_path / "trace"))
+    monkeypatch.setenv("GATEWAY_PREFILL_PASSES", str(passes))
+    monkeypatch.setattr(steptrace, "_open", {})
+    e = await _engine("smollm2-135m-instruct", parallel=4, prefill_budget=16)
+    try:
+        async def late(text: str) -> tuple[list[int], str]:
+            await asyncio.sleep(0.3)
+            return await _run(e, _req(text * 6, max_tokens=4))
+
+        done = await asyncio.gather(_run(e, _req("Count to twenty:", max_tokens=60, ignore_eos=True)),
+                                    late("Tell me about the sea. "), late("Name every planet you know. "))
+    finally:
+        await e.close()
+        steptrace._open[str(tmp_path / "trace")].close()
+    assert [len(toks) for toks, _ in done] == [60, 4, 4]
+    (path,) = (tmp_path / "trace").glob("steps-*.json")
+    steps = step_trace_summary.steps_of(step_trace_summary.read_events(path))
+    beside = [s for s in steps if s.decoding and s.prompt_tokens]
+    fed = sum(s.prompt_tokens for s in beside)
+    assert fed > 4 * 16  # the two prompts came while the stream decoded, in more than one pass's budget
+    assert all(s.prompt_tokens <= 16 * passes and s.passes <= passes for s in beside)
+    # The stream waited for as few steps as the passes allow (the prompts may come a step apart).
+    assert len(beside) <= -(-fed // (16 * passes)) + 1
+    if passes > 1:
+        assert max(s.passes for s in beside) > 1

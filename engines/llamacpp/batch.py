@@ -67,6 +67,7 @@ class BatchScheduler:
                  piece: Callable[[int], bytes], is_eog: Callable[[int], bool], device_sampling: bool = False,
                  draft_ngram: int = 0, draft_max: int = 0, draft_streams: int = 1,
                  host_cache: HostPrefixCache | None = None, identity: str = "", prefill_budget: int = 0,
+                 prefill_passes: int = 1,
                  n_swa: int = 0, kv_pool: int = 0, n_cells: int = 0, split_mixed: bool = False,
                  follow: bool = True, attach_defer: bool = True, trim_payback: float = TRIM_PAYBACK,
                  trace: StepTrace | None = None, vision: Vision | None = None) -> None:
@@ -98,6 +99,7 @@ class BatchScheduler:
         # this size between their tokens, so it slows them by a bounded amount instead of
         # stalling them for its whole prefill. Alone, a prompt takes the whole batch.
         self._prefill_budget = prefill_budget if prefill_budget > 0 else n_batch
+        self._prefill_passes = prefill_passes
         self._n_batch, self._max_queue = n_batch, max_queue
         self._piece = piece
         outputs = Outputs(ctx, n_vocab, piece, is_eog, self._spec.remember if self._draft_ngram else None)
@@ -407,22 +409,11 @@ class BatchScheduler:
 
     def _step(self) -> None:
         """One step: the decoding sequences' tokens, then prompt chunks, in one pass (or two:
-        `_split_pass` says why), and their outputs taken."""
-        batch = self._batch
+        `_split_pass` says why), and their outputs taken; then, beside running streams, up to
+        `prefill_passes - 1` more passes of the prompts' tokens alone while the streams wait."""
         n = 0
         # (slot, index of its first output, draft tokens whose outputs follow it)
         outputs: list[tuple[Slot, int, list[int]]] = []
-
-        def add(slot: Slot, token: int, want_logits: bool) -> None:
-            nonlocal n
-            batch.token[n] = token
-            batch.pos[n] = len(slot.cached)
-            batch.n_seq_id[n] = 1
-            batch.seq_id[n][0] = slot.seq_id
-            batch.logits[n] = want_logits
-            slot.cached.append(token)
-            n += 1
-
         running, drafting = self._prepare()
         # Decoding sequences first: one token each (plus its draft), so running streams never
         # wait for prefill.
@@ -433,38 +424,64 @@ class BatchScheduler:
                 outputs.append((slot, n, draft))
                 # A replayed token's output is the next replayed token, not a sample: no logits
                 # (the LM head is skipped; the KV cache is computed as in any step).
-                add(slot, slot.pending, not replaying)
+                self._put(n, slot, slot.pending, not replaying)
+                n += 1
                 for t in draft:
-                    add(slot, t, True)
+                    self._put(n, slot, t, True)
+                    n += 1
                 slot.pending = None
         # Alone (nothing decoding in this step), prompts fill the batch; beside running streams,
         # they get at most the prefill budget.
-        prefill_room = self._prefill_budget if n else self._n_batch
         decoding = n
         split = bool(decoding) and self._split_mixed and unfed(self._slots) > 0
         if split:
             if not self._split_pass(n, outputs, running):
                 return
             n, outputs = 0, []
+        n = self._feed(running, n, self._prefill_budget if decoding else self._n_batch, outputs)
+        if not n or not self._decode(n, outputs, running, n if split else n - decoding):
+            return
+        # More prompt passes while the streams wait: a burst of prompts then costs each stream one
+        # long gap instead of one per pass (the shared layout fits each step's tokens to its KV
+        # first: one pass a step there).
+        for _ in range(self._prefill_passes - 1 if decoding and self._shared is None else 0):
+            outputs = []
+            n = self._feed(running, 0, self._prefill_budget, outputs)
+            if not n or not self._decode(n, outputs, running, n):
+                return
+
+    def _put(self, n: int, slot: Slot, token: int, want_logits: bool) -> None:
+        """The batch's token `n`: `token` at the end of the slot's sequence."""
+        batch = self._batch
+        batch.token[n] = token
+        batch.pos[n] = len(slot.cached)
+        batch.n_seq_id[n] = 1
+        batch.seq_id[n][0] = slot.seq_id
+        batch.logits[n] = want_logits
+        slot.cached.append(token)
+
+    def _feed(self, running: list[Slot], n: int, room: int, outputs: list[tuple[Slot, int, list[int]]]) -> int:
+        """The running requests' prompt chunks after the batch's first `n` tokens, at most `room`
+        of them (and what the batch holds); the batch's tokens now."""
         stops = self._follow_stops(running)
         for slot in running:
             job = slot.job
             if job is None or slot.follow is not None or slot.n_fed >= len(job.prompt_ids) or \
                     not self._feed_image(slot, job):
                 continue  # finished in the decode pass above, waiting, fed, or its image failed
-            take = self._chunk(slot, job, min(self._n_batch - n, prefill_room), stops)
+            take = self._chunk(slot, job, min(self._n_batch - n, room), stops)
             if take <= 0:
                 continue
-            prefill_room -= take
+            room -= take
             score = isinstance(job, ScoreJob)
             for i in range(slot.n_fed, slot.n_fed + take):
                 last = i == len(job.prompt_ids) - 1
                 if score or last:
                     outputs.append((slot, n, []))
-                add(slot, job.prompt_ids[i], score or last)
+                self._put(n, slot, job.prompt_ids[i], score or last)
+                n += 1
             slot.n_fed += take
-        if n:
-            self._decode(n, outputs, running, n if split else n - decoding)
+        return n
 
     def _prepare(self) -> tuple[list[Slot], bool]:
         """The running slots and whether they draft in this step, once its tokens fit the shared

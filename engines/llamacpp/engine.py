@@ -262,6 +262,7 @@ class LlamaCppEngine:
             draft_max=lo.draft_max,
             draft_streams=lo.draft_streams,
             prefill_budget=budget,
+            prefill_passes=tuning.prefill_passes,
             n_swa=self._n_swa,
             # Requests sharing a prefix another is prefilling wait for it and copy it;
             # GATEWAY_PREFIX_FOLLOW=off prefills each on its own (for measuring).
