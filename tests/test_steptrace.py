@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -79,3 +80,37 @@ async def test_a_burst_of_prompts_beside_a_stream_takes_the_passes_it_may(
     assert len(beside) <= -(-fed // (16 * passes)) + 1
     if passes > 1:
         assert max(s.passes for s in beside) > 1
+
+
+async def test_a_prompt_arriving_during_the_passes_joins_them(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request that comes while a step runs its prompt passes is admitted between them (it does not
+    wait for the step's end): the two prompts are fed in one step beside the stream."""
+    import llama_cpp as lc
+
+    monkeypatch.setenv("GATEWAY_STEP_TRACE", str(tmp_path / "trace"))
+    monkeypatch.setenv("GATEWAY_PREFILL_PASSES", "32")
+    monkeypatch.setattr(steptrace, "_open", {})
+    decode = lc.llama_decode
+
+    def slow(ctx: object, batch: object) -> int:  # every pass 30 ms longer: the second prompt surely comes mid-step
+        time.sleep(0.03)
+        return int(decode(ctx, batch))
+
+    e = await _engine("smollm2-135m-instruct", parallel=4, prefill_budget=16)
+    monkeypatch.setattr(lc, "llama_decode", slow)
+    try:
+        async def late(delay: float, text: str) -> tuple[list[int], str]:
+            await asyncio.sleep(delay)
+            return await _run(e, _req(text, max_tokens=2))
+
+        done = await asyncio.gather(_run(e, _req("Count to twenty:", max_tokens=40, ignore_eos=True)),
+                                    late(0.3, "Tell me everything about the sea and its tides. " * 16),
+                                    late(0.4, "Name every planet you know. " * 6))
+    finally:
+        await e.close()
+        steptrace._open[str(tmp_path / "trace")].close()
+    assert [len(toks) for toks, _ in done] == [40, 2, 2]
+    (path,) = (tmp_path / "trace").glob("steps-*.json")
+    steps = step_trace_summary.steps_of(step_trace_summary.read_events(path))
+    beside = [s for s in steps if s.decoding and s.prompt_tokens]
+    assert len(beside) == 1 and beside[0].passes > 10, [(s.prompt_tokens, s.passes) for s in beside]

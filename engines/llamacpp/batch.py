@@ -409,8 +409,7 @@ class BatchScheduler:
 
     def _step(self) -> None:
         """One step: the decoding sequences' tokens, then prompt chunks, in one pass (or two:
-        `_split_pass` says why), and their outputs taken; then, beside running streams, up to
-        `prefill_passes - 1` more passes of the prompts' tokens alone while the streams wait."""
+        `_split_pass` says why), and their outputs taken; then up to `prefill_passes - 1` more."""
         n = 0
         # (slot, index of its first output, draft tokens whose outputs follow it)
         outputs: list[tuple[Slot, int, list[int]]] = []
@@ -443,12 +442,20 @@ class BatchScheduler:
             return
         # More prompt passes while the streams wait: a burst of prompts then costs each stream one
         # long gap instead of one per pass (the shared layout fits each step's tokens to its KV
-        # first: one pass a step there).
+        # first: one pass a step there). Requests that came meanwhile join the next pass.
         for _ in range(self._prefill_passes - 1 if decoding and self._shared is None else 0):
-            outputs = []
+            running, outputs = self._admitted(), []
             n = self._feed(running, 0, self._prefill_budget, outputs)
             if not n or not self._decode(n, outputs, running, n):
                 return
+
+    def _admitted(self) -> list[Slot]:
+        """The running slots, once the requests that came since the step began are admitted."""
+        with self._cv:
+            self._drop_cancelled_waiting()
+            self._admit()
+        self._release_cancelled()
+        return self._active()
 
     def _put(self, n: int, slot: Slot, token: int, want_logits: bool) -> None:
         """The batch's token `n`: `token` at the end of the slot's sequence."""
