@@ -50,28 +50,36 @@ async def test_a_served_engine_traces_each_step(tmp_path: Path, monkeypatch: pyt
     assert "decode-only steps (ms, whole step): p50" in out and "prompt tokens beside decoding: " in out, out
 
 
-@pytest.mark.parametrize("passes", [1, 4])
-async def test_a_burst_of_prompts_beside_a_stream_takes_the_passes_it_may(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, passes: int) -> None:
-    """GATEWAY_PREFILL_PASSES: beside a decoding stream a step feeds the prompts waiting in up to
-    that many passes of the prefill budget (the stream waits for them once); 1 is one pass a step."""
+async def _stream_beside(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, passes: int, tokens: int,
+                         late: list[tuple[float, str, int]]) -> tuple[list[int], list[step_trace_summary.Step]]:
+    """A traced engine (prefill budget 16, GATEWAY_PREFILL_PASSES=`passes`) streaming `tokens` tokens
+    while the `late` prompts (delay, text, max_tokens) come: each request's tokens, and the steps."""
     monkeypatch.setenv("GATEWAY_STEP_TRACE", str(tmp_path / "trace"))
     monkeypatch.setenv("GATEWAY_PREFILL_PASSES", str(passes))
     monkeypatch.setattr(steptrace, "_open", {})
     e = await _engine("smollm2-135m-instruct", parallel=4, prefill_budget=16)
     try:
-        async def late(text: str) -> tuple[list[int], str]:
-            await asyncio.sleep(0.3)
-            return await _run(e, _req(text * 6, max_tokens=4))
+        async def after(delay: float, text: str, max_tokens: int) -> tuple[list[int], str]:
+            await asyncio.sleep(delay)
+            return await _run(e, _req(text, max_tokens=max_tokens))
 
-        done = await asyncio.gather(_run(e, _req("Count to twenty:", max_tokens=60, ignore_eos=True)),
-                                    late("Tell me about the sea. "), late("Name every planet you know. "))
+        done = await asyncio.gather(_run(e, _req("Count to twenty:", max_tokens=tokens, ignore_eos=True)),
+                                    *(after(*x) for x in late))
     finally:
         await e.close()
         steptrace._open[str(tmp_path / "trace")].close()
-    assert [len(toks) for toks, _ in done] == [60, 4, 4]
     (path,) = (tmp_path / "trace").glob("steps-*.json")
-    steps = step_trace_summary.steps_of(step_trace_summary.read_events(path))
+    return [len(toks) for toks, _ in done], step_trace_summary.steps_of(step_trace_summary.read_events(path))
+
+
+@pytest.mark.parametrize("passes", [1, 4])
+async def test_a_burst_of_prompts_beside_a_stream_takes_the_passes_it_may(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, passes: int) -> None:
+    """GATEWAY_PREFILL_PASSES: beside a decoding stream a step feeds the prompts waiting in up to
+    that many passes of the prefill budget (the stream waits for them once); 1 is one pass a step."""
+    late = [(0.3, "Tell me about the sea. " * 6, 4), (0.3, "Name every planet you know. " * 6, 4)]
+    counts, steps = await _stream_beside(tmp_path, monkeypatch, passes, 60, late)
+    assert counts == [60, 4, 4]
     beside = [s for s in steps if s.decoding and s.prompt_tokens]
     fed = sum(s.prompt_tokens for s in beside)
     assert fed > 4 * 16  # the two prompts came while the stream decoded, in more than one pass's budget
@@ -87,30 +95,15 @@ async def test_a_prompt_arriving_during_the_passes_joins_them(tmp_path: Path, mo
     wait for the step's end): the two prompts are fed in one step beside the stream."""
     import llama_cpp as lc
 
-    monkeypatch.setenv("GATEWAY_STEP_TRACE", str(tmp_path / "trace"))
-    monkeypatch.setenv("GATEWAY_PREFILL_PASSES", "32")
-    monkeypatch.setattr(steptrace, "_open", {})
     decode = lc.llama_decode
 
     def slow(ctx: object, batch: object) -> int:  # every pass 30 ms longer: the second prompt surely comes mid-step
         time.sleep(0.03)
         return int(decode(ctx, batch))
 
-    e = await _engine("smollm2-135m-instruct", parallel=4, prefill_budget=16)
     monkeypatch.setattr(lc, "llama_decode", slow)
-    try:
-        async def late(delay: float, text: str) -> tuple[list[int], str]:
-            await asyncio.sleep(delay)
-            return await _run(e, _req(text, max_tokens=2))
-
-        done = await asyncio.gather(_run(e, _req("Count to twenty:", max_tokens=40, ignore_eos=True)),
-                                    late(0.3, "Tell me everything about the sea and its tides. " * 16),
-                                    late(0.4, "Name every planet you know. " * 6))
-    finally:
-        await e.close()
-        steptrace._open[str(tmp_path / "trace")].close()
-    assert [len(toks) for toks, _ in done] == [40, 2, 2]
-    (path,) = (tmp_path / "trace").glob("steps-*.json")
-    steps = step_trace_summary.steps_of(step_trace_summary.read_events(path))
+    late = [(0.3, "Tell me everything about the sea and its tides. " * 16, 2), (0.4, "Name every planet you know. " * 6, 2)]
+    counts, steps = await _stream_beside(tmp_path, monkeypatch, 32, 40, late)
+    assert counts == [40, 2, 2]
     beside = [s for s in steps if s.decoding and s.prompt_tokens]
     assert len(beside) == 1 and beside[0].passes > 10, [(s.prompt_tokens, s.passes) for s in beside]
