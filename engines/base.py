@@ -358,8 +358,10 @@ class Engine(Protocol):
         """
         ...
 
-    async def logits(self, token_ids: list[int]) -> npt.NDArray[np.float32]:
-        """Next-token logits at every position of `token_ids`: shape (len(token_ids), n_vocab)."""
+    async def logits(self, token_ids: list[int], images: tuple[bytes, ...] = ()) -> npt.NDArray[np.float32]:
+        """Next-token logits at every position of `token_ids`: shape (len(token_ids), n_vocab). With
+        `images` (a prompt with images, as an engine with `Capabilities.images` tokenized it: their
+        stand-in ids in `token_ids`), the rows of an image's positions are NaN."""
         ...
 
     async def tokenize(self, text: str) -> list[int]:

@@ -162,10 +162,12 @@ class StatefulEngine(ABC):
             f"embeddings are not supported by the {self.info.runtime} runtime; serve this model with llama.cpp", param="model"
         )
 
-    async def logits(self, token_ids: list[int]) -> npt.NDArray[np.float32]:
+    async def logits(self, token_ids: list[int], images: tuple[bytes, ...] = ()) -> npt.NDArray[np.float32]:
         pool = self._pool
         if pool is None:
             raise ModelLoadError("model is not loaded")
+        if images:
+            raise InvalidGenerationRequest("this engine takes no images")
         if not token_ids:
             raise InvalidGenerationRequest("no tokens to score")
         if len(token_ids) > self._n_ctx:

@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -54,9 +55,15 @@ def url(data: bytes, mime: str = "image/png") -> str:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def vlm(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The tiny vision model and its projector."""
+    return tiny_vlm.write(tmp_path_factory.mktemp("vlm"))
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, vlm: tuple[Path, Path]) -> Iterator[str]:
     tmp = tmp_path_factory.mktemp("vision")
-    model, mmproj = tiny_vlm.write(tmp)
+    model, mmproj = vlm
     cfg = tmp / "models.yaml"
     cfg.write_text(yaml.safe_dump({"models": [
         {"id": VISION, "formats": {"gguf": {"path": str(model)}}, "mmproj": {"path": str(mmproj)},
@@ -346,5 +353,75 @@ def test_images_on_the_vulkan_build(tmp_path: Path, client: openai.OpenAI) -> No
         close = max(abs(on_vk[t] - cpu_red[t]) for t in shared)
         apart = max(abs(on_vk.get(t, -100.0) - blue.get(t, -100.0)) for t in {*on_vk, *blue})
         assert close < 0.1 and apart > 3 * close, (close, apart, on_vk, cpu_red, blue)
+    finally:
+        srv.stop()
+
+
+async def test_scoring_a_prompt_with_its_image(vlm: tuple[Path, Path]) -> None:
+    """Engine.logits re-feeds a prompt's images where their stand-ins are: the rows after the image
+    give back the greedy answer generated with it; the image's own rows are NaN; another image than
+    the tokens hold is refused."""
+    import numpy as np
+
+    from engines.base import (
+        IMAGE_MARKER,
+        EngineConfig,
+        GenerationRequest,
+        InvalidGenerationRequest,
+        SamplingParams,
+    )
+    from engines.llamacpp.engine import LlamaCppEngine
+    from engines.llamacpp.runtime import LlamaCppOptions
+
+    model, mmproj = vlm
+    e = LlamaCppEngine(EngineConfig(model_path=str(model), context_length=1024, parallel=1,
+                                    options=LlamaCppOptions(prefix_cache_mib=0, mmproj=str(mmproj))))
+    await e.load()
+    try:
+        req = GenerationRequest("t", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                                prompt=f"Look: {IMAGE_MARKER}\nWhat is it?", images=(RED,))
+        events = [ev async for ev in e.generate(req)]
+        usage = events[-1].usage
+        assert usage is not None
+        prompt, out = list(usage.prompt_ids), [t for ev in events for t in ev.token_ids]
+        assert len(out) == 6 and sum(t < 0 for t in prompt) == tiny_vlm.TOKENS_PER_IMAGE
+        rows = await e.logits(prompt + out, (RED,))
+        assert rows.shape[0] == len(prompt) + len(out)
+        image = [i for i, t in enumerate(prompt) if t < 0]
+        assert np.isnan(rows[image]).all() and np.isfinite(np.delete(rows, image, axis=0)).all()
+        assert [int(np.argmax(r)) for r in rows[len(prompt) - 1 : -1]] == out
+        again = await e.logits(prompt + out, (RED,))
+        np.testing.assert_array_equal(np.delete(rows, image, axis=0), np.delete(again, image, axis=0))
+        with pytest.raises(InvalidGenerationRequest, match="do not hold the places of these images"):
+            await e.logits(prompt + out, (BLUE,))
+    finally:
+        await e.close()
+
+
+def test_shadow_parity_scores_prompts_with_images(tmp_path: Path, vlm: tuple[Path, Path]) -> None:
+    """Served requests with images are re-scored with their images on the reference engine."""
+    from tests.test_shadow import _metric
+
+    model, mmproj = vlm
+    cfg = tmp_path / "models.yaml"
+    cfg.write_text(yaml.safe_dump({"models": [{"id": VISION, "formats": {"gguf": {"path": str(model)}},
+                                               "mmproj": {"path": str(mmproj)}, "context_length": 2048}]}))
+    settings = Settings.from_env(env=NO_CHECKS, config=str(cfg), engine="cpu", parallel=1, parity_reference="cpu",
+                                 parity_sample=1.0, parity_window=2)
+    srv = ServerThread(create_app(settings, load_registry(cfg, cache_dir=tmp_path / "cache"))).start(timeout=300)
+    try:
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        for image in (RED, BLUE):
+            ask(client, image, max_tokens=4)
+        labels = {"model": VISION, "engine": "llamacpp/cpu", "device": "cpu"}
+        deadline, text = time.monotonic() + 120, ""
+        while time.monotonic() < deadline:
+            text = httpx.get(f"{srv.url}/metrics").text
+            if _metric(text, "gateway_parity_samples_scored_total", **labels) >= 2:
+                break
+            time.sleep(0.2)
+        assert _metric(text, "gateway_parity_samples_scored_total", **labels) == 2, text
+        assert _metric(text, "gateway_parity_kl_sum", **labels) / 2 < 1e-6
+        assert _metric(text, "gateway_parity_top1_agreement_sum", **labels) / 2 == 1.0
     finally:
         srv.stop()

@@ -98,12 +98,11 @@ class BatchScheduler:
         # Prompt tokens per step while other sequences decode: a long prompt is fed in chunks of
         # this size between their tokens, so it slows them by a bounded amount instead of
         # stalling them for its whole prefill. Alone, a prompt takes the whole batch.
-        self._prefill_budget = prefill_budget if prefill_budget > 0 else n_batch
-        self._prefill_passes = prefill_passes
+        self._prefill_budget, self._prefill_passes = prefill_budget if prefill_budget > 0 else n_batch, prefill_passes
         self._n_batch, self._max_queue = n_batch, max_queue
         self._piece = piece
         outputs = Outputs(ctx, n_vocab, piece, is_eog, self._spec.remember if self._draft_ngram else None)
-        self._sample, self._collect_logits = outputs.sample, outputs.collect_logits  # called per output
+        self._sample, self._collect_logits, self._skip_rows = outputs.sample, outputs.collect_logits, outputs.skip_rows
         self._batch = lc.llama_batch_init(n_batch, 0, 1)
         # One KV cache shared by the sequences (kv_unified), of `kv_pool` cells (0: one stream per
         # sequence, each with its own context).
@@ -526,10 +525,9 @@ class BatchScheduler:
         return stops
 
     def _feed_image(self, slot: Slot, job: Job) -> bool:
-        """The image that starts where the slot's prompt stands, if one does, decoded whole now: its
-        own pass, before the step's batch (which holds nothing of this sequence yet) and after the
-        text before it (fed in earlier steps). False: it failed, and the request with it."""
-        m = media_at(job.media, slot.n_fed) if isinstance(job, GenJob) else None
+        """The image that starts where the slot's prompt stands, if one does, decoded whole now (its own
+        pass, before the step's batch, after the text before it). False: it failed, and the request with it."""
+        m = media_at(job.media, slot.n_fed)
         if m is None:
             return True
         assert self._vision is not None
@@ -540,12 +538,14 @@ class BatchScheduler:
             return False
         slot.cached.extend(job.prompt_ids[slot.n_fed : slot.n_fed + m.n_tokens])
         slot.n_fed += m.n_tokens
+        if isinstance(job, ScoreJob):  # its positions have no logits
+            self._skip_rows(slot, m.n_tokens)
         return True
 
     def _chunk(self, slot: Slot, job: Job, room: int, stops: dict[int, int]) -> int:
         """Prompt tokens the slot feeds in this step, with `room` left in the batch and budget."""
         take = min(len(job.prompt_ids) - slot.n_fed, room)
-        if isinstance(job, GenJob) and job.media:
+        if job.media:
             image = next_media(job.media, slot.n_fed)
             if image is not None:
                 take = min(take, image - slot.n_fed)  # up to the next image, fed whole next step

@@ -41,6 +41,7 @@ from engines.llamacpp.ggml_backends import load_variant
 from engines.llamacpp.grammar import compile_constraint, lazy_patterns
 from engines.llamacpp.host_memory import HostMemory, PinnedHostMemory
 from engines.llamacpp.load_settings import (
+    _llama_cpp,
     _route_native_logs,
     llama_cpp_version,
     long_prompt_settings,
@@ -52,7 +53,7 @@ from engines.llamacpp.load_settings import (
 )
 from engines.llamacpp.prefix_cache import HostPrefixCache, default_limit_bytes
 from engines.llamacpp.runtime import LlamaCppOptions
-from engines.llamacpp.vision import Media, Vision, with_images
+from engines.llamacpp.vision import Media, Vision, placed, with_images
 from engines.registry import register_runtime
 from engines.steptrace import open_trace
 from engines.text import with_scored_prompt
@@ -564,8 +565,9 @@ class LlamaCppEngine:
         finally:
             self._sched.cancel(job)
 
-    async def logits(self, token_ids: list[int]) -> npt.NDArray[np.float32]:
+    async def logits(self, token_ids: list[int], images: tuple[bytes, ...] = ()) -> npt.NDArray[np.float32]:
         from engines.llamacpp.batch import ScoreJob
+        from engines.llamacpp.slots import free_job
 
         if self._sched is None:
             raise ModelLoadError("model is not loaded")
@@ -573,21 +575,18 @@ class LlamaCppEngine:
             raise InvalidGenerationRequest("no tokens to score")
         if len(token_ids) > self._n_ctx_seq:
             raise ContextLengthExceeded(len(token_ids), self._n_ctx_seq)
+        media = await asyncio.to_thread(placed, self._vision, token_ids, images) if images else []
         fut: asyncio.Future[npt.NDArray[np.float32]] = asyncio.get_running_loop().create_future()
-        job = ScoreJob(token_ids=list(token_ids), done=settle_from_thread(fut))
-        self._sched.submit(job)
+        job = ScoreJob(token_ids=list(token_ids), done=settle_from_thread(fut), media=media)
+        try:
+            self._sched.submit(job)
+        except BaseException:
+            free_job(job)  # its images' chunks, which the scheduler never took
+            raise
         try:
             return await fut
         finally:
             self._sched.cancel(job)
-
-
-def _llama_cpp() -> Any:
-    try:
-        import llama_cpp as lc
-    except ImportError as exc:
-        raise ModelLoadError(f"llama-cpp-python is not installed ({exc}); run scripts/install-llama-cpp.sh") from exc
-    return lc
 
 
 @register_runtime("llamacpp")

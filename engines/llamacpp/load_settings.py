@@ -9,6 +9,7 @@ import logging
 import time
 from typing import Any
 
+from engines.base import ModelLoadError
 from engines.tuning import engine_tuning
 
 log = logging.getLogger("engines.llamacpp.engine")  # the engine's own log: a load's warm-up is part of it
@@ -156,3 +157,11 @@ def llama_cpp_version() -> str:
         return str(llama_cpp.__version__)
     except Exception:  # noqa: BLE001 - absence is reported, not raised
         return ""
+
+
+def _llama_cpp() -> Any:
+    try:
+        import llama_cpp as lc
+    except ImportError as exc:
+        raise ModelLoadError(f"llama-cpp-python is not installed ({exc}); run scripts/install-llama-cpp.sh") from exc
+    return lc

@@ -39,6 +39,12 @@ class Outputs:
             release(slot)
             job.done(np.stack(job.rows))
 
+    def skip_rows(self, slot: Slot, n: int) -> None:
+        """A scoring job's rows for `n` positions without logits of their own (an image's): NaN."""
+        job = slot.job
+        assert isinstance(job, ScoreJob)
+        job.rows.extend([np.full(self._n_vocab, np.nan, np.float32)] * n)
+
     def sample(self, slot: Slot, idx: int) -> bool:
         """Sample output `idx` for `slot` and emit it; False when the request finished."""
         job = slot.job
@@ -104,7 +110,7 @@ class Outputs:
             cached_tokens=slot.n_cached_prompt,
             queue_seconds=slot.queue_seconds,
             # (none for a prompt with images: shadow parity re-scores token ids, which cannot carry them)
-            prompt_ids=() if job.media else tuple(job.prompt_ids[:len(job.prompt_ids) - job.resumed]),
+            prompt_ids=tuple(job.prompt_ids[:len(job.prompt_ids) - job.resumed]),  # images as their stand-ins
             draft_tokens=slot.drafted,
             accepted_draft_tokens=slot.accepted,
             restored_tokens=min(slot.n_restored, slot.n_cached_prompt),

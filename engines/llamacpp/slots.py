@@ -61,6 +61,7 @@ class ScoreJob:
     submitted: float = field(default_factory=time.perf_counter)
     cancelled: bool = False
     rows: list[npt.NDArray[np.float32]] = field(default_factory=list)
+    media: list[Media] = field(default_factory=list)  # the images in token_ids (their rows are NaN)
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -180,7 +181,7 @@ def free_job(job: Job) -> None:
     if isinstance(job, GenJob) and job.sampler is not None:
         lc.llama_sampler_free(job.sampler)
         job.sampler = None
-    if isinstance(job, GenJob):
+    if isinstance(job, GenJob | ScoreJob):
         for m in job.media:
             m.free()
 

@@ -96,6 +96,13 @@ def rgb(data: bytes, index: int) -> tuple[int, int, bytes]:
     raise InvalidGenerationRequest(f"image {index + 1} could not be decoded: {why}")
 
 
+def placed(vision: Vision | None, token_ids: Sequence[int], images: Sequence[bytes]) -> list[Media]:
+    """The images of a token sequence to score, on an engine with the projector `vision`."""
+    if vision is None:
+        raise InvalidGenerationRequest("this model takes no images (it has no vision projector)")
+    return vision.place(token_ids, images)
+
+
 def with_images(vision: Vision | None, request: GenerationRequest, bos_text: str) -> tuple[list[int], list[Media]]:
     """A request's prompt with its images, on an engine with the projector `vision`."""
     if vision is None:
@@ -215,6 +222,22 @@ class Vision:
                 m.free()
             raise InvalidGenerationRequest("the prompt ends with an image; text must follow it")
         return ids, media
+
+    def place(self, token_ids: Sequence[int], images: Sequence[bytes]) -> list[Media]:
+        """The chunks of `images` for a token sequence holding their stand-ins (a prompt with these
+        images, tokenized here, and what followed it), each at the place of its stand-ins."""
+        ids, media = self.tokenize(IMAGE_MARKER * len(images) + "\n", images, False)
+        at = 0
+        for m in media:
+            run = ids[m.start : m.start + m.n_tokens]
+            m.start = next((i for i in range(at, len(token_ids) - len(run) + 1)
+                            if token_ids[i] == run[0] and list(token_ids[i : i + len(run)]) == run), -1)
+            if m.start < 0:
+                for x in media:
+                    x.free()
+                raise InvalidGenerationRequest("the tokens do not hold the places of these images")
+            at = m.start + m.n_tokens
+        return media
 
     def feed(self, ctx: Any, m: Media, n_past: int, seq_id: int, n_batch: int) -> None:
         """Encode the image and decode its embeddings into `seq_id` from position `n_past`."""

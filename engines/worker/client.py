@@ -269,8 +269,8 @@ class WorkerEngine:
         result: wire.Result = await self._call(lambda i: wire.Tokenize(i, text))
         return list(result.ids or [])
 
-    async def logits(self, token_ids: list[int]) -> npt.NDArray[np.float32]:
-        result: wire.Result = await self._call(lambda i: wire.Logits(i, list(token_ids)))
+    async def logits(self, token_ids: list[int], images: tuple[bytes, ...] = ()) -> npt.NDArray[np.float32]:
+        result: wire.Result = await self._call(lambda i: wire.Logits(i, list(token_ids), list(images)))
         assert result.array is not None
         return wire.unpack_array(result.array)
 

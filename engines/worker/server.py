@@ -71,7 +71,7 @@ class Session:
         elif isinstance(msg, wire.Tokenize):
             self._spawn(msg.id, self._call(msg.id, self._tokenize(msg.id, msg.text)))
         elif isinstance(msg, wire.Logits):
-            self._spawn(msg.id, self._call(msg.id, self._array(msg.id, self.engine.logits(msg.token_ids))))
+            self._spawn(msg.id, self._call(msg.id, self._array(msg.id, self.engine.logits(msg.token_ids, tuple(msg.images)))))
         elif isinstance(msg, wire.Embed):
             self._spawn(msg.id, self._call(msg.id, self._array(msg.id, self.engine.embed(msg.inputs))))
         elif isinstance(msg, wire.Shutdown):

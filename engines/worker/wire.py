@@ -97,6 +97,7 @@ class Tokenize(_Msg, tag="tok"):
 class Logits(_Msg, tag="logits"):
     id: int
     token_ids: list[int]
+    images: list[bytes] = []
 
 
 class Embed(_Msg, tag="embed"):

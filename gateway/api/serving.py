@@ -107,8 +107,9 @@ def usage_of(u: EngineUsage) -> Usage:
                  u.failovers)
 
 
-# Called once a request finished normally: (engine it ran on, prompt ids, choice 0's generated ids).
-CompletionHook = Callable[[Loaded, tuple[int, ...], tuple[int, ...]], object]
+# Called once a request finished normally: (engine it ran on, prompt ids, choice 0's generated ids,
+# the prompt's images).
+CompletionHook = Callable[[Loaded, tuple[int, ...], tuple[int, ...], tuple[bytes, ...]], object]
 
 
 @dataclass(frozen=True)
@@ -223,7 +224,7 @@ class Prepared:
             self.release()
         self.observer.finish(finish or "stop")
         if self.on_complete is not None and prompt_ids and output_ids:
-            self.on_complete(self.loaded, prompt_ids, tuple(output_ids))
+            self.on_complete(self.loaded, prompt_ids, tuple(output_ids), self.requests[0].images)
 
 
 @dataclass

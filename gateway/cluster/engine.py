@@ -204,8 +204,8 @@ class ServeEngine:
         ids: list[int] = await self._call("tokenize", text)
         return ids
 
-    async def logits(self, token_ids: list[int]) -> npt.NDArray[np.float32]:
-        out: npt.NDArray[np.float32] = await self._call("logits", token_ids)
+    async def logits(self, token_ids: list[int], images: tuple[bytes, ...] = ()) -> npt.NDArray[np.float32]:
+        out: npt.NDArray[np.float32] = await self._call("logits", token_ids, images)
         return out
 
     async def embed(self, inputs: list[list[int]]) -> npt.NDArray[np.float32]:

@@ -128,9 +128,9 @@ class ModelReplica:
         except EngineError as exc:
             return Failed(wire.error_message(0, exc))
 
-    async def logits(self, token_ids: list[int]) -> npt.NDArray[np.float32] | Failed:
+    async def logits(self, token_ids: list[int], images: tuple[bytes, ...] = ()) -> npt.NDArray[np.float32] | Failed:
         try:
-            return await (await self._loaded()).engine.logits(token_ids)
+            return await (await self._loaded()).engine.logits(token_ids, images)
         except EngineError as exc:
             return Failed(wire.error_message(0, exc))
 

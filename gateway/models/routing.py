@@ -124,8 +124,8 @@ class WorkerGroup:
     async def tokenize(self, text: str) -> list[int]:
         return await self.pick(None).tokenize(text)
 
-    async def logits(self, token_ids: list[int]) -> npt.NDArray[np.float32]:
-        return await self.pick(None).logits(token_ids)
+    async def logits(self, token_ids: list[int], images: tuple[bytes, ...] = ()) -> npt.NDArray[np.float32]:
+        return await self.pick(None).logits(token_ids, images)
 
     async def embed(self, inputs: list[list[int]]) -> npt.NDArray[np.float32]:
         return await self.pick(None).embed(inputs)

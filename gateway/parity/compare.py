@@ -417,7 +417,8 @@ async def open_engine(
         path = model_path or str(await asyncio.to_thread(registry.resolve, spec, cand.format))
     except ModelUnavailable as exc:
         raise ParityError(str(exc)) from exc
-    eng = local_engine(cand, engine_config(spec, cand, path, settings), settings, host)
+    mmproj = await asyncio.to_thread(registry.projector, spec) if cand.format == "gguf" else None  # its images too
+    eng = local_engine(cand, engine_config(spec, cand, path, settings, str(mmproj or "")), settings, host)
     try:
         await eng.load()
     except EngineError as exc:

@@ -40,8 +40,9 @@ class ShadowSample:
     """One served request to re-score."""
 
     loaded: Loaded
-    prompt_ids: tuple[int, ...]
+    prompt_ids: tuple[int, ...]  # an image's positions hold its stand-ins (engines/llamacpp/vision.py)
     output_ids: tuple[int, ...]
+    images: tuple[bytes, ...] = ()
 
     @property
     def labels(self) -> tuple[str, str, str]:
@@ -99,11 +100,12 @@ class ShadowParity:
 
     # --- the serving side: must never block or raise --------------------------------------
 
-    def offer(self, loaded: Loaded, prompt_ids: tuple[int, ...], output_ids: tuple[int, ...]) -> bool:
+    def offer(self, loaded: Loaded, prompt_ids: tuple[int, ...], output_ids: tuple[int, ...],
+              images: tuple[bytes, ...] = ()) -> bool:
         """Maybe enqueue a finished request; True when it was queued."""
         if self._rng.random() >= self.settings.parity_sample:
             return False
-        sample = ShadowSample(loaded, prompt_ids, output_ids)
+        sample = ShadowSample(loaded, prompt_ids, output_ids, images)
         try:
             self.queue.put_nowait(sample)
         except asyncio.QueueFull:
@@ -152,7 +154,8 @@ class ShadowParity:
         ref = await self._reference_engine(sample.loaded)
         serving = sample.loaded.engine
         seq = list(sample.prompt_ids + sample.output_ids)
-        ref_logits, cand_logits = await asyncio.gather(ref.logits(seq), serving.logits(seq))
+        with_images = {"images": sample.images} if sample.images else {}  # both re-feed the prompt's images
+        ref_logits, cand_logits = await asyncio.gather(ref.logits(seq, **with_images), serving.logits(seq, **with_images))
         rows = slice(len(sample.prompt_ids) - 1, len(seq) - 1)
         stats = compare_logits(ref_logits[rows], cand_logits[rows], sample.output_ids)
         scores = Scores.of([stats])
