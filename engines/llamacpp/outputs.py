@@ -109,7 +109,6 @@ class Outputs:
             completion_tokens=slot.n_generated,
             cached_tokens=slot.n_cached_prompt,
             queue_seconds=slot.queue_seconds,
-            # (none for a prompt with images: shadow parity re-scores token ids, which cannot carry them)
             prompt_ids=tuple(job.prompt_ids[:len(job.prompt_ids) - job.resumed]),  # images as their stand-ins
             draft_tokens=slot.drafted,
             accepted_draft_tokens=slot.accepted,

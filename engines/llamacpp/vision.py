@@ -96,18 +96,21 @@ def rgb(data: bytes, index: int) -> tuple[int, int, bytes]:
     raise InvalidGenerationRequest(f"image {index + 1} could not be decoded: {why}")
 
 
-def placed(vision: Vision | None, token_ids: Sequence[int], images: Sequence[bytes]) -> list[Media]:
-    """The images of a token sequence to score, on an engine with the projector `vision`."""
+def seeing(vision: Vision | None) -> Vision:
+    """The engine's projector; a request with images to a model without one is refused."""
     if vision is None:
         raise InvalidGenerationRequest("this model takes no images (it has no vision projector)")
-    return vision.place(token_ids, images)
+    return vision
+
+
+def placed(vision: Vision | None, token_ids: Sequence[int], images: Sequence[bytes]) -> list[Media]:
+    """The images of a token sequence to score, on an engine with the projector `vision`."""
+    return seeing(vision).place(token_ids, images)
 
 
 def with_images(vision: Vision | None, request: GenerationRequest, bos_text: str) -> tuple[list[int], list[Media]]:
     """A request's prompt with its images, on an engine with the projector `vision`."""
-    if vision is None:
-        raise InvalidGenerationRequest("this model takes no images (it has no vision projector)")
-    return vision.prompt(request, bos_text)
+    return seeing(vision).prompt(request, bos_text)
 
 
 class Vision:
