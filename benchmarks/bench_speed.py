@@ -16,6 +16,10 @@ Servers:
   llama-server            its defaults
   llama-server -bs        its backend sampling (experimental, off by default)
 
+With --np streams every server is started anew for each concurrency with -np (the gateway's
+--parallel) = that many streams, instead of once with the largest. With --llama-bench (and 1 in
+--concurrency) one stream's decode speed is set beside llama-bench's tg128 on the same file.
+
 With --baseline REV the gateway at git revision REV (a worktree made for the run, sharing this
 virtualenv; or a directory holding that revision's files) serves next to the current tree in the
 same rounds: a change's before and after on one machine in one run.
@@ -186,6 +190,56 @@ def _table(results: dict[str, dict[int, list[dict[str, Any]]]], conc: list[int],
     return lines
 
 
+def _throughput(args: argparse.Namespace, model: str, ctx: int, gguf_config: Path | None, work: Path,
+                conc: list[int], bin_dir: str) -> tuple[list[str], dict[str, dict[int, list[dict[str, Any]]]]]:
+    """Every server of the throughput table started with -np `args.np`, then the rounds at `conc`."""
+    servers = Servers(args, model, ctx, gguf_config)
+    servers.gateway("gateway", {})
+    names = ["gateway"]
+    # The other sampling path next to the default one (host on a CPU, device on a GPU).
+    other = "gateway, device sampling" if args.backend == "cpu" else "gateway, host sampling"
+    if not args.no_other_sampling:
+        servers.gateway(other, {"GATEWAY_DEVICE_SAMPLING": "on" if args.backend == "cpu" else "off"})
+        names.append(other)
+    if args.baseline:
+        base = f"gateway @{args.baseline}"
+        servers.gateway(base, {}, config=gguf_config or ROOT / "models.yaml", tree=_worktree(args.baseline, work))
+        names.append(base)
+    for variant in args.gateway_variant:
+        label, _, settings = variant.partition(":")
+        name = f"gateway, {label}"
+        servers.gateway(name, dict(kv.split("=", 1) for kv in settings.split(",") if kv))
+        names.append(name)
+    if not args.no_llama_server:
+        servers.llama_server("llama-server", bin_dir, [])
+        names.append("llama-server")
+    if not args.no_backend_sampling and not args.no_llama_server:
+        servers.llama_server("llama-server -bs", bin_dir, ["--backend-sampling"])
+        names.append("llama-server -bs")
+    try:
+        servers.wait()
+        return names, _rounds(servers, names, conc, args, "throughput")
+    finally:
+        servers.stop()
+
+
+def _single_stream(results: dict[str, dict[int, list[dict[str, Any]]]], bin_dir: str, model: str,
+                   args: argparse.Namespace) -> list[str]:
+    """One stream's decode speed (1 / TPOT p50, median of the rounds) beside llama-bench's tg128 on
+    the same file and build."""
+    gpu = ["-ngl", "99"] if args.backend != "cpu" else ["-ngl", "0"]
+    out = subprocess.run([f"{bin_dir}/llama-bench", "-m", model, "-p", "0", "-n", "128", "-r", "5", "-o", "json",
+                          "-t", str(os.cpu_count() or 1), *gpu], capture_output=True, text=True, check=True,
+                         env={**os.environ, "LD_LIBRARY_PATH": bin_dir})
+    tg128 = float(json.loads(out.stdout)[0]["avg_ts"])
+    lines = ["One stream's decode speed (1 / TPOT p50) against llama-bench tg128 (5 repetitions) on the same file:",
+             "", "| server | decode tok/s | / llama-bench tg128 |", "|---|---|---|"]
+    for name, by_conc in results.items():
+        speed = statistics.median(1 / x["tpot"]["p50"] for x in by_conc[1])
+        lines.append(f"| {name} | {speed:.1f} | **{speed / tg128:.3f}** |")
+    return [*lines, f"| llama-bench tg128 | {tg128:.1f} | 1 |", ""]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--backend", default="cpu", help="cpu, vulkan or cuda: the gateway's --engine and llama-server's build")
@@ -214,6 +268,12 @@ def main() -> int:
                     help="serve this GGUF as the model on every server (e.g. benchmarks/make_random_llama.py's)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="also write the table, the machine and every round's numbers here")
+    ap.add_argument("--np", dest="np_mode", choices=("max", "streams"), default="max",
+                    help="every server's parallel sequences: the largest --concurrency (max), or servers started "
+                         "anew for each concurrency with that many (streams)")
+    ap.add_argument("--llama-bench", action="store_true",
+                    help="also one stream's decode speed against llama-bench tg128 (needs 1 in --concurrency and a "
+                         "llama-bench beside llama-server: LLAMA_TARGETS=llama-bench)")
     args = ap.parse_args()
     conc = [int(c) for c in args.concurrency.split(",")]
     spec_conc = [int(c) for c in args.spec_concurrency.split(",")]
@@ -236,7 +296,7 @@ def main() -> int:
     report = [f"machine: {platform.machine()} {os.cpu_count()} cores, {platform.platform()}; commit {commit}",
               f"gateway: {_build_id()}, --engine {args.backend}, workers on; model {Path(model).name}",
               f"llama-server: {bin_dir} ({'; '.join(v for v in version if 'version' in v or 'built' in v)})",
-              f"-np {args.np} and {spec.context_length} tokens per sequence on every server; {args.rounds} rounds "
+              f"-np {args.np if args.np_mode == 'max' else '= streams'} and {spec.context_length} tokens per sequence on every server; {args.rounds} rounds "
               "alternated; medians [min-max] of the rounds", ""]
     everything: dict[str, Any] = {}
     work = Path(tempfile.mkdtemp(prefix="bench-speed-"))
@@ -247,35 +307,18 @@ def main() -> int:
         gguf_config = work / "gguf.yaml"
         gguf_config.write_text(yaml.safe_dump(data))
     if not args.skip_throughput:
-        servers = Servers(args, model, spec.context_length, gguf_config)
-        servers.gateway("gateway", {})
-        names = ["gateway"]
-        # The other sampling path next to the default one (host on a CPU, device on a GPU).
-        other = "gateway, device sampling" if args.backend == "cpu" else "gateway, host sampling"
-        if not args.no_other_sampling:
-            servers.gateway(other, {"GATEWAY_DEVICE_SAMPLING": "on" if args.backend == "cpu" else "off"})
-            names.append(other)
-        if args.baseline:
-            base = f"gateway @{args.baseline}"
-            servers.gateway(base, {}, config=gguf_config or ROOT / "models.yaml", tree=_worktree(args.baseline, work))
-            names.append(base)
-        for variant in args.gateway_variant:
-            label, _, settings = variant.partition(":")
-            name = f"gateway, {label}"
-            servers.gateway(name, dict(kv.split("=", 1) for kv in settings.split(",") if kv))
-            names.append(name)
-        if not args.no_llama_server:
-            servers.llama_server("llama-server", bin_dir, [])
-            names.append("llama-server")
-        if not args.no_backend_sampling and not args.no_llama_server:
-            servers.llama_server("llama-server -bs", bin_dir, ["--backend-sampling"])
-            names.append("llama-server -bs")
-        try:
-            servers.wait()
-            results = _rounds(servers, names, conc, args, "throughput")
-        finally:
-            servers.stop()
+        # -np = the largest concurrency on every server, or (--np streams) servers started anew for
+        # each concurrency with -np = that many streams.
+        levels = [conc] if args.np_mode == "max" else [[c] for c in conc]
+        results: dict[str, dict[int, list[dict[str, Any]]]] = {}
+        for level in levels:
+            args.np = max(level)
+            names, part = _throughput(args, model, spec.context_length, gguf_config, work, level, bin_dir)
+            for name in names:
+                results.setdefault(name, {}).update(part[name])
+        args.np = max(conc + (spec_conc if args.speculative else []))
         everything["throughput"] = results
+        other = "gateway, device sampling" if args.backend == "cpu" else "gateway, host sampling"
         ratios = [("gateway", "llama-server")] * (not args.no_llama_server) + [("gateway", n) for n in names if n.startswith(("gateway, ", "gateway @")) and n != other]
         if other in names:
             ratios.append(("gateway", other))
@@ -283,6 +326,8 @@ def main() -> int:
             ratios.append(("gateway", "llama-server -bs"))
         report += [f"Synthetic prompts, {args.input_len} + {args.output_len} tokens, ignore_eos, temperature 0:", "",
                    *_table(results, conc, ratios), ""]
+        if args.llama_bench and 1 in conc:
+            report += _single_stream(results, bin_dir, model, args)
     if args.speculative:
         n, m = (int(x) for x in args.speculative.split(":"))
         prompts = work / "copy.jsonl"

@@ -45,6 +45,9 @@ def main() -> int:
     # Ray Serve's throughput mode, as a private cluster and the documented `ray start` commands run it
     # (RAY_SERVE_THROUGHPUT_OPTIMIZED=0 in the environment: Serve's defaults).
     os.environ.setdefault("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1")
+    from gateway.cluster.runtime import http_options, ingress_port_first
+
+    ingress_port_first(args.port)  # clients reach the ingress with no proxy between, as on a private cluster
     import ray
     from ray import serve
     from ray.cluster_utils import Cluster
@@ -70,7 +73,7 @@ def main() -> int:
     ray.init(address=cluster.address, logging_level=logging.WARNING, _node_ip_address="127.0.0.1",
              log_to_driver=False)
     settings = Settings.from_env(config=args.config, host="127.0.0.1", port=args.port)
-    serve.start(http_options={"host": "127.0.0.1", "port": args.port}, proxy_location="HeadOnly")
+    serve.start(http_options=http_options("127.0.0.1", args.port), proxy_location="HeadOnly")
     serve.run(build_application(settings, load_registry(args.config)), name=INGRESS_APP, route_prefix="/")
 
     def alive() -> list[str]:

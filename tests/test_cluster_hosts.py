@@ -135,7 +135,8 @@ def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hosts]:
     tmp = tmp_path_factory.mktemp("hosts")
     (tmp / "models.yaml").write_text(yaml.safe_dump(_CONFIG))
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32), "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
-           "GATEWAY_THREADS": "1", "PYTHONPATH": str(ROOT), "GATEWAY_CONFIG": str(tmp / "models.yaml")}
+           "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(PORT), "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(PORT + 1),
+           "RAY_SERVE_PORT_QUARANTINE_S": "0", "GATEWAY_THREADS": "1", "PYTHONPATH": str(ROOT), "GATEWAY_CONFIG": str(tmp / "models.yaml")}
     h = Hosts(tmp, env)
     _network()
     try:

@@ -67,6 +67,41 @@ def connect(cluster: str) -> bool:
     return started
 
 
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def ingress_port_first(port: int) -> None:
+    """Before Ray starts: the ingress replica answers clients on `port` itself (Serve's direct ingress
+    given a range of one port), unless the environment says otherwise.
+
+    In throughput mode the ingress replica runs an HTTP server of its own on a port of
+    RAY_SERVE_DIRECT_INGRESS_MIN/MAX_HTTP_PORT, while Serve's proxy, on the port given to
+    `serve.start`, answers clients by forwarding to it: one more process between the client and
+    the tokens (2-core Xeon, default model: the Serve path went from 0.82-0.84x to 0.86-0.90x the
+    direct one, docs/benchmarks/history.md#the-serve-path-without-serves-proxy). Without quarantine
+    for that one port, a replaced ingress takes it again at once."""
+    os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT", str(port))
+    os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT", str(port + 1))  # the end is not in it
+    os.environ.setdefault("RAY_SERVE_PORT_QUARANTINE_S", "0")
+
+
+def http_options(host: str, port: int) -> dict[str, object]:
+    """Serve's http_options for an API on host:port. Where the ingress replica itself listens on that
+    port (`ingress_port_first`, or `ray start` given the same range of one port), Serve's proxy
+    goes to a free port of its own: clients reach the ingress with no proxy between."""
+    env = os.environ
+    direct = (env.get("RAY_SERVE_THROUGHPUT_OPTIMIZED") == "1" and env.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") != "0") \
+        or env.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") == "1"
+    own = (env.get("RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"), env.get("RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT")) \
+        == (str(port), str(port + 1))
+    if direct and own and env.get("RAY_SERVE_ENABLE_HA_PROXY") != "1":
+        return {"host": host, "port": _free_port(host)}
+    return {"host": host, "port": port}
+
+
 def serve_on_ray(settings: Settings, registry: Registry, cluster: str) -> int:
     """Run the gateway's Serve application until SIGTERM/SIGINT, then delete it (replicas drain)."""
     os.environ.setdefault("RAY_AUTH_MODE", "token")  # before Ray is imported: it reads it then
@@ -77,6 +112,7 @@ def serve_on_ray(settings: Settings, registry: Registry, cluster: str) -> int:
         # Every process of the cluster must see it, so it is set before Ray starts; a cluster of
         # `ray start` has it from the environment of those commands (docs/deploy.md).
         os.environ.setdefault("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1")
+        ingress_port_first(settings.port)
     import ray
     from ray import serve
 
@@ -87,7 +123,7 @@ def serve_on_ray(settings: Settings, registry: Registry, cluster: str) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        serve.start(http_options={"host": settings.host, "port": settings.port}, proxy_location="HeadOnly")
+        serve.start(http_options=http_options(settings.host, settings.port), proxy_location="HeadOnly")
         serve.run(build_application(settings, registry), name=INGRESS_APP, route_prefix="/", blocking=False)
         log.info("serving on Ray Serve at http://%s:%d/v1 (models: %s)", settings.host, settings.port,
                  ", ".join(registry.models))
