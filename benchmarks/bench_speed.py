@@ -278,6 +278,8 @@ def main() -> int:
     conc = [int(c) for c in args.concurrency.split(",")]
     spec_conc = [int(c) for c in args.spec_concurrency.split(",")]
     args.np = max(conc + (spec_conc if args.speculative else []))
+    if args.llama_bench and (1 not in conc or args.no_llama_server or args.skip_throughput):
+        ap.error("--llama-bench needs 1 in --concurrency, the throughput table and a llama-server build")
     from gateway.models.registry import load_registry
 
     reg = load_registry(ROOT / "models.yaml")
@@ -311,8 +313,9 @@ def main() -> int:
         # each concurrency with -np = that many streams.
         levels = [conc] if args.np_mode == "max" else [[c] for c in conc]
         results: dict[str, dict[int, list[dict[str, Any]]]] = {}
+        every = args.np
         for level in levels:
-            args.np = max(level)
+            args.np = max(level) if args.np_mode == "streams" else every
             names, part = _throughput(args, model, spec.context_length, gguf_config, work, level, bin_dir)
             for name in names:
                 results.setdefault(name, {}).update(part[name])
@@ -326,7 +329,7 @@ def main() -> int:
             ratios.append(("gateway", "llama-server -bs"))
         report += [f"Synthetic prompts, {args.input_len} + {args.output_len} tokens, ignore_eos, temperature 0:", "",
                    *_table(results, conc, ratios), ""]
-        if args.llama_bench and 1 in conc:
+        if args.llama_bench:
             report += _single_stream(results, bin_dir, model, args)
     if args.speculative:
         n, m = (int(x) for x in args.speculative.split(":"))
