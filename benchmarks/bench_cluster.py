@@ -8,8 +8,11 @@
 2. The Serve path's overhead: the same model served directly (`gateway serve`) vs through Serve
    with one replica, at `--overhead-streams` (1, 8, 16), tok/s, TTFT and ITL; `--engine cuda` on a
    GPU, `--gguf FILE` for another model (a tiny one of make_random_llama.py makes thousands of
-   tokens a second, which loads the Serve path even on a CPU). Serve runs in its throughput mode,
-   as a private cluster does (RAY_SERVE_THROUGHPUT_OPTIMIZED=0 in the environment: Serve's defaults).
+   tokens a second, which loads the Serve path even on a CPU). Serve runs in its throughput mode
+   with the ingress replica on the API's port, as a private cluster does
+   (RAY_SERVE_THROUGHPUT_OPTIMIZED=0 in the environment: Serve's defaults;
+   RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT=30000 RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT=31000: Serve's
+   own port range for the ingress, its proxy answering clients).
 3. Conversation affinity: a multi-turn workload (conversations of several turns, each turn
    carrying the history) over 2 replicas, with the affinity router and with Serve's default
    power-of-two-choices router: prompt tokens found in the KV cache, and TTFT.  All conversations
