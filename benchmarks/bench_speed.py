@@ -190,14 +190,19 @@ def _table(results: dict[str, dict[int, list[dict[str, Any]]]], conc: list[int],
     return lines
 
 
+def _other_sampling(backend: str) -> str:
+    """The sampling path that is not the default one: host sampling on a GPU, device on a CPU."""
+    return "gateway, device sampling" if backend == "cpu" else "gateway, host sampling"
+
+
 def _throughput(args: argparse.Namespace, model: str, ctx: int, gguf_config: Path | None, work: Path,
                 conc: list[int], bin_dir: str) -> tuple[list[str], dict[str, dict[int, list[dict[str, Any]]]]]:
     """Every server of the throughput table started with -np `args.np`, then the rounds at `conc`."""
     servers = Servers(args, model, ctx, gguf_config)
     servers.gateway("gateway", {})
     names = ["gateway"]
-    # The other sampling path next to the default one (host on a CPU, device on a GPU).
-    other = "gateway, device sampling" if args.backend == "cpu" else "gateway, host sampling"
+    # The other sampling path next to the default one.
+    other = _other_sampling(args.backend)
     if not args.no_other_sampling:
         servers.gateway(other, {"GATEWAY_DEVICE_SAMPLING": "on" if args.backend == "cpu" else "off"})
         names.append(other)
@@ -319,9 +324,9 @@ def main() -> int:
             names, part = _throughput(args, model, spec.context_length, gguf_config, work, level, bin_dir)
             for name in names:
                 results.setdefault(name, {}).update(part[name])
-        args.np = max(conc + (spec_conc if args.speculative else []))
+        args.np = every
         everything["throughput"] = results
-        other = "gateway, device sampling" if args.backend == "cpu" else "gateway, host sampling"
+        other = _other_sampling(args.backend)
         ratios = [("gateway", "llama-server")] * (not args.no_llama_server) + [("gateway", n) for n in names if n.startswith(("gateway, ", "gateway @")) and n != other]
         if other in names:
             ratios.append(("gateway", other))

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import subprocess
 import sys
 import time
 from typing import Any
+
+from gateway.host.ports import free_port
 
 CHECK_TIMEOUT_S = 900.0  # a first load (a build's functional check) and the probes on a CPU
 
@@ -22,12 +23,6 @@ def add_parser(sub: Any) -> None:
                    "check when none answers)")
     c.add_argument("--config", default=None, help="models.yaml path (for a gateway started for the check)")
     c.set_defaults(func=run)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _answers(url: str) -> bool:
@@ -50,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
         if args.url:
             print(f"error: no gateway answers at {url}", file=sys.stderr)
             return 2
-        port = _free_port()
+        port = free_port()
         cmd = [sys.executable, "-m", "gateway.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
         if args.config:
             cmd += ["--config", args.config]

@@ -20,6 +20,7 @@ import tempfile
 import threading
 from pathlib import Path
 
+from gateway.host.ports import free_port
 from gateway.models.registry import Registry
 from gateway.settings import Settings
 
@@ -67,12 +68,6 @@ def connect(cluster: str) -> bool:
     return started
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
 def ingress_port_first(port: int) -> None:
     """Before Ray starts: the ingress replica answers clients on `port` itself (Serve's direct ingress
     given a range of one port), unless the environment says otherwise.
@@ -98,7 +93,7 @@ def http_options(host: str, port: int) -> dict[str, object]:
     own = (env.get("RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"), env.get("RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT")) \
         == (str(port), str(port + 1))
     if direct and own and env.get("RAY_SERVE_ENABLE_HA_PROXY") != "1":
-        return {"host": host, "port": _free_port(host)}
+        return {"host": host, "port": free_port(host)}
     return {"host": host, "port": port}
 
 
