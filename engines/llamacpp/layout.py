@@ -72,14 +72,11 @@ class Layout:
     def arrange(self, n: int, outputs: list[Output]) -> tuple[int, list[Output]]:
         """The batch's first `n` tokens with throwaway tokens in the gaps, in sequence order; the
         tokens now and the outputs at their new indexes."""
-        if not self.sort or n < 2:
-            return n, outputs
-        step = np.diff(self.seq[:n])
-        if step.min() >= 0 and step.max() <= 1:  # one run of consecutive ids, in order: as it is
+        if not self.sort:
             return n, outputs
         n = self._add_fillers(n)
         seq = self.seq[:n]
-        if bool(np.all(seq[:-1] <= seq[1:])):
+        if n < 2 or bool(np.all(seq[:-1] <= seq[1:])):
             return n, outputs
         order = np.argsort(seq, kind="stable")
         for a in (self.token, self.pos, self.logits, self._seq_ptr, self.seq):
@@ -91,10 +88,13 @@ class Layout:
 
     def _add_fillers(self, n: int) -> int:
         """Throwaway tokens for the idle sequences between the lowest and highest in the batch."""
-        if not self.fill:
+        if not self.fill or n == 0:
             return n
-        present = set(self.seq[:n].tolist())
-        gaps = [s for s in range(min(present), max(present)) if s not in present and self._slots[s].job is None]
+        present = np.unique(self.seq[:n])
+        lo, hi = int(present[0]), int(present[-1])
+        if hi - lo + 1 == len(present):
+            return n
+        gaps = [s for s in range(lo, hi) if s not in set(present.tolist()) and self._slots[s].job is None]
         if n + len(gaps) > self._capacity:
             return n
         for s in gaps:
