@@ -33,9 +33,6 @@ class EngineTuning(EnvSettings):
     prefill_passes: int = setting(
         1, "llama.cpp: passes of prompt tokens one step may run beside running streams, which wait for them "
         "(more: a burst of prompts costs a stream one long gap instead of one per pass)", ge=1, le=64)
-    batch_layout: bool = setting(
-        True, "llama.cpp: each pass's tokens in sequence order and idle sequences between running ones given a "
-        "throwaway token, so that llama.cpp runs a step as one pass over the weights where it can (off: as built)")
     step_trace: str | None = setting(
         None, "write a trace of every scheduler step to DIR/steps-PID.json (Chrome's trace format: open it in "
         "Perfetto; `benchmarks/step_trace_summary.py` breaks it down)", shown="off")

@@ -31,7 +31,6 @@ from engines.base import EngineClosed, EngineFailure, EngineOverloaded, KvStats
 from engines.llamacpp import prefix
 from engines.llamacpp.host_transfer import HostTransfer
 from engines.llamacpp.kv_pool import MIN_COPY_GAIN, TRIM_PAYBACK
-from engines.llamacpp.layout import Layout
 from engines.llamacpp.outputs import Outputs
 from engines.llamacpp.prefix_cache import MIN_ENTRY_TOKENS, HostPrefixCache
 from engines.llamacpp.sampling import DeviceSampler, build_sampler, sampler_key
@@ -71,8 +70,7 @@ class BatchScheduler:
                  prefill_passes: int = 1,
                  n_swa: int = 0, kv_pool: int = 0, n_cells: int = 0, split_mixed: bool = False,
                  follow: bool = True, attach_defer: bool = True, trim_payback: float = TRIM_PAYBACK,
-                 trace: StepTrace | None = None, vision: Vision | None = None, layout: bool = True,
-                 fill_gaps: bool = True) -> None:
+                 trace: StepTrace | None = None, vision: Vision | None = None) -> None:
         self._ctx = ctx
         self._vision = vision  # the model's vision projector: feeds prompts' images
         self._trace = trace
@@ -106,8 +104,6 @@ class BatchScheduler:
         outputs = Outputs(ctx, n_vocab, piece, is_eog, self._spec.remember if self._draft_ngram else None)
         self._sample, self._collect_logits, self._skip_rows = outputs.sample, outputs.collect_logits, outputs.skip_rows
         self._batch = lc.llama_batch_init(n_batch, 0, 1)
-        self._layout = Layout(self._batch, n_batch, self._mem, self._slots, lc.llama_n_ctx_seq(ctx),  # few micro-batches
-                              sort=layout and not kv_pool, fill=layout and fill_gaps and not kv_pool and not n_swa)
         # One KV cache shared by the sequences (kv_unified), of `kv_pool` cells (0: one stream per
         # sequence, each with its own context).
         self._shared = SharedKv(ctx, self._slots, self._host, kv_pool, n_batch, trim_payback,
@@ -462,7 +458,12 @@ class BatchScheduler:
 
     def _put(self, n: int, slot: Slot, token: int, want_logits: bool) -> None:
         """The batch's token `n`: `token` at the end of the slot's sequence."""
-        self._layout.put(n, slot.seq_id, token, len(slot.cached), want_logits)
+        batch = self._batch
+        batch.token[n] = token
+        batch.pos[n] = len(slot.cached)
+        batch.n_seq_id[n] = 1
+        batch.seq_id[n][0] = slot.seq_id
+        batch.logits[n] = want_logits
         slot.cached.append(token)
 
     def _feed(self, running: list[Slot], n: int, room: int, outputs: list[tuple[Slot, int, list[int]]]) -> int:
@@ -557,10 +558,9 @@ class BatchScheduler:
     def _decode(self, n: int, outputs: list[tuple[Slot, int, list[int]]], running: list[Slot], prompt_tokens: int) -> bool:
         """Run the batch's first `n` tokens through the model and take their outputs; False when
         llama.cpp failed it (the requests in it have failed then)."""
-        self._batch.n_tokens, outputs = self._layout.arrange(n, outputs)
+        self._batch.n_tokens = n
         step_started = time.perf_counter()
         rc = lc.llama_decode(self._ctx, self._batch)
-        self._layout.restore()
         if self._trace is not None:  # a device's pass runs on after the call: its time, apart from the host's work
             lc.llama_synchronize(self._ctx)
         decoded = time.perf_counter()
@@ -584,7 +584,7 @@ class BatchScheduler:
                     self._sample(slot, idx)
         if self._trace is not None:
             self._trace.span("llama_decode", step_started, decoded, decoding=n - prompt_tokens,
-                             prompt_tokens=prompt_tokens, cells=used(self._slots), filled=self._batch.n_tokens - n)
+                             prompt_tokens=prompt_tokens, cells=used(self._slots))
             self._trace.span("outputs", decoded, time.perf_counter(), outputs=len(outputs))
         if log.isEnabledFor(logging.DEBUG):
             log.debug("pass: %d decoding, %d prompt tokens, %.1f ms (llama_decode %.1f), %d running, %d cells used",

@@ -259,7 +259,9 @@ class LlamaCppEngine:
             piece=self.piece,
             is_eog=lambda t: lc.llama_vocab_is_eog(self._vocab, t),
             device_sampling=on_device,
-            draft_ngram=lo.draft_ngram, draft_max=lo.draft_max, draft_streams=lo.draft_streams,
+            draft_ngram=lo.draft_ngram,
+            draft_max=lo.draft_max,
+            draft_streams=lo.draft_streams,
             prefill_budget=budget,
             prefill_passes=tuning.prefill_passes,
             n_swa=self._n_swa,
@@ -273,8 +275,6 @@ class LlamaCppEngine:
             trim_payback=payback,
             trace=open_trace(tuning.step_trace, f"llama.cpp {o.backend} {os.path.basename(o.model_path)}"),
             vision=self._vision,
-            layout=tuning.batch_layout,  # a throwaway token cannot be taken back from a recurrent state
-            fill_gaps=not (lc.llama_model_is_recurrent(self._model) or lc.llama_model_is_hybrid(self._model)),
         )
         self._sched = BatchScheduler(
             ctx=ctx,
