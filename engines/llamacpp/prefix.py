@@ -27,10 +27,10 @@ FOLLOW_MIN_TOKENS = 64
 
 def own_slot(job: Job, free: list[Slot]) -> Slot:
     """The free sequence a request takes when each sequence has its own KV stream: the lowest,
-    always (llama.cpp computes a step's attention over the KV streams from the lowest to the
-    highest sequence id in the batch, unused ones masked, so 8 running sequences spread over ids
-    0-15 cost as much as 16; on the H100 after a 16-stream burst 8 streams fell from ~2000 to ~850
-    tok/s when new requests took the free slot with the longest cached prefix). A longer prefix
+    always (llama.cpp runs a step as one micro-batch, a pass over the weights, per run of
+    consecutive sequence ids: docs/benchmarks/history.md#steps-laid-out-for-llamacpps-micro-batches-rejected;
+    on the H100 after a 16-stream burst 8 streams fell from ~2000 to ~850 tok/s when new requests
+    took the free slot with the longest cached prefix). A longer prefix
     held by another slot is still reused: it is copied into the chosen stream. The exception: a
     free slot that holds most of a long prompt (a conversation's own sequence, its next turn)
     keeps it, rather than evicting another conversation's KV to copy this one's over."""
