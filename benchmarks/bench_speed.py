@@ -18,7 +18,8 @@ Servers:
 
 With --np streams every server is started anew for each concurrency with -np (the gateway's
 --parallel) = that many streams, instead of once with the largest. With --llama-bench (and 1 in
---concurrency) one stream's decode speed is set beside llama-bench's tg128 on the same file.
+--concurrency) one stream's decode speed is set beside llama-bench's tg128 on the same file, from an
+empty KV and at the depth of the benchmark's prompts (the KV the stream decodes over).
 
 With --baseline REV the gateway at git revision REV (a worktree made for the run, sharing this
 virtualenv; or a directory holding that revision's files) serves next to the current tree in the
@@ -231,18 +232,23 @@ def _throughput(args: argparse.Namespace, model: str, ctx: int, gguf_config: Pat
 def _single_stream(results: dict[str, dict[int, list[dict[str, Any]]]], bin_dir: str, model: str,
                    args: argparse.Namespace) -> list[str]:
     """One stream's decode speed (1 / TPOT p50, median of the rounds) beside llama-bench's tg128 on
-    the same file and build."""
+    the same file and build: from an empty KV (llama-bench's default) and after as many tokens as
+    the benchmark's prompts (`-d`, the KV the stream decodes over)."""
     gpu = ["-ngl", "99"] if args.backend != "cpu" else ["-ngl", "0"]
-    out = subprocess.run([f"{bin_dir}/llama-bench", "-m", model, "-p", "0", "-n", "128", "-r", "5", "-o", "json",
-                          "-t", str(os.cpu_count() or 1), *gpu], capture_output=True, text=True, check=True,
-                         env={**os.environ, "LD_LIBRARY_PATH": bin_dir})
-    tg128 = float(json.loads(out.stdout)[0]["avg_ts"])
-    lines = ["One stream's decode speed (1 / TPOT p50) against llama-bench tg128 (5 repetitions) on the same file:",
-             "", "| server | decode tok/s | / llama-bench tg128 |", "|---|---|---|"]
+    out = subprocess.run([f"{bin_dir}/llama-bench", "-m", model, "-p", "0", "-n", "128", "-d", f"0,{args.input_len}",
+                          "-r", "5", "-o", "json", "-t", str(os.cpu_count() or 1), *gpu],
+                         capture_output=True, text=True, check=True, env={**os.environ, "LD_LIBRARY_PATH": bin_dir})
+    runs = json.loads(out.stdout)
+    tg = {int(r.get("n_depth", 0)): float(r["avg_ts"]) for r in runs}
+    at = tg.get(args.input_len, tg[0])
+    fa = {-1: "auto", 0: "off", 1: "on"}.get(runs[0].get("flash_attn"), "?")
+    lines = [f"One stream's decode speed (1 / TPOT p50) against llama-bench tg128 (5 repetitions, flash attention "
+             f"{fa}) on the same file, from an empty KV and after {args.input_len} tokens (the stream's own prompt):", "",
+             f"| server | decode tok/s | / tg128 | / tg128 at depth {args.input_len} |", "|---|---|---|---|"]
     for name, by_conc in results.items():
         speed = statistics.median(1 / x["tpot"]["p50"] for x in by_conc[1])
-        lines.append(f"| {name} | {speed:.1f} | **{speed / tg128:.3f}** |")
-    return [*lines, f"| llama-bench tg128 | {tg128:.1f} | 1 |", ""]
+        lines.append(f"| {name} | {speed:.1f} | **{speed / tg[0]:.3f}** | **{speed / at:.3f}** |")
+    return [*lines, f"| llama-bench tg128 | {tg[0]:.1f} / {at:.1f} at depth {args.input_len} | 1 | 1 |", ""]
 
 
 def main() -> int:
