@@ -39,7 +39,8 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from benchmarks.bench_vs_llama_server import _port, _stop, _wait  # noqa: E402
+from benchmarks.bench_vs_llama_server import _stop, _wait  # noqa: E402
+from gateway.host.ports import free_port  # noqa: E402
 
 PROMPT = "Tell a long story about a lighthouse keeper and the ships she saw."
 PROTOCOLS = ("openai", "responses", "anthropic", "ollama")
@@ -237,7 +238,7 @@ def _has(cmd: str) -> bool:
 
 
 def _serve(args: argparse.Namespace, log: Path) -> tuple[subprocess.Popen[bytes], str, str]:
-    port = _port()
+    port = free_port()
     cmd = [sys.executable, "-m", "gateway.cli", "serve", "--engine", args.engine, "--port", str(port)]
     model = args.model
     if args.gguf:

@@ -43,7 +43,8 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from benchmarks.bench_vs_llama_server import MODEL, _port, _wait  # noqa: E402
+from benchmarks.bench_vs_llama_server import MODEL, _wait  # noqa: E402
+from gateway.host.ports import free_port  # noqa: E402
 from tests.ray_cluster import MARK  # noqa: E402
 
 CORES = os.cpu_count() or 1
@@ -73,7 +74,7 @@ class RayGateway:
         self.dir = tempfile.TemporaryDirectory()
         cfg = Path(self.dir.name) / "models.yaml"
         cfg.write_text(models_yaml(replicas, parallel, affinity, gpus))
-        self.port = _port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16),
                "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "GATEWAY_THREADS": str(max(1, CORES // replicas)),
@@ -114,7 +115,7 @@ class RayGateway:
 
 class Direct:
     def __init__(self, parallel: int, engine: str = "cpu") -> None:
-        self.port = _port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.dir = tempfile.TemporaryDirectory()
         config: list[str] = []

@@ -13,7 +13,6 @@ import json
 import os
 import platform
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
@@ -24,14 +23,12 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from gateway.host.ports import free_port  # noqa: E402
+
 PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
 MODEL = "smollm2-135m-instruct"
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def stream_once(url: str, tokens: int) -> dict[str, float]:
@@ -75,13 +72,12 @@ def main() -> int:
     ap.add_argument("--gpu-layers", type=int, default=0, help="direct llama-cpp-python run: layers on the GPU (-1 all)")
     ap.add_argument("--gateway", default=str(ROOT / ".venv/bin/gateway"), help="command that runs the gateway CLI")
     args = ap.parse_args()
-    sys.path.insert(0, str(ROOT))
     from gateway.models.registry import load_registry
 
     reg = load_registry(args.config)
     model_path = str(reg.resolve(reg.models[MODEL], "gguf"))
     conc = [int(c) for c in args.concurrency.split(",")]
-    port = _port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "GATEWAY_LOG_LEVEL": "warning", "GATEWAY_CHECK_MODELS": "0", "GATEWAY_CONFIG": args.config}
     t_spawn = time.perf_counter()

@@ -26,7 +26,8 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from benchmarks.bench_vs_llama_server import MODEL, _port, _wait  # noqa: E402
+from benchmarks.bench_vs_llama_server import MODEL, _wait  # noqa: E402
+from gateway.host.ports import free_port  # noqa: E402
 
 WORDS = "the of and to in is was for on with as by at from it an be this that are or not cat sea".split()
 
@@ -127,7 +128,7 @@ def main() -> int:
     ).stdout.strip().splitlines()[-1]
     threads = str(os.cpu_count() or 1)
     results: dict[str, dict[str, object]] = {}
-    port = _port()
+    port = free_port()
     gw = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--engine", "cpu", "--port", str(port)],
                           cwd=ROOT, env={**os.environ, "GATEWAY_LOG_LEVEL": "warning", "GATEWAY_CHECK_MODELS": "0"})
     try:
@@ -138,7 +139,7 @@ def main() -> int:
     finally:
         gw.terminate()
         gw.wait(timeout=60)
-    port = _port()
+    port = free_port()
     # The same per-sequence context and 8 sequences, as the gateway's embedding context has.
     ls = subprocess.Popen([f"{bin_dir}/llama-server", "-m", model_path, "--port", str(port), "--embeddings",
                            "--pooling", "mean", "-np", "8", "-c", str(spec.context_length * 8),

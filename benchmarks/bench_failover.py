@@ -32,7 +32,8 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from benchmarks.bench_vs_llama_server import MODEL, _port, _stop, _wait  # noqa: E402
+from benchmarks.bench_vs_llama_server import MODEL, _stop, _wait  # noqa: E402
+from gateway.host.ports import free_port  # noqa: E402
 
 PROMPT = [{"role": "user", "content": "Tell a long story about a lighthouse keeper."}]
 
@@ -120,7 +121,7 @@ def main() -> int:
         tmp = Path(tempfile.mkdtemp()) / "models.yaml"
         tmp.write_text(yaml.safe_dump(cfg))
         args.config = str(tmp)
-    port = _port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = tempfile.NamedTemporaryFile("w", suffix=".log", delete=False)
     env = {**os.environ, "GATEWAY_WORKER_MAX_CRASHES": "1000", "GATEWAY_FAILOVER_BUDGET": "2"}

@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,14 +35,12 @@ import httpx
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from gateway.host.ports import free_port  # noqa: E402
+
 MiB = 1 << 20
 CONFIGS = ((512, 1), (2048, 1), (2048, 4), (8192, 1), (8192, 4))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def gpu_used(pid: int) -> int | None:

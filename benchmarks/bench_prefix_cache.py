@@ -32,7 +32,6 @@ import json
 import os
 import platform
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -44,16 +43,14 @@ from typing import Any
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from gateway.host.ports import free_port  # noqa: E402
+
 SMOL, GEMMA = "smollm2-135m-instruct", "gemma-3-270m"
 WORDS = ("file", "tool", "call", "schema", "path", "read", "write", "shell", "patch", "apply", "search", "result",
          "error", "retry", "branch", "commit", "test", "build", "json", "string", "number", "array", "object",
          "limit", "offset", "query", "match", "line", "column", "token", "agent", "review", "diff", "merge")
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def text_of(n_words: int, seed: int) -> str:
@@ -80,7 +77,7 @@ class Server:
         return f"http://127.0.0.1:{self.port}"
 
     def __enter__(self) -> Server:
-        self.port = _port()
+        self.port = free_port()
         cmd = [c.replace("{port}", str(self.port)) for c in self.cmd]
         self.log = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-{self.name.replace(' ', '').replace(',', '-')}.log"
         with open(self.log, "wb") as log:
@@ -485,7 +482,6 @@ def main() -> int:
         return [s for s in servers if not only or s.name in only]
 
     parts = set(args.parts.split(","))
-    sys.path.insert(0, str(ROOT))
     from gateway.models.registry import load_registry
 
     global CONFIG

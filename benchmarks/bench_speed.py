@@ -51,8 +51,9 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from benchmarks.bench_vs_llama_server import MODEL, _port, _wait  # noqa: E402
+from benchmarks.bench_vs_llama_server import MODEL, _wait  # noqa: E402
 from benchmarks.bench_workers import _build_id  # noqa: E402
+from gateway.host.ports import free_port  # noqa: E402
 
 
 def _copy_prompts(n: int, lines: int = 40) -> list[str]:
@@ -95,7 +96,7 @@ class Servers:
         self.threads = str(os.cpu_count() or 1)
 
     def gateway(self, name: str, env: dict[str, str], config: Path | None = None, tree: Path = ROOT) -> None:
-        port = _port()
+        port = free_port()
         full = {**os.environ, "GATEWAY_LOG_LEVEL": "warning", "GATEWAY_CHECK_MODELS": "0", **env}
         config = config or self.config
         if config is not None:
@@ -107,7 +108,7 @@ class Servers:
              "--engine", self.args.backend], cwd=tree, env=full), port)
 
     def llama_server(self, name: str, bin_dir: str, extra: list[str]) -> None:
-        port = _port()
+        port = free_port()
         gpu = ["-ngl", "99"] if self.args.backend != "cpu" else ["-ngl", "0", "--device", "none"]
         self.procs[name] = (subprocess.Popen(
             [f"{bin_dir}/llama-server", "-m", self.model, "--port", str(port), "-np", str(self.args.np),
@@ -327,13 +328,11 @@ def main() -> int:
         # each concurrency with -np = that many streams.
         levels = [conc] if args.np_mode == "max" else [[c] for c in conc]
         results: dict[str, dict[int, list[dict[str, Any]]]] = {}
-        every = args.np
         for level in levels:
-            args.np = max(level) if args.np_mode == "streams" else every
-            names, part = _throughput(args, model, spec.context_length, gguf_config, work, level, bin_dir)
+            at = argparse.Namespace(**{**vars(args), "np": max(level) if args.np_mode == "streams" else args.np})
+            names, part = _throughput(at, model, spec.context_length, gguf_config, work, level, bin_dir)
             for name in names:
                 results.setdefault(name, {}).update(part[name])
-        args.np = every
         everything["throughput"] = results
         other = _other_sampling(args.backend)
         ratios = [("gateway", "llama-server")] * (not args.no_llama_server) + [("gateway", n) for n in names if n.startswith(("gateway, ", "gateway @")) and n != other]

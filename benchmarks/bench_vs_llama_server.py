@@ -16,7 +16,6 @@ import json
 import os
 import platform
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,13 +24,11 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from gateway.host.ports import free_port  # noqa: E402
+
 MODEL = "smollm2-135m-instruct"
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _wait(url: str, proc: subprocess.Popen[bytes], timeout: float = 300) -> None:
@@ -82,7 +79,6 @@ def main() -> int:
     args = ap.parse_args()
     conc = [int(c) for c in args.concurrency.split(",")]
     np_ = max(conc)
-    sys.path.insert(0, str(ROOT))
     from gateway.models.registry import load_registry
 
     reg = load_registry(ROOT / "models.yaml")
@@ -92,7 +88,7 @@ def main() -> int:
         ["bash", str(ROOT / "benchmarks/build-llama-server.sh"), args.backend], check=True, capture_output=True, text=True
     ).stdout.strip().splitlines()[-1]
     threads = str(os.cpu_count() or 1)
-    gw_port, ls_port = _port(), _port()
+    gw_port, ls_port = free_port(), free_port()
     env = {**os.environ, "GATEWAY_LOG_LEVEL": "warning", "GATEWAY_CHECK_MODELS": "0"}
     gw = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--port", str(gw_port), "--parallel", str(np_)],
                           cwd=ROOT, env=env)

@@ -26,8 +26,9 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from benchmarks.bench_vs_llama_server import MODEL, _bench, _port, _wait  # noqa: E402
+from benchmarks.bench_vs_llama_server import MODEL, _bench, _wait  # noqa: E402
 from engines.worker.connections import rss_bytes  # noqa: E402
+from gateway.host.ports import free_port  # noqa: E402
 
 
 def _build_id() -> str:
@@ -66,7 +67,7 @@ def main() -> int:
     threads = str(os.cpu_count() or 1)
     servers: dict[str, tuple[subprocess.Popen[bytes], int]] = {}
     for name, workers in (("gateway (workers)", "1"), ("gateway (in-process)", "0")):
-        port = _port()
+        port = free_port()
         env = {**os.environ, "GATEWAY_LOG_LEVEL": "warning", "GATEWAY_CHECK_MODELS": "0", "GATEWAY_WORKERS": workers}
         if workers == "0" and args.in_process_lib:
             env["LLAMA_CPP_LIB_PATH"] = args.in_process_lib
@@ -77,7 +78,7 @@ def main() -> int:
         bin_dir = args.server_bin or subprocess.run(
             ["bash", str(ROOT / "benchmarks/build-llama-server.sh"), args.backend], check=True, capture_output=True,
             text=True).stdout.strip().splitlines()[-1]
-        port = _port()
+        port = free_port()
         servers["llama-server"] = (subprocess.Popen(
             [f"{bin_dir}/llama-server", "-m", model, "--port", str(port), "-np", str(np_),
              "-c", str(spec.context_length * np_), "-t", threads, "-tb", threads, "--log-disable",

@@ -27,9 +27,10 @@ Counts = dict[tuple[str, str], int]
 
 def profile(tree: Path, out: Path, requests: int, output_len: int) -> int:
     """Serve from `tree` under cProfile, run the requests; the tokens generated (warm-up included)."""
-    from benchmarks.bench_vs_llama_server import _port, _wait
+    from benchmarks.bench_vs_llama_server import _wait
+    from gateway.host.ports import free_port
 
-    port = _port()
+    port = free_port()
     env = {**os.environ, "GATEWAY_WORKERS": "0", "GATEWAY_CHECK_MODELS": "0", "GATEWAY_LOG_LEVEL": "warning",
            "PYTHONPATH": str(tree)}
     server = subprocess.Popen([sys.executable, __file__, "--profile-serve", str(out), "--port", str(port), "--parallel",

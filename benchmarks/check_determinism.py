@@ -20,7 +20,8 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks.bench_failover import PROMPT, _wait_worker  # noqa: E402
-from benchmarks.bench_vs_llama_server import MODEL, _port, _wait  # noqa: E402
+from benchmarks.bench_vs_llama_server import MODEL, _wait  # noqa: E402
+from gateway.host.ports import free_port  # noqa: E402
 
 
 def main() -> int:
@@ -28,7 +29,7 @@ def main() -> int:
     ap.add_argument("--engine", default="cpu")
     ap.add_argument("--max-tokens", type=int, default=120)
     args = ap.parse_args()
-    port = _port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--engine", args.engine, "--port", str(port),
                              "--parallel", "1"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,

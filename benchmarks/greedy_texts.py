@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,6 +27,10 @@ import httpx
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from gateway.host.ports import free_port  # noqa: E402
+
 MODEL = "smollm2-135m-instruct"
 # (name, --engine, --runtime, converted format pin or None)
 ENGINES: list[tuple[str, str, str, tuple[str, dict[str, str]] | None]] = [
@@ -49,12 +52,6 @@ CHATS: list[dict[str, Any]] = [
     {"messages": [{"role": "user", "content": "Describe a cat as JSON with name and age."}],
      "response_format": {"type": "json_object"}},
 ]
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _config(runtime: str, pin: tuple[str, dict[str, str]] | None, where: Path) -> Path:
@@ -85,7 +82,7 @@ def _answers(url: str, max_tokens: int) -> list[Any]:
 
 def run_engine(name: str, engine: str, runtime: str, pin: tuple[str, dict[str, str]] | None, where: Path,
                max_tokens: int) -> dict[str, Any]:
-    port = _port()
+    port = free_port()
     cmd = [sys.executable, "-m", "gateway.cli", "serve", "--engine", engine, "--runtime", runtime, "--port", str(port),
            "--config", str(_config(runtime, pin, where))]
     log = where / f"{name.replace('/', '-')}.log"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -17,6 +16,7 @@ import uvicorn
 
 from gateway.app import create_app
 from gateway.host.hardware import probe_vulkan, vulkan_visible_env
+from gateway.host.ports import free_port
 from gateway.models.registry import Registry, load_registry
 from gateway.settings import Settings
 
@@ -36,12 +36,6 @@ os.environ["GATEWAY_MODELS_DIR"] = str(_USER_MODELS)
 # environment) and started ones; tests/test_capabilities.py runs it.
 NO_CHECKS = {"GATEWAY_CHECK_MODELS": "false"}
 os.environ.update(NO_CHECKS)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_for(url: str, timeout: float, ok: Callable[[httpx.Response], bool] = lambda r: r.status_code == 200,
