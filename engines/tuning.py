@@ -33,6 +33,9 @@ class EngineTuning(EnvSettings):
     prefill_passes: int = setting(
         1, "llama.cpp: passes of prompt tokens one step may run beside running streams, which wait for them "
         "(more: a burst of prompts costs a stream one long gap instead of one per pass)", ge=1, le=64)
+    overlap_outputs: Literal["auto", "on", "off"] = setting(
+        "auto", "llama.cpp: a pass's tokens are turned into text and events while the next pass runs on the "
+        "device (auto: on CUDA and ROCm, whose passes run after llama_decode returns)")
     step_trace: str | None = setting(
         None, "write a trace of every scheduler step to DIR/steps-PID.json (Chrome's trace format: open it in "
         "Perfetto; `benchmarks/step_trace_summary.py` breaks it down)", shown="off")

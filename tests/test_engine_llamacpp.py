@@ -269,7 +269,7 @@ async def test_device_sampling_matches_host_sampling() -> None:
         got = await _all(dev, MIXED)
         for want, have, req in zip(expected, got, MIXED + MIXED[:4], strict=True):
             assert have == want, req.sampling
-        assert dev._sched is not None and dev._sched.device_attaches >= 4
+        assert dev._sched is not None and dev._sched._device.attaches >= 4
     finally:
         await host.close()
         await dev.close()
@@ -292,12 +292,12 @@ async def test_a_chain_is_attached_after_the_first_tokens_and_the_text_is_the_ho
         want = await asyncio.gather(*(_run(host, r) for r in greedy))
         got = await asyncio.gather(*(_run(dev, r) for r in greedy))  # two at once, both without a chain
         assert got == want
-        assert dev._sched.deferred_attaches == 2 and dev._sched.device_attaches == 2
+        assert dev._sched._device.deferred == 2 and dev._sched._device.attaches == 2
         assert all(s.device_chain is not None for s in dev._sched._slots)  # attached mid-request
         await asyncio.sleep(IDLE_DETACH_S + 0.5)  # detached when idle
         assert all(s.device_chain is None for s in dev._sched._slots)
         assert await _run(dev, seeded) == await _run(host, seeded)
-        assert dev._sched.deferred_attaches == 2 and dev._sched.device_attaches == 3
+        assert dev._sched._device.deferred == 2 and dev._sched._device.attaches == 3
     finally:
         await host.close()
         await dev.close()
@@ -313,17 +313,17 @@ async def test_a_device_sampler_is_reused_by_requests_with_the_same_settings() -
         first = await _run(e, req)
         assert await _run(e, req) == first  # reset re-seeds: same seed, same text
         assert await _run(e, req) == first
-        assert e._sched.device_attaches == 1
+        assert e._sched._device.attaches == 1
         await _run(e, _req("Hello", max_tokens=4, logprobs=True))
         assert e._sched._slots[0].device_chain is None
         assert await _run(e, req) == first
-        assert e._sched.device_attaches == 2
+        assert e._sched._device.attaches == 2
         # An idle sequence gives its chain back after IDLE_DETACH_S (llama.cpp builds every attached
         # chain into every step's graph), even when no request comes to wake the scheduler.
         await asyncio.sleep(IDLE_DETACH_S + 0.5)
         assert e._sched._slots[0].device_chain is None
         assert await _run(e, req) == first
-        assert e._sched.device_attaches == 3
+        assert e._sched._device.attaches == 3
     finally:
         await e.close()
 
@@ -352,7 +352,7 @@ async def test_speculative_decoding_changes_speed_not_text() -> None:
         got = await _all(spec, reqs)
         for want, have, req in zip(expected, got, reqs + reqs[:4], strict=True):
             assert have == want, req.sampling
-        assert spec._sched is not None and spec._sched.accepted > 0
+        assert spec._sched is not None and spec._sched._spec.accepted > 0
         # The KV cache holds no rejected drafts: the next turn reuses the prefix and still agrees.
         follow = _req("# file a.py\n" + CODE + "\n\n# file b.py, a copy of a.py\n" + CODE[:30] + expected[0][1][:40],
                       max_tokens=20)
@@ -373,7 +373,7 @@ async def test_drafts_stop_when_more_streams_decode_than_allowed() -> None:
             outs = await asyncio.gather(*(_run(e, copy) for _ in range(3)))
             assert all(len(toks) == 60 for toks, _ in outs)
             assert e._sched is not None
-            drafted[streams] = e._sched.drafted
+            drafted[streams] = e._sched._spec.drafted
         finally:
             await e.close()
     assert drafted[3] > 0 and drafted[1] < drafted[3] / 2, drafted

@@ -67,7 +67,7 @@ class BatchScheduler:
                  piece: Callable[[int], bytes], is_eog: Callable[[int], bool], device_sampling: bool = False,
                  draft_ngram: int = 0, draft_max: int = 0, draft_streams: int = 1,
                  host_cache: HostPrefixCache | None = None, identity: str = "", prefill_budget: int = 0,
-                 prefill_passes: int = 1,
+                 prefill_passes: int = 1, overlap: bool = False,
                  n_swa: int = 0, kv_pool: int = 0, n_cells: int = 0, split_mixed: bool = False,
                  follow: bool = True, attach_defer: bool = True, trim_payback: float = TRIM_PAYBACK,
                  trace: StepTrace | None = None, vision: Vision | None = None) -> None:
@@ -103,6 +103,9 @@ class BatchScheduler:
         self._piece = piece
         outputs = Outputs(ctx, n_vocab, piece, is_eog, self._spec.remember if self._draft_ngram else None)
         self._sample, self._collect_logits, self._skip_rows = outputs.sample, outputs.collect_logits, outputs.skip_rows
+        # A pass's tokens made text and events while the next pass runs (`Outputs` says how); not
+        # with the shared layout, whose steps may pause a request between passes.
+        self._flush, self._overlap = outputs.flush, overlap and not kv_pool
         self._batch = lc.llama_batch_init(n_batch, 0, 1)
         # One KV cache shared by the sequences (kv_unified), of `kv_pool` cells (0: one stream per
         # sequence, each with its own context).
@@ -130,26 +133,6 @@ class BatchScheduler:
     def idle_evictions(self) -> int:
         """Idle sequences' KV moved out of the shared cache."""
         return self._shared.idle_evictions if self._shared is not None else 0
-
-    @property
-    def drafted(self) -> int:
-        """Speculative draft tokens proposed."""
-        return self._spec.drafted
-
-    @property
-    def accepted(self) -> int:
-        """Speculative draft tokens accepted."""
-        return self._spec.accepted
-
-    @property
-    def device_attaches(self) -> int:
-        """Sampler chains attached to a sequence (each costs a graph reserve)."""
-        return self._device.attaches
-
-    @property
-    def deferred_attaches(self) -> int:
-        """Of those, chains attached after the request's first tokens."""
-        return self._device.deferred
 
     # --- called from other threads -------------------------------------------------------
 
@@ -232,12 +215,15 @@ class BatchScheduler:
                     self._step()
                 except Exception as exc:  # a runtime failure must not kill the thread silently
                     log.exception("llama.cpp batch step failed")
+                    self._flush()
                     for slot in self._active():
                         self._fail(slot, EngineFailure(f"llama.cpp failed: {exc}"))
                 if self._trace is not None:
                     self._trace.span("step", started, time.perf_counter(), sequences=len(running),
                                      waiting=len(self._waiting), embeds=len(embeds))
             self.step_started = 0.0
+            if not self._active():
+                self._flush()
             self._device.detach_idle(self._slots)
         self._shutdown()
 
@@ -376,6 +362,7 @@ class BatchScheduler:
                 release(slot)
 
     def _fail(self, slot: Slot, exc: BaseException) -> None:
+        self._flush()
         job = slot.job
         clear(self._mem, slot)
         release(slot)
@@ -385,6 +372,7 @@ class BatchScheduler:
             job.done(exc)
 
     def _shutdown(self) -> None:
+        self._flush()
         closed = EngineClosed("the model was unloaded")
         for slot in self._active():
             self._fail(slot, closed)
@@ -560,7 +548,10 @@ class BatchScheduler:
         llama.cpp failed it (the requests in it have failed then)."""
         self._batch.n_tokens = n
         step_started = time.perf_counter()
+        if prompt_tokens:  # llama_decode returns only once all but the last of its micro-batches ran
+            self._flush()
         rc = lc.llama_decode(self._ctx, self._batch)
+        self._flush()  # the last pass's events, while this one runs on the device
         if self._trace is not None:  # a device's pass runs on after the call: its time, apart from the host's work
             lc.llama_synchronize(self._ctx)
         decoded = time.perf_counter()
@@ -581,7 +572,7 @@ class BatchScheduler:
                 if draft:
                     self._spec.verify(slot, idx, draft, self._sample)
                 else:
-                    self._sample(slot, idx)
+                    self._sample(slot, idx, self._overlap)
         if self._trace is not None:
             self._trace.span("llama_decode", step_started, decoded, decoding=n - prompt_tokens,
                              prompt_tokens=prompt_tokens, cells=used(self._slots))

@@ -45,6 +45,7 @@ from engines.llamacpp.load_settings import (
     _route_native_logs,
     llama_cpp_version,
     long_prompt_settings,
+    overlap_outputs,
     prefill_budget,
     split_mixed,
     trim_payback,
@@ -264,9 +265,9 @@ class LlamaCppEngine:
             draft_streams=lo.draft_streams,
             prefill_budget=budget,
             prefill_passes=tuning.prefill_passes,
+            overlap=overlap_outputs(o.backend),
             n_swa=self._n_swa,
-            # Requests sharing a prefix another is prefilling wait for it and copy it;
-            # GATEWAY_PREFIX_FOLLOW=off prefills each on its own (for measuring).
+            # Requests sharing a prefix being prefilled wait and copy it (off: each prefills its own).
             follow=tuning.prefix_follow,
             # Off: a device sampler chain is attached before the request's first pass, its graph
             # re-reserve in the time to the first token (for A/B runs: benchmarks' --gateway-variant).

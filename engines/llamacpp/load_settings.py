@@ -38,6 +38,15 @@ def split_mixed(backend: str) -> bool:
     return backend == "cpu" if choice == "auto" else choice == "on"
 
 
+def overlap_outputs(backend: str) -> bool:
+    """Whether a pass's outputs become text and events after the next pass is launched
+    (outputs.Outputs): where llama_decode returns before the device has run the pass (CUDA, ROCm);
+    on the CPU it returns when the pass is done, so its events would wait a pass.
+    GATEWAY_OVERLAP_OUTPUTS=on/off overrides it (for measuring)."""
+    choice = engine_tuning().overlap_outputs
+    return backend in ("cuda", "rocm") if choice == "auto" else choice == "on"
+
+
 def trim_payback() -> float:
     """What idle KV must have cost the running passes before it leaves a shared cache, in its
     copies' time: batch.TRIM_PAYBACK, or GATEWAY_TRIM_PAYBACK (a number >= 0; e.g. 0 or 1e9 for

@@ -16,7 +16,15 @@ from engines.text import token_logprob
 
 
 class Outputs:
-    """Takes the outputs of the passes on one llama_context."""
+    """Takes the outputs of the passes on one llama_context.
+
+    A pass's tokens can be taken in two halves (`sample(..., defer=True)`): what the next pass
+    needs (the token, the sampler's history, whether the request ended by its end-of-generation
+    token or its length) at once, and the rest (the token's text, stop strings, the event) by
+    `flush`, which the scheduler calls once the next pass is launched, so that work overlaps the
+    device's. A stop string found there ends the request a token late: its slot's next token is
+    already in the running pass, whose output for it is dropped (the token stays in the slot's KV
+    and in `slot.cached`, as any generated token does)."""
 
     def __init__(self, ctx: Any, n_vocab: int, piece: Callable[[int], bytes], is_eog: Callable[[int], bool],
                  remember: Callable[[Slot, int], None] | None) -> None:
@@ -25,6 +33,8 @@ class Outputs:
         self._piece = piece
         self._is_eog = is_eog
         self._remember = remember  # each generated token, for n-gram drafts (None: no drafts)
+        # (slot, its job, token, its logits row if logprobs were asked for): taken, not yet emitted
+        self._deferred: list[tuple[Slot, GenJob, int, npt.NDArray[np.float32] | None]] = []
 
     def _logits_row(self, idx: int) -> npt.NDArray[np.float32]:
         ptr = lc.llama_get_logits_ith(self._ctx, idx)
@@ -45,15 +55,15 @@ class Outputs:
         assert isinstance(job, ScoreJob)
         job.rows.extend([np.full(self._n_vocab, np.nan, np.float32)] * n)
 
-    def sample(self, slot: Slot, idx: int) -> bool:
-        """Sample output `idx` for `slot` and emit it; False when the request finished."""
+    def sample(self, slot: Slot, idx: int, defer: bool = False) -> bool:
+        """Sample output `idx` for `slot` and emit it (with `defer`, at the next `flush` unless the
+        token ends the request); False when the request finished."""
         job = slot.job
         assert isinstance(job, GenJob) and slot.detok is not None and slot.stopper is not None
         if job.forced:  # replaying what was sent before a failover
             self._replay(slot, job)
             return True
         sp = job.sampling
-        logprobs: tuple[TokenLogprob, ...] = ()
         raw = self._logits_row(idx).copy() if sp.logprobs else None
         if slot.on_device:
             # The device sampled it; the chain on the host records it (penalties' history).
@@ -63,12 +73,37 @@ class Outputs:
             lc.llama_sampler_accept(slot.device_chain, token)
         else:
             token = lc.llama_sampler_sample(job.sampler, self._ctx, idx)
+        slot.n_generated += 1
+        eog = self._is_eog(token) and not sp.ignore_eos
+        if defer and not eog and slot.n_generated < job.max_new_tokens:
+            slot.pending = token
+            if self._remember is not None:
+                self._remember(slot, token)
+            self._deferred.append((slot, job, token, raw))
+            return True
+        return self._emit(slot, job, token, raw, eog, taken=False)
+
+    def flush(self) -> None:
+        """Emit the tokens `sample` deferred, in order (those of requests cancelled or failed since
+        are dropped); a stop string among them ends its request."""
+        deferred, self._deferred = self._deferred, []
+        for slot, job, token, raw in deferred:
+            if slot.job is job:
+                self._emit(slot, job, token, raw, False, taken=True)
+
+    def _emit(self, slot: Slot, job: GenJob, token: int, raw: npt.NDArray[np.float32] | None, eog: bool,
+              taken: bool) -> bool:
+        """The token's text through the request's stop strings, as an event; False when it ended
+        the request (the slot is free then). `taken`: the token was made the slot's next input
+        when it was sampled (deferred)."""
+        assert slot.detok is not None and slot.stopper is not None
+        sp = job.sampling
+        logprobs: tuple[TokenLogprob, ...] = ()
         if raw is not None:
             logprobs = (token_logprob(raw, token, sp.top_logprobs, self._piece),)
-        slot.n_generated += 1
         finish: str | None = None
         text = ""
-        if self._is_eog(token) and not sp.ignore_eos:
+        if eog:
             finish = "stop"
         else:
             text = slot.stopper.push(slot.detok.push(job.shown.get(token) or self._piece(token)))
@@ -77,9 +112,10 @@ class Outputs:
             elif slot.n_generated >= job.max_new_tokens:
                 finish = "length"
         if finish is None:
-            slot.pending = token
-            if self._remember is not None:
-                self._remember(slot, token)
+            if not taken:
+                slot.pending = token
+                if self._remember is not None:
+                    self._remember(slot, token)
             first = slot.n_generated == 1
             job.emit(TokenEvent(text=text, token_ids=(token,), logprobs=logprobs,
                                 prompt_tokens=len(job.prompt_ids) - job.resumed if first else 0,
