@@ -30,9 +30,16 @@ class EngineTuning(EnvSettings):
         "(off: each prefills its own)")
     attach_defer: bool = setting(
         True, "llama.cpp: a device sampler chain is attached after the request's first pass (off: before it)")
-    prefill_passes: int = setting(
-        1, "llama.cpp: passes of prompt tokens one step may run beside running streams, which wait for them "
-        "(more: a burst of prompts costs a stream one long gap instead of one per pass)", ge=1, le=64)
+    prefill_passes: int | None = setting(
+        None, "llama.cpp: passes of prompt tokens one step may run beside running streams, which wait for them "
+        "(more: a burst of prompts costs a stream one long gap instead of one per pass)", ge=1, le=64,
+        shown="8 on CUDA, 1 elsewhere")
+    passes_streams: int | None = setting(
+        None, "llama.cpp: prompt passes only while at most N streams decode; beside more, one chunk of "
+        "`prefill_budget_many` tokens a step (0: passes beside any number)", ge=0, shown="16 on CUDA")
+    prefill_budget_many: int | None = setting(
+        None, "llama.cpp: prompt tokens a step takes beside more than `passes_streams` streams",
+        ge=1, shown="128 on CUDA, else the prefill budget")
     overlap_outputs: Literal["auto", "on", "off"] = setting(
         "auto", "llama.cpp: a pass's tokens are turned into text and events while the next pass runs on the "
         "device (auto: on CUDA and ROCm, whose passes run after llama_decode returns)")

@@ -107,3 +107,40 @@ async def test_a_prompt_arriving_during_the_passes_joins_them(tmp_path: Path, mo
     assert counts == [40, 2, 2]
     beside = [s for s in steps if s.decoding and s.prompt_tokens]
     assert len(beside) == 1 and beside[0].passes > 10, [(s.prompt_tokens, s.passes) for s in beside]
+
+
+async def test_beside_more_streams_than_the_plan_allows_a_step_takes_one_small_chunk(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """GATEWAY_PASSES_STREAMS / _PREFILL_BUDGET_MANY: with passes allowed beside one decoding stream,
+    prompts beside two go one chunk of the smaller budget a step; beside one, in passes again."""
+    monkeypatch.setenv("GATEWAY_PASSES_STREAMS", "1")
+    monkeypatch.setenv("GATEWAY_PREFILL_BUDGET_MANY", "8")
+    late = [(0.0, "Name some colours:", 70), (0.4, "Tell me about the sea. " * 6, 4),
+            (0.4, "Name every planet you know. " * 6, 4)]
+    counts, steps = await _stream_beside(tmp_path, monkeypatch, 4, 90, late)
+    assert counts[0] == 90 and counts[2:] == [4, 4]
+    many = [s for s in steps if s.decoding >= 2 and s.prompt_tokens]
+    few = [s for s in steps if s.decoding == 1 and s.prompt_tokens]
+    assert many, "no prompt came while two streams decoded: the test does not test the plan"
+    assert all(s.prompt_tokens <= 8 and s.passes == 1 for s in many), [(s.prompt_tokens, s.passes) for s in many]
+    assert all(s.prompt_tokens <= 16 * 4 for s in few)
+
+
+@pytest.mark.parametrize(("backend", "env", "want"), [
+    ("cuda", {}, (512, 8, 16, 128)),
+    ("cpu", {}, (512, 1, 0, 0)),
+    ("cuda", {"GATEWAY_PREFILL_PASSES": "2", "GATEWAY_PASSES_STREAMS": "0"}, (512, 2, 0, 128)),
+    ("cpu", {"GATEWAY_PASSES_STREAMS": "4", "GATEWAY_PREFILL_BUDGET_MANY": "64"}, (512, 1, 4, 64)),
+])
+def test_the_prefill_plan_by_backend_and_settings(monkeypatch: pytest.MonkeyPatch, backend: str,
+                                                   env: dict[str, str], want: tuple[int, ...]) -> None:
+    from engines.llamacpp.load_settings import PrefillPlan, prefill_plan
+
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    plan = prefill_plan(backend, 512)
+    assert (plan.budget, plan.passes, plan.streams, plan.many_budget) == want
+    assert PrefillPlan(512, 8, 16, 128).for_step(16) == (512, 8)
+    assert PrefillPlan(512, 8, 16, 128).for_step(17) == (128, 1)
+    assert PrefillPlan(512, 8, 0, 128).for_step(64) == (512, 8)
+    assert PrefillPlan(512, 8, 16).for_step(17) == (512, 1)

@@ -31,6 +31,7 @@ from engines.base import EngineClosed, EngineFailure, EngineOverloaded, KvStats
 from engines.llamacpp import prefix
 from engines.llamacpp.host_transfer import HostTransfer
 from engines.llamacpp.kv_pool import MIN_COPY_GAIN, TRIM_PAYBACK
+from engines.llamacpp.load_settings import PrefillPlan
 from engines.llamacpp.outputs import Outputs
 from engines.llamacpp.prefix_cache import MIN_ENTRY_TOKENS, HostPrefixCache
 from engines.llamacpp.sampling import DeviceSampler, build_sampler, sampler_key
@@ -66,8 +67,8 @@ class BatchScheduler:
     def __init__(self, ctx: Any, n_vocab: int, n_parallel: int, n_batch: int, max_queue: int,
                  piece: Callable[[int], bytes], is_eog: Callable[[int], bool], device_sampling: bool = False,
                  draft_ngram: int = 0, draft_max: int = 0, draft_streams: int = 1,
-                 host_cache: HostPrefixCache | None = None, identity: str = "", prefill_budget: int = 0,
-                 prefill_passes: int = 1, overlap: bool = False,
+                 host_cache: HostPrefixCache | None = None, identity: str = "", prefill: PrefillPlan | None = None,
+                 overlap: bool = False,
                  n_swa: int = 0, kv_pool: int = 0, n_cells: int = 0, split_mixed: bool = False,
                  follow: bool = True, attach_defer: bool = True, trim_payback: float = TRIM_PAYBACK,
                  trace: StepTrace | None = None, vision: Vision | None = None) -> None:
@@ -95,10 +96,9 @@ class BatchScheduler:
         # Drafts are verified on the host, one output at a time (a device chain samples every
         # output of a step at once, before the first rejection is known).
         self._device = DeviceSampler(ctx, device_sampling and not self._draft_ngram, attach_defer)
-        # Prompt tokens per step while other sequences decode: a long prompt is fed in chunks of
-        # this size between their tokens, so it slows them by a bounded amount instead of
-        # stalling them for its whole prefill. Alone, a prompt takes the whole batch.
-        self._prefill_budget, self._prefill_passes = prefill_budget if prefill_budget > 0 else n_batch, prefill_passes
+        # Prompt tokens a step takes beside decoding sequences (PrefillPlan), so a long prompt slows
+        # them by a bounded amount instead of stalling them for its prefill; alone, the whole batch.
+        self._prefill = prefill if prefill is not None and prefill.budget > 0 else PrefillPlan(n_batch)
         self._n_batch, self._max_queue = n_batch, max_queue
         self._piece = piece
         outputs = Outputs(ctx, n_vocab, piece, is_eog, self._spec.remember if self._draft_ngram else None)
@@ -417,22 +417,23 @@ class BatchScheduler:
                     n += 1
                 slot.pending = None
         # Alone (nothing decoding in this step), prompts fill the batch; beside running streams,
-        # they get at most the prefill budget.
+        # they get at most the plan's budget.
         decoding = n
+        budget, passes = self._prefill.for_step(len(outputs))
         split = bool(decoding) and self._split_mixed and unfed(self._slots) > 0
         if split:
             if not self._split_pass(n, outputs, running):
                 return
             n, outputs = 0, []
-        n = self._feed(running, n, self._prefill_budget if decoding else self._n_batch, outputs)
+        n = self._feed(running, n, budget if decoding else self._n_batch, outputs)
         if not n or not self._decode(n, outputs, running, n if split else n - decoding):
             return
         # More prompt passes while the streams wait: a burst of prompts then costs each stream one
         # long gap instead of one per pass (the shared layout fits each step's tokens to its KV
         # first: one pass a step there). Requests that came meanwhile join the next pass.
-        for _ in range(self._prefill_passes - 1 if decoding and self._shared is None else 0):
+        for _ in range(passes - 1 if decoding and self._shared is None else 0):
             running, outputs = self._admitted(), []
-            n = self._feed(running, 0, self._prefill_budget, outputs)
+            n = self._feed(running, 0, budget, outputs)
             if not n or not self._decode(n, outputs, running, n):
                 return
 

@@ -47,6 +47,7 @@ from engines.llamacpp.load_settings import (
     long_prompt_settings,
     overlap_outputs,
     prefill_budget,
+    prefill_plan,
     split_mixed,
     trim_payback,
     warm_up,
@@ -263,8 +264,7 @@ class LlamaCppEngine:
             draft_ngram=lo.draft_ngram,
             draft_max=lo.draft_max,
             draft_streams=lo.draft_streams,
-            prefill_budget=budget,
-            prefill_passes=tuning.prefill_passes,
+            prefill=prefill_plan(o.backend, budget),
             overlap=overlap_outputs(o.backend),
             n_swa=self._n_swa,
             # Requests sharing a prefix being prefilled wait and copy it (off: each prefills its own).

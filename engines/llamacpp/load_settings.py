@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from engines.base import ModelLoadError
@@ -24,6 +25,38 @@ log = logging.getLogger("engines.llamacpp.engine")  # the engine's own log: a lo
 # (Gemma-3-270M) fills its tiles by half and costs about what 128 tokens do (8 streams beside a
 # 17.9k-token prompt: steps 424 vs 396 ms, the prompt through in 1.43x its time alone vs 2.28x).
 PREFILL_BUDGET = {"cpu": 128, "vulkan": 256, "cuda": 512, "metal": 256, "rocm": 512}
+# Beside a few streams a prompt chunk is a long gap for each of them whichever its size: a burst of
+# prompts goes in up to 8 passes of the budget in one step, one gap a stream instead of one per
+# chunk. Beside many, a small chunk adds little to a long step, while their burst of prompts in
+# passes would queue each prompt's first token behind the others': one chunk of 128 tokens a step.
+# (passes, up to how many decoding streams, tokens a step beyond), by backend; measured on an H200
+# with an 8B-shaped model, docs/benchmarks/history.md#prompt-passes-beside-few-streams-small-chunks-beside-many.
+PREFILL_PASSES = {"cuda": (8, 16, 128)}
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    """How prompt tokens share a step with running streams (BatchScheduler._step)."""
+
+    budget: int  # tokens a step takes beside running streams
+    passes: int = 1  # passes of `budget` such a step may run, the streams waiting for them
+    streams: int = 0  # passes only while at most this many streams decode (0: any number)
+    many_budget: int = 0  # tokens a step takes beside more streams than that (0: `budget`)
+
+    def for_step(self, decoding: int) -> tuple[int, int]:
+        """(tokens a pass takes, passes) for a step beside `decoding` streams."""
+        if self.streams and decoding > self.streams:
+            return self.many_budget or self.budget, 1
+        return self.budget, self.passes
+
+
+def prefill_plan(backend: str, budget: int) -> PrefillPlan:
+    """The backend's plan (PREFILL_PASSES) under GATEWAY_PREFILL_PASSES, _PASSES_STREAMS and
+    _PREFILL_BUDGET_MANY."""
+    t = engine_tuning()
+    passes, streams, many = PREFILL_PASSES.get(backend, (1, 0, 0))
+    return PrefillPlan(budget, t.prefill_passes or passes, streams if t.passes_streams is None else t.passes_streams,
+                       t.prefill_budget_many or many)
 
 
 def prefill_budget(backend: str) -> int:
