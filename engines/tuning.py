@@ -34,15 +34,15 @@ class EngineTuning(EnvSettings):
         None, "llama.cpp: passes of prompt tokens one step may run beside running streams, which wait for them "
         "(more: a burst of prompts costs a stream one long gap instead of one per pass)", ge=1, le=64,
         shown="8 on CUDA, 1 elsewhere")
-    passes_streams: int | None = setting(
-        None, "llama.cpp: prompt passes only while at most N streams decode; beside more, one chunk of "
-        "`prefill_budget_many` tokens a step (0: passes beside any number)", ge=0, shown="16 on CUDA")
+    passes_streams: int = setting(
+        0, "llama.cpp: prompt passes only while at most N sequences are in use (their recent peak); "
+        "with more, one chunk of `prefill_budget_many` tokens a step (0: passes at any load)", ge=0)
     prefill_budget_many: int | None = setting(
-        None, "llama.cpp: prompt tokens a step takes beside more than `passes_streams` streams",
-        ge=1, shown="128 on CUDA, else the prefill budget")
+        None, "llama.cpp: prompt tokens a step takes while more than `passes_streams` sequences are in use",
+        ge=1, shown="128, or the prefill budget if smaller")
     overlap_outputs: Literal["auto", "on", "off"] = setting(
         "auto", "llama.cpp: a pass's tokens are turned into text and events while the next pass runs on the "
-        "device (auto: on CUDA and ROCm, whose passes run after llama_decode returns)")
+        "device (auto: on CUDA, whose passes run after llama_decode returns)")
     step_trace: str | None = setting(
         None, "write a trace of every scheduler step to DIR/steps-PID.json (Chrome's trace format: open it in "
         "Perfetto; `benchmarks/step_trace_summary.py` breaks it down)", shown="off")

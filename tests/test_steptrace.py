@@ -111,8 +111,8 @@ async def test_a_prompt_arriving_during_the_passes_joins_them(tmp_path: Path, mo
 
 async def test_beside_more_streams_than_the_plan_allows_a_step_takes_one_small_chunk(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """GATEWAY_PASSES_STREAMS / _PREFILL_BUDGET_MANY: with passes allowed beside one decoding stream,
-    prompts beside two go one chunk of the smaller budget a step; beside one, in passes again."""
+    """GATEWAY_PASSES_STREAMS / _PREFILL_BUDGET_MANY: with passes allowed while one sequence is in
+    use, prompts beside two decoding streams go one chunk of the smaller budget a step."""
     monkeypatch.setenv("GATEWAY_PASSES_STREAMS", "1")
     monkeypatch.setenv("GATEWAY_PREFILL_BUDGET_MANY", "8")
     late = [(0.0, "Name some colours:", 70), (0.4, "Tell me about the sea. " * 6, 4),
@@ -127,9 +127,9 @@ async def test_beside_more_streams_than_the_plan_allows_a_step_takes_one_small_c
 
 
 @pytest.mark.parametrize(("backend", "env", "want"), [
-    ("cuda", {}, (512, 8, 16, 128)),
-    ("cpu", {}, (512, 1, 0, 0)),
-    ("cuda", {"GATEWAY_PREFILL_PASSES": "2", "GATEWAY_PASSES_STREAMS": "0"}, (512, 2, 0, 128)),
+    ("cuda", {}, (512, 8, 0, 128)),
+    ("cpu", {}, (512, 1, 0, 128)),
+    ("cuda", {"GATEWAY_PREFILL_PASSES": "2", "GATEWAY_PASSES_STREAMS": "16"}, (512, 2, 16, 128)),
     ("cpu", {"GATEWAY_PASSES_STREAMS": "4", "GATEWAY_PREFILL_BUDGET_MANY": "64"}, (512, 1, 4, 64)),
 ])
 def test_the_prefill_plan_by_backend_and_settings(monkeypatch: pytest.MonkeyPatch, backend: str,

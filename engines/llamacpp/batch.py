@@ -59,6 +59,9 @@ from engines.text import Detokenizer, StopMatcher
 __all__ = ["TRIM_PAYBACK", "BatchScheduler", "EmbedJob", "GenJob", "ScoreJob", "build_sampler", "sampler_key"]
 
 log = logging.getLogger(__name__)
+# Each step keeps this share of the peak of sequences in use (a half-life of ~70 steps): requests
+# that finish together and come back a few at a time still count as the load they are.
+LOAD_HOLD = 0.99
 
 
 class BatchScheduler:
@@ -99,6 +102,7 @@ class BatchScheduler:
         # Prompt tokens a step takes beside decoding sequences (PrefillPlan), so a long prompt slows
         # them by a bounded amount instead of stalling them for its prefill; alone, the whole batch.
         self._prefill = prefill if prefill is not None and prefill.budget > 0 else PrefillPlan(n_batch)
+        self._load = 0.0  # sequences in use, its peak held over a few hundred steps (LOAD_HOLD)
         self._n_batch, self._max_queue = n_batch, max_queue
         self._piece = piece
         outputs = Outputs(ctx, n_vocab, piece, is_eog, self._spec.remember if self._draft_ngram else None)
@@ -419,7 +423,8 @@ class BatchScheduler:
         # Alone (nothing decoding in this step), prompts fill the batch; beside running streams,
         # they get at most the plan's budget.
         decoding = n
-        budget, passes = self._prefill.for_step(len(outputs))
+        self._load = max(len(running), self._load * LOAD_HOLD)
+        budget, passes = self._prefill.for_step(round(self._load))
         split = bool(decoding) and self._split_mixed and unfed(self._slots) > 0
         if split:
             if not self._split_pass(n, outputs, running):

@@ -25,13 +25,12 @@ log = logging.getLogger("engines.llamacpp.engine")  # the engine's own log: a lo
 # (Gemma-3-270M) fills its tiles by half and costs about what 128 tokens do (8 streams beside a
 # 17.9k-token prompt: steps 424 vs 396 ms, the prompt through in 1.43x its time alone vs 2.28x).
 PREFILL_BUDGET = {"cpu": 128, "vulkan": 256, "cuda": 512, "metal": 256, "rocm": 512}
-# Beside a few streams a prompt chunk is a long gap for each of them whichever its size: a burst of
-# prompts goes in up to 8 passes of the budget in one step, one gap a stream instead of one per
-# chunk. Beside many, a small chunk adds little to a long step, while their burst of prompts in
-# passes would queue each prompt's first token behind the others': one chunk of 128 tokens a step.
-# (passes, up to how many decoding streams, tokens a step beyond), by backend; measured on an H200
-# with an 8B-shaped model, docs/benchmarks/history.md#prompt-passes-beside-few-streams-small-chunks-beside-many.
-PREFILL_PASSES = {"cuda": (8, 16, 128)}
+# Passes of the budget a step may run beside running streams, by backend (1 elsewhere): a burst of
+# prompts then costs each stream one gap instead of one per chunk. On an H200 with an 8B-shaped
+# model, 8 / 16 / 32 streams: inter-token p99 18 / 18-19 / 36-49 ms against 24-31 / 76-77 / 95-97
+# with one chunk a step, 0-5 % more tok/s, first tokens later at 16 and 32 streams (TTFT p50 171-183 /
+# 293-312 ms against 164 / 201-204): docs/benchmarks/history.md#prompt-passes-by-default-on-cuda.
+PREFILL_PASSES = {"cuda": 8}
 
 
 @dataclass(frozen=True)
@@ -40,23 +39,22 @@ class PrefillPlan:
 
     budget: int  # tokens a step takes beside running streams
     passes: int = 1  # passes of `budget` such a step may run, the streams waiting for them
-    streams: int = 0  # passes only while at most this many streams decode (0: any number)
-    many_budget: int = 0  # tokens a step takes beside more streams than that (0: `budget`)
+    streams: int = 0  # passes only while at most this many sequences are in use (0: any number)
+    many_budget: int = 0  # tokens a step takes when more are (0: `budget`), in one pass
 
-    def for_step(self, decoding: int) -> tuple[int, int]:
-        """(tokens a pass takes, passes) for a step beside `decoding` streams."""
-        if self.streams and decoding > self.streams:
+    def for_step(self, load: int) -> tuple[int, int]:
+        """(tokens a pass takes, passes) for a step while `load` sequences are in use."""
+        if self.streams and load > self.streams:
             return self.many_budget or self.budget, 1
         return self.budget, self.passes
 
 
 def prefill_plan(backend: str, budget: int) -> PrefillPlan:
     """The backend's plan (PREFILL_PASSES) under GATEWAY_PREFILL_PASSES, _PASSES_STREAMS and
-    _PREFILL_BUDGET_MANY."""
+    _PREFILL_BUDGET_MANY (by default 128 tokens, or the budget if smaller)."""
     t = engine_tuning()
-    passes, streams, many = PREFILL_PASSES.get(backend, (1, 0, 0))
-    return PrefillPlan(budget, t.prefill_passes or passes, streams if t.passes_streams is None else t.passes_streams,
-                       t.prefill_budget_many or many)
+    return PrefillPlan(budget, t.prefill_passes or PREFILL_PASSES.get(backend, 1), t.passes_streams,
+                       t.prefill_budget_many or min(budget, 128))
 
 
 def prefill_budget(backend: str) -> int:
@@ -73,11 +71,13 @@ def split_mixed(backend: str) -> bool:
 
 def overlap_outputs(backend: str) -> bool:
     """Whether a pass's outputs become text and events after the next pass is launched
-    (outputs.Outputs): where llama_decode returns before the device has run the pass (CUDA, ROCm);
-    on the CPU it returns when the pass is done, so its events would wait a pass.
-    GATEWAY_OVERLAP_OUTPUTS=on/off overrides it (for measuring)."""
+    (outputs.Outputs): on CUDA, where llama_decode returns before the device has run the pass (an
+    H200, 8B-shaped model: 3-6 % more tok/s at 1-32 streams, one stream at 97-98 % of llama-bench's
+    tg128 against 93 %: docs/benchmarks/history.md#a-passs-outputs-beside-the-next-pass). On the CPU
+    it returns when the pass is done, so the events would wait a pass; ROCm is not measured.
+    GATEWAY_OVERLAP_OUTPUTS=on/off overrides it."""
     choice = engine_tuning().overlap_outputs
-    return backend in ("cuda", "rocm") if choice == "auto" else choice == "on"
+    return backend == "cuda" if choice == "auto" else choice == "on"
 
 
 def trim_payback() -> float:
