@@ -27,7 +27,7 @@ log = logging.getLogger("engines.llamacpp.engine")  # the engine's own log: a lo
 PREFILL_BUDGET = {"cpu": 128, "vulkan": 256, "cuda": 512, "metal": 256, "rocm": 512}
 # Passes of the budget a step may run beside running streams, by backend (1 elsewhere): a burst of
 # prompts then costs each stream one gap instead of one per chunk. On an H200 with an 8B-shaped
-# model, 8 / 16 / 32 streams: inter-token p99 18 / 18-19 / 36-49 ms against 24-31 / 76-77 / 95-97
+# model, 8 / 16 / 32 streams: inter-token p99 18 / 18-19 / 36-49 ms against 24 / 76-78 / 95-97
 # with one chunk a step, 0-5 % more tok/s, first tokens later at 16 and 32 streams (TTFT p50 171-183 /
 # 293-312 ms against 164 / 201-204): docs/benchmarks/history.md#prompt-passes-by-default-on-cuda.
 PREFILL_PASSES = {"cuda": 8}
