@@ -9,40 +9,27 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from engines.base import EngineConfig, GenerationRequest, SamplingParams, TokenEvent
+from engines.base import GenerationRequest, SamplingParams, TokenEvent
 from engines.llamacpp.engine import LlamaCppEngine
 from engines.llamacpp.load_settings import overlap_outputs
-from engines.llamacpp.runtime import LlamaCppOptions
-from gateway.models.registry import load_registry
-from tests.conftest import ROOT
+from tests.test_engine_llamacpp import _engine, _req
 
 
-async def _engine(overlap: str, monkeypatch: pytest.MonkeyPatch, **kw: object) -> LlamaCppEngine:
+async def _smol(overlap: str, monkeypatch: pytest.MonkeyPatch) -> LlamaCppEngine:
     monkeypatch.setenv("GATEWAY_OVERLAP_OUTPUTS", overlap)
-    reg = load_registry(ROOT / "models.yaml")
-    spec = reg.models["smollm2-135m-instruct"]
-    config: EngineConfig = LlamaCppOptions.engine_config(
-        model_path=str(reg.resolve(spec, "gguf")), context_length=512, chat_template=spec.chat_template,
-        parallel=4, **kw)
-    e = LlamaCppEngine(config)
-    await e.load()
-    return e
+    return await _engine("smollm2-135m-instruct", parallel=4)
 
 
 @pytest.fixture
 async def engines(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[tuple[LlamaCppEngine, LlamaCppEngine]]:
-    off = await _engine("off", monkeypatch)
-    on = await _engine("on", monkeypatch)
+    off = await _smol("off", monkeypatch)
+    on = await _smol("on", monkeypatch)
     try:
         assert (off._sched._overlap, on._sched._overlap) == (False, True)  # type: ignore[union-attr]
         yield off, on
     finally:
         await off.close()
         await on.close()
-
-
-def _req(prompt: str, **sp: object) -> GenerationRequest:
-    return GenerationRequest("t", SamplingParams(temperature=0, **sp), prompt=prompt)  # type: ignore[arg-type]
 
 
 def _stream(events: list[TokenEvent]) -> tuple[object, ...]:

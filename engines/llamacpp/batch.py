@@ -219,7 +219,6 @@ class BatchScheduler:
                     self._step()
                 except Exception as exc:  # a runtime failure must not kill the thread silently
                     log.exception("llama.cpp batch step failed")
-                    self._flush()
                     for slot in self._active():
                         self._fail(slot, EngineFailure(f"llama.cpp failed: {exc}"))
                 if self._trace is not None:
@@ -366,7 +365,7 @@ class BatchScheduler:
                 release(slot)
 
     def _fail(self, slot: Slot, exc: BaseException) -> None:
-        self._flush()
+        self._flush()  # the tokens taken before the failure go out first
         job = slot.job
         clear(self._mem, slot)
         release(slot)
@@ -376,7 +375,6 @@ class BatchScheduler:
             job.done(exc)
 
     def _shutdown(self) -> None:
-        self._flush()
         closed = EngineClosed("the model was unloaded")
         for slot in self._active():
             self._fail(slot, closed)

@@ -76,9 +76,7 @@ class Outputs:
         slot.n_generated += 1
         eog = self._is_eog(token) and not sp.ignore_eos
         if defer and not eog and slot.n_generated < job.max_new_tokens:
-            slot.pending = token
-            if self._remember is not None:
-                self._remember(slot, token)
+            self._continue(slot, token)
             self._deferred.append((slot, job, token, raw))
             return True
         return self._emit(slot, job, token, raw, eog, taken=False)
@@ -113,9 +111,7 @@ class Outputs:
                 finish = "length"
         if finish is None:
             if not taken:
-                slot.pending = token
-                if self._remember is not None:
-                    self._remember(slot, token)
+                self._continue(slot, token)
             first = slot.n_generated == 1
             job.emit(TokenEvent(text=text, token_ids=(token,), logprobs=logprobs,
                                 prompt_tokens=len(job.prompt_ids) - job.resumed if first else 0,
@@ -131,6 +127,10 @@ class Outputs:
         lc.llama_sampler_accept(job.sampler, token)
         slot.n_generated += 1
         slot.stopper.push(slot.detok.push(job.shown.get(token) or self._piece(token)))
+        self._continue(slot, token)
+
+    def _continue(self, slot: Slot, token: int) -> None:
+        """The request goes on: `token` is its slot's next input (and, for drafts, its history)."""
         slot.pending = token
         if self._remember is not None:
             self._remember(slot, token)
