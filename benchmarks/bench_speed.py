@@ -74,8 +74,12 @@ def _copy_prompts(n: int, lines: int = 40) -> list[str]:
     return out
 
 
-def _bench(url: str, c: int, n: int, args: argparse.Namespace, out: Path, seed: int, prompts: Path | None = None) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "gateway.cli", "bench", "--url", url, "--model", MODEL, "--concurrency", str(c),
+def _bench(url: str, load: float, n: int, args: argparse.Namespace, out: Path, seed: int, prompts: Path | None = None,
+           open_loop: bool = False) -> dict[str, Any]:
+    """`gateway bench` against one server: `load` streams in a closed loop, or (open_loop) Poisson
+    arrivals at `load` requests a second."""
+    mode = ["--rate", str(load)] if open_loop else ["--concurrency", str(int(load))]
+    cmd = [sys.executable, "-m", "gateway.cli", "bench", "--url", url, "--model", MODEL, *mode,
            "--num-prompts", str(n), "--input-len", str(args.input_len), "--output-len", str(args.output_len),
            "--seed", str(seed), "--quiet", "--json", str(out)]
     if prompts is not None:
@@ -147,32 +151,36 @@ def _worktree(rev: str, work: Path) -> Path:
     return tree
 
 
-def _rounds(servers: Servers, names: list[str], conc: list[int], args: argparse.Namespace, tag: str,
-            prompts: Path | None = None) -> dict[str, dict[int, list[dict[str, Any]]]]:
-    results: dict[str, dict[int, list[dict[str, Any]]]] = {n: {c: [] for c in conc} for n in names}
+def _rounds(servers: Servers, names: list[str], conc: list[Any], args: argparse.Namespace, tag: str,
+            prompts: Path | None = None, open_loop: bool = False) -> dict[str, dict[Any, list[dict[str, Any]]]]:
+    """Every server at every load (streams, or with open_loop requests a second), alternated."""
+    results: dict[str, dict[Any, list[dict[str, Any]]]] = {n: {c: [] for c in conc} for n in names}
     tmp = Path(tempfile.gettempdir())
     for r in range(args.rounds):
         for c in conc:
             order = names if r % 2 == 0 else list(reversed(names))
-            n = max(args.min_prompts, c * args.per_stream)
+            n = max(args.min_prompts, round(c * args.open_seconds) if open_loop else c * args.per_stream)
             for name in order:
-                res = _bench(servers.url(name), c, n, args, tmp / f"bench-speed-{tag}.json", args.seed + 1000 * r + c, prompts)
+                res = _bench(servers.url(name), c, n, args, tmp / f"bench-speed-{tag}.json",
+                             args.seed + 1000 * r + round(c), prompts, open_loop)
                 results[name][c].append(res)
-                print(f"{tag} round {r} {name:<24} c={c:<3} {res['output_token_throughput']:8.1f} tok/s "
+                print(f"{tag} round {r} {name:<24} {'rate' if open_loop else 'c'}={c:<3} "
+                      f"{res['output_token_throughput']:8.1f} tok/s "
                       f"ttft p50 {res['ttft']['p50'] * 1e3:6.1f} ms itl p50 {res['itl']['p50'] * 1e3:5.1f} "
                       f"p99 {res['itl']['p99'] * 1e3:6.1f} ms", file=sys.stderr)
     return results
 
 
-def _table(results: dict[str, dict[int, list[dict[str, Any]]]], conc: list[int], ratios: list[tuple[str, str]],
-           decode: bool = False) -> list[str]:
-    """Aggregate output tok/s (with --decode: per-stream decode speed, 1 / TPOT p50, instead)."""
+def _table(results: dict[str, dict[Any, list[dict[str, Any]]]], conc: list[Any], ratios: list[tuple[str, str]],
+           decode: bool = False, load: str = "streams") -> list[str]:
+    """Aggregate output tok/s (with --decode: per-stream decode speed, 1 / TPOT p50, instead); the
+    gaps between a stream's tokens at p50, p99 and their longest (max: one stall a reader sees)."""
     names = list(results)
     unit = "decode tok/s per stream" if decode else "tok/s"
-    lines = ["| streams | " + " | ".join(f"{n} {unit}" for n in names) + " | "
-             + " | ".join(f"{a} / {b}" for a, b in ratios) + " | "
+    lines = [f"| {load} | " + " | ".join(f"{n} {unit}" for n in names) + " | "
+             + "".join(f"{a} / {b} | " for a, b in ratios)
              + " | ".join(f"TTFT p50 / p95 ms {n}" for n in names) + " | "
-             + " | ".join(f"ITL p50 / p99 ms {n}" for n in names) + " |",
+             + " | ".join(f"ITL p50 / p99 / max ms {n}" for n in names) + " |",
              "|---" * (1 + 3 * len(names) + len(ratios)) + "|"]
     for c in conc:
         med: dict[str, float] = {}
@@ -185,9 +193,10 @@ def _table(results: dict[str, dict[int, list[dict[str, Any]]]], conc: list[int],
             ttft.append(f"{statistics.median(x['ttft']['p50'] for x in runs) * 1e3:.0f} / "
                         f"{statistics.median(x['ttft']['p95'] for x in runs) * 1e3:.0f}")
             itl.append(f"{statistics.median(x['itl']['p50'] for x in runs) * 1e3:.1f} / "
-                       f"{statistics.median(x['itl']['p99'] for x in runs) * 1e3:.1f}")
+                       f"{statistics.median(x['itl']['p99'] for x in runs) * 1e3:.1f} / "
+                       f"{statistics.median(x['itl'].get('max', float('nan')) for x in runs) * 1e3:.0f}")
         rs = [f"**{med[a] / med[b]:.2f}**" if med.get(b) else "-" for a, b in ratios]
-        lines.append(f"| {c} | " + " | ".join(cells) + " | " + " | ".join(rs) + " | " + " | ".join(ttft) + " | "
+        lines.append(f"| {c} | " + " | ".join(cells) + " | " + "".join(f"{r} | " for r in rs) + " | ".join(ttft) + " | "
                      + " | ".join(itl) + " |")
     return lines
 
@@ -198,8 +207,9 @@ def _other_sampling(backend: str) -> str:
 
 
 def _throughput(args: argparse.Namespace, model: str, ctx: int, gguf_config: Path | None, work: Path,
-                conc: list[int], bin_dir: str) -> tuple[list[str], dict[str, dict[int, list[dict[str, Any]]]]]:
-    """Every server of the throughput table started with -np `args.np`, then the rounds at `conc`."""
+                conc: list[Any], bin_dir: str, open_loop: bool = False) -> tuple[list[str], dict[str, dict[Any, list[dict[str, Any]]]]]:
+    """Every server of the throughput table started with -np `args.np`, then the rounds at `conc`
+    (streams, or with open_loop requests a second)."""
     servers = Servers(args, model, ctx, gguf_config)
     servers.gateway("gateway", {})
     names = ["gateway"]
@@ -225,7 +235,7 @@ def _throughput(args: argparse.Namespace, model: str, ctx: int, gguf_config: Pat
         names.append("llama-server -bs")
     try:
         servers.wait()
-        return names, _rounds(servers, names, conc, args, "throughput")
+        return names, _rounds(servers, names, conc, args, "open loop" if open_loop else "throughput", open_loop=open_loop)
     finally:
         servers.stop()
 
@@ -255,6 +265,18 @@ def _single_stream(results: dict[str, dict[int, list[dict[str, Any]]]], bin_dir:
     return [*lines, f"| llama-bench tg128 | {tg[0]:.1f} / {at:.1f} at depth {args.input_len} | 1 | 1 |", ""]
 
 
+def _ratios(names: list[str], args: argparse.Namespace) -> list[tuple[str, str]]:
+    """The table's throughput ratios: the gateway against llama-server and against each variant."""
+    other = _other_sampling(args.backend)
+    ratios = [("gateway", "llama-server")] * (not args.no_llama_server) + \
+        [("gateway", n) for n in names if n.startswith(("gateway, ", "gateway @")) and n != other]
+    if other in names:
+        ratios.append(("gateway", other))
+    if "llama-server -bs" in names:
+        ratios.append(("gateway", "llama-server -bs"))
+    return ratios
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--backend", default="cpu", help="cpu, vulkan or cuda: the gateway's --engine and llama-server's build")
@@ -279,6 +301,10 @@ def main() -> int:
                     help="also serve the gateway at this git revision, or from this directory holding one "
                          "(before/after a change, one run)")
     ap.add_argument("--skip-throughput", action="store_true")
+    ap.add_argument("--rates", default="", metavar="R1,R2",
+                    help="also an open loop: Poisson arrivals at these requests a second, every server with -np = "
+                         "the largest --concurrency (no lockstep of a closed loop's equal requests)")
+    ap.add_argument("--open-seconds", type=float, default=60, help="the open loop's requests: rate x this many")
     ap.add_argument("--gguf", default=None, metavar="PATH",
                     help="serve this GGUF as the model on every server (e.g. benchmarks/make_random_llama.py's)")
     ap.add_argument("--seed", type=int, default=0)
@@ -334,16 +360,18 @@ def main() -> int:
             for name in names:
                 results.setdefault(name, {}).update(part[name])
         everything["throughput"] = results
-        other = _other_sampling(args.backend)
-        ratios = [("gateway", "llama-server")] * (not args.no_llama_server) + [("gateway", n) for n in names if n.startswith(("gateway, ", "gateway @")) and n != other]
-        if other in names:
-            ratios.append(("gateway", other))
-        if "llama-server -bs" in names:
-            ratios.append(("gateway", "llama-server -bs"))
         report += [f"Synthetic prompts, {args.input_len} + {args.output_len} tokens, ignore_eos, temperature 0:", "",
-                   *_table(results, conc, ratios), ""]
+                   *_table(results, conc, _ratios(names, args)), ""]
         if args.llama_bench:
             report += _single_stream(results, bin_dir, model, args)
+    if args.rates:
+        rates = [float(r) for r in args.rates.split(",")]
+        at = argparse.Namespace(**{**vars(args), "np": max(conc)})
+        names, opened = _throughput(at, model, spec.context_length, gguf_config, work, rates, bin_dir, open_loop=True)
+        everything["open_loop"] = opened
+        report += [f"Open loop: Poisson arrivals, {args.open_seconds:.0f} s of requests at each rate, -np {max(conc)}, "
+                   f"{args.input_len} + {args.output_len} tokens, ignore_eos, temperature 0:", "",
+                   *_table(opened, rates, _ratios(names, args), load="req/s"), ""]
     if args.speculative:
         n, m = (int(x) for x in args.speculative.split(":"))
         prompts = work / "copy.jsonl"

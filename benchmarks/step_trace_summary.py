@@ -138,6 +138,24 @@ def _by_kind(steps: list[Step]) -> list[str]:
     return out
 
 
+def prompt_passes(events: list[dict[str, Any]]) -> list[str]:
+    """Passes of prompt tokens alone (a step's later passes while the streams wait, or a burst with
+    nothing decoding), by size: how fast a burst of prompts goes through (benchmarks/pass_shapes.py
+    measures the same shapes apart from serving, beside llama-bench's pp)."""
+    alone = [(e["args"]["prompt_tokens"], e["dur"] / 1000) for e in events
+             if e.get("name") == "llama_decode" and e.get("ph") == "X"
+             and not e["args"].get("decoding") and e["args"].get("prompt_tokens")]
+    out = []
+    for lo, hi in SIZES:
+        group = [(t, ms) for t, ms in alone if lo <= t <= hi]
+        if group:
+            tokens = statistics.median(t for t, _ in group)
+            ms = statistics.median(ms for _, ms in group)
+            out.append(f"passes of {lo}-{hi if hi < 1 << 30 else 'more'} prompt tokens alone: {len(group)}, "
+                       f"p50 {tokens:.0f} tokens in {ms:.1f} ms ({tokens / ms * 1000:.0f} tok/s)")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("trace", help="a trace file or the GATEWAY_STEP_TRACE directory")
@@ -146,7 +164,9 @@ def main() -> None:
     p = Path(args.trace)
     for f in sorted(p.glob("steps-*.json")) if p.is_dir() else [p]:
         print(f"# {f.name}")
-        print(summarize(steps_of(read_events(f)), args.client_itl_p99))
+        events = read_events(f)
+        print(summarize(steps_of(events), args.client_itl_p99))
+        print("\n".join(prompt_passes(events)))
 
 
 if __name__ == "__main__":

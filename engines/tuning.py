@@ -34,9 +34,10 @@ class EngineTuning(EnvSettings):
         None, "llama.cpp: passes of prompt tokens one step may run beside running streams, which wait for them "
         "(more: a burst of prompts costs a stream one long gap instead of one per pass)", ge=1, le=64,
         shown="8 on CUDA, 1 elsewhere")
-    passes_streams: int = setting(
-        0, "llama.cpp: prompt passes only while at most N sequences are in use (their recent peak); "
-        "with more, one chunk of `prefill_budget_many` tokens a step (0: passes at any load)", ge=0)
+    passes_streams: int | None = setting(
+        None, "llama.cpp: prompt passes only while at most N sequences are in use (their recent peak); "
+        "with more, one chunk of `prefill_budget_many` tokens a step (0: passes at any load)", ge=0,
+        shown="16 on CUDA, 0 elsewhere")
     prefill_budget_many: int | None = setting(
         None, "llama.cpp: prompt tokens a step takes while more than `passes_streams` sequences are in use",
         ge=1, shown="128, or the prefill budget if smaller")

@@ -135,7 +135,8 @@ def summarise(results: list[Result], duration: float, slo_ttft: float | None, sl
     }
     for name, vals in series.items():
         out[name] = {"mean": statistics.fmean(vals) if vals else float("nan"),
-                     **{f"p{int(q * 100)}": _pct(vals, q) for q in (0.5, 0.9, 0.95, 0.99)}}
+                     **{f"p{int(q * 100)}": _pct(vals, q) for q in (0.5, 0.9, 0.95, 0.99)},
+                     "max": max(vals) if vals else float("nan")}
     good = [r for r in ok if (slo_ttft is None or r.ttft <= slo_ttft) and (slo_tpot is None or (r.tpot or 0) <= slo_tpot)]
     out["goodput"] = len(good) / duration if duration else 0.0
     out["slo"] = {"ttft_s": slo_ttft, "tpot_s": slo_tpot, "met": len(good)}
@@ -288,10 +289,10 @@ def print_report(s: dict[str, Any]) -> None:
     print(f"completed {s['completed']}  failed {s['failed']}  in {s['duration_s']:.2f} s")
     print(f"request throughput {s['request_throughput']:.2f} req/s   output {s['output_token_throughput']:.1f} tok/s   "
           f"goodput {s['goodput']:.2f} req/s (SLO met by {s['slo']['met']})")
-    print(f"{'metric':<6} {'mean':>9} {'p50':>9} {'p90':>9} {'p99':>9}  (ms)")
+    print(f"{'metric':<6} {'mean':>9} {'p50':>9} {'p90':>9} {'p99':>9} {'max':>9}  (ms)")
     for name in ("ttft", "tpot", "itl", "e2e"):
         m = s[name]
-        print(f"{name:<6} " + " ".join(f"{m[k] * 1000:>9.1f}" for k in ("mean", "p50", "p90", "p99")))
+        print(f"{name:<6} " + " ".join(f"{m[k] * 1000:>9.1f}" for k in ("mean", "p50", "p90", "p99", "max")))
     if s.get("rejected"):
         ra = s.get("retry_after_s", {})
         print(f"rejected (429) {s['rejected']}  Retry-After min/p50/max {ra.get('min')}/{ra.get('p50')}/{ra.get('max')} s"

@@ -25,7 +25,7 @@ def test_bench_concurrency_run(gateway_url: str, tmp_path: Path) -> None:
     assert s["total_output_tokens"] == 6 * 8  # ignore_eos: fixed output length
     assert s["total_prompt_tokens"] >= 6 * 32
     assert s["ttft"]["p50"] <= s["e2e"]["p50"]
-    assert s["ttft"]["p50"] <= s["ttft"]["p90"] <= s["ttft"]["p99"]
+    assert s["ttft"]["p50"] <= s["ttft"]["p90"] <= s["ttft"]["p99"] <= s["ttft"]["max"]
     assert s["slo"]["met"] == 6
     assert "ttft" in r.stdout and "goodput" in r.stdout
     png = (tmp_path / "latency.png").read_bytes()
@@ -45,9 +45,12 @@ def test_bench_poisson_and_failures_reported(tmp_path: Path) -> None:
 
 
 def test_summary_goodput_counts_slo() -> None:
-    rs = [Result(ok=True, ttft=0.1, e2e=1.1, output_tokens=11), Result(ok=True, ttft=0.9, e2e=1.9, output_tokens=11),
+    rs = [Result(ok=True, ttft=0.1, e2e=1.1, output_tokens=11, itl=[0.01, 0.3, 0.02]),
+          Result(ok=True, ttft=0.9, e2e=1.9, output_tokens=11, itl=[0.05]),
           Result(ok=False, error="x")]
     s = summarise(rs, duration=2.0, slo_ttft=0.5, slo_tpot=0.2)
     assert s["completed"] == 2 and s["failed"] == 1
     assert s["slo"]["met"] == 1 and s["goodput"] == 0.5
     assert abs(s["tpot"]["mean"] - 0.1) < 1e-9
+    assert s["ttft"]["max"] == 0.9 and s["e2e"]["max"] == 1.9
+    assert s["itl"]["max"] == 0.3  # the longest gap between two tokens of any stream

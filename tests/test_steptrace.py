@@ -109,6 +109,30 @@ async def test_a_prompt_arriving_during_the_passes_joins_them(tmp_path: Path, mo
     assert len(beside) == 1 and beside[0].passes > 10, [(s.prompt_tokens, s.passes) for s in beside]
 
 
+async def test_passes_end_when_those_admitted_between_them_are_more_than_the_plan_allows(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """GATEWAY_PASSES_STREAMS: a request admitted between a step's passes that puts more sequences in
+    use than the plan allows ends the passes, and the prompts go one small chunk a step from there (a
+    burst's arrivals are not all fed in the passes of the step that its first one began)."""
+    import llama_cpp as lc
+
+    decode = lc.llama_decode
+
+    def slow(ctx: object, batch: object) -> int:  # every pass 30 ms longer: the second prompt surely comes mid-step
+        time.sleep(0.03)
+        return int(decode(ctx, batch))
+
+    monkeypatch.setattr(lc, "llama_decode", slow)
+    monkeypatch.setenv("GATEWAY_PASSES_STREAMS", "2")
+    monkeypatch.setenv("GATEWAY_PREFILL_BUDGET_MANY", "8")
+    late = [(0.3, "Tell me everything about the sea and its tides. " * 16, 2), (0.4, "Name every planet you know. " * 6, 2)]
+    counts, steps = await _stream_beside(tmp_path, monkeypatch, 32, 40, late)
+    assert counts == [40, 2, 2]
+    beside = [(s.prompt_tokens, s.passes) for s in steps if s.decoding and s.prompt_tokens]
+    assert beside[0][1] > 1, beside  # two sequences in use: the first prompt's step ran passes
+    assert len(beside) > 1 and beside[1][0] <= 8 and beside[1][1] == 1, beside
+
+
 async def test_beside_more_streams_than_the_plan_allows_a_step_takes_one_small_chunk(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """GATEWAY_PASSES_STREAMS / _PREFILL_BUDGET_MANY: with passes allowed while one sequence is in
@@ -127,9 +151,9 @@ async def test_beside_more_streams_than_the_plan_allows_a_step_takes_one_small_c
 
 
 @pytest.mark.parametrize(("backend", "env", "want"), [
-    ("cuda", {}, (512, 8, 0, 128)),
+    ("cuda", {}, (512, 8, 16, 128)),
     ("cpu", {}, (512, 1, 0, 128)),
-    ("cuda", {"GATEWAY_PREFILL_PASSES": "2", "GATEWAY_PASSES_STREAMS": "16"}, (512, 2, 16, 128)),
+    ("cuda", {"GATEWAY_PREFILL_PASSES": "2", "GATEWAY_PASSES_STREAMS": "0"}, (512, 2, 0, 128)),
     ("cpu", {"GATEWAY_PASSES_STREAMS": "4", "GATEWAY_PREFILL_BUDGET_MANY": "64"}, (512, 1, 4, 64)),
 ])
 def test_the_prefill_plan_by_backend_and_settings(monkeypatch: pytest.MonkeyPatch, backend: str,

@@ -436,6 +436,9 @@ class BatchScheduler:
         # first: one pass a step there). Requests that came meanwhile join the next pass.
         for _ in range(passes - 1 if decoding and self._shared is None else 0):
             running, outputs = self._admitted(), []
+            self._load = max(len(running), self._load)
+            if self._prefill.for_step(round(self._load))[1] == 1:
+                break  # those admitted made them more than the plan's passes allow: one chunk a step now
             n = self._feed(running, 0, budget, outputs)
             if not n or not self._decode(n, outputs, running, n):
                 return

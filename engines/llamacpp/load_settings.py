@@ -31,6 +31,14 @@ PREFILL_BUDGET = {"cpu": 128, "vulkan": 256, "cuda": 512, "metal": 256, "rocm": 
 # with one chunk a step, 0-5 % more tok/s, first tokens later at 16 and 32 streams (TTFT p50 171-183 /
 # 293-312 ms against 164 / 201-204): docs/benchmarks/history.md#prompt-passes-by-default-on-cuda.
 PREFILL_PASSES = {"cuda": 8}
+# Sequences in use (their recent peak) up to which a step runs those passes, by backend (0: any
+# number); with more, a step takes one chunk of 128 prompt tokens. In a closed loop of 32 streams the
+# passes fed each burst of returning prompts in one step, so the streams stayed in lockstep and every
+# first token waited for half a burst; 128-token chunks spread them out. H200, 8B-shaped model, 32
+# streams: TTFT p50 96 ms against 301 (llama-server 631), ITL p99 47.5 against 54.9 (71.2), longest gap
+# 111 ms against 497 (658), 0.81x the tok/s (1.78x llama-server's); 8 and 16 streams as with passes:
+# docs/benchmarks/history.md#prompt-passes-up-to-16-streams-small-chunks-beyond.
+PASSES_STREAMS = {"cuda": 16}
 
 
 @dataclass(frozen=True)
@@ -50,10 +58,11 @@ class PrefillPlan:
 
 
 def prefill_plan(backend: str, budget: int) -> PrefillPlan:
-    """The backend's plan (PREFILL_PASSES) under GATEWAY_PREFILL_PASSES, _PASSES_STREAMS and
-    _PREFILL_BUDGET_MANY (by default 128 tokens, or the budget if smaller)."""
+    """The backend's plan (PREFILL_PASSES, PASSES_STREAMS) under GATEWAY_PREFILL_PASSES,
+    _PASSES_STREAMS and _PREFILL_BUDGET_MANY (by default 128 tokens, or the budget if smaller)."""
     t = engine_tuning()
-    return PrefillPlan(budget, t.prefill_passes or PREFILL_PASSES.get(backend, 1), t.passes_streams,
+    streams = PASSES_STREAMS.get(backend, 0) if t.passes_streams is None else t.passes_streams
+    return PrefillPlan(budget, t.prefill_passes or PREFILL_PASSES.get(backend, 1), streams,
                        t.prefill_budget_many or min(budget, 128))
 
 
