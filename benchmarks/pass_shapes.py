@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.probe_two_contexts import fill_batch  # noqa: E402
 
 Rows = list[tuple[int, int, list[int], bool]]  # (sequence, first position, tokens, logits for the last)
 
@@ -98,7 +99,7 @@ def main() -> int:
         return {
             f"{a.streams} streams decoding": (True, decode),
             f"1 prompt x {a.budget}": (False, one),
-            f"{k} prompts x {a.budget // k}": (False, equal),
+            f"{k} prompt{'s' if k > 1 else ''} x {a.budget // k}": (False, equal),
             f"prompts {a.lens}": (False, cut),
             f"{a.streams} streams + prompts to {a.budget}": (True, decode + mixed),
         }
@@ -119,14 +120,7 @@ def main() -> int:
     batch = lc.llama_batch_init(max(a.budget, a.streams * 2 + sum(lens)), 0, 1)
 
     def run(ctx, rows: Rows) -> float:
-        n = 0
-        for seq, start, toks, last in rows:
-            for i, t in enumerate(toks):
-                batch.token[n], batch.pos[n], batch.n_seq_id[n] = t, start + i, 1
-                batch.seq_id[n][0] = seq
-                batch.logits[n] = last and i == len(toks) - 1
-                n += 1
-        batch.n_tokens = n
+        fill_batch(batch, rows)
         t0 = time.perf_counter()
         if lc.llama_decode(ctx, batch) != 0:
             raise SystemExit("llama_decode failed")
@@ -136,10 +130,14 @@ def main() -> int:
     def prime(ctx, streams: bool) -> None:
         """The KV as the pass finds it: empty, or the streams each holding their depth."""
         lc.llama_memory_clear(lc.llama_get_memory(ctx), True)
-        if streams:
-            for s0 in range(0, a.streams, max(1, a.budget // a.depth)):
-                group = range(s0, min(a.streams, s0 + max(1, a.budget // a.depth)))
-                run(ctx, [(s, 0, [tok(i, s) for i in range(a.depth)], False) for s in group])
+        if not streams:
+            return
+        per = max(1, a.budget // a.depth)  # streams whose whole depth fits one pass
+        for s0 in range(0, a.streams, per):
+            for p0 in range(0, a.depth, a.budget):
+                end = min(a.depth, p0 + a.budget)
+                run(ctx, [(s, p0, [tok(i, s) for i in range(p0, end)], False)
+                          for s in range(s0, min(a.streams, s0 + per))])
 
     table = []
     pp = pp_llama_bench(a.llama_bench, a.model, a.budget, a.gpu) if a.llama_bench else 0.0

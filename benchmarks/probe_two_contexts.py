@@ -36,6 +36,18 @@ def pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
 
 
+def fill_batch(b, rows: list[tuple[int, int, list[int], bool]]) -> None:
+    """A llama_batch of `rows`: (sequence, first position, tokens, logits for the last)."""
+    n = 0
+    for seq, p0, toks, last in rows:
+        for i, t in enumerate(toks):
+            b.token[n], b.pos[n], b.n_seq_id[n] = t, p0 + i, 1
+            b.seq_id[n][0] = seq
+            b.logits[n] = last and i == len(toks) - 1
+            n += 1
+    b.n_tokens = n
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model")
@@ -99,17 +111,6 @@ def main() -> int:
     side_batch = lc.llama_batch_init(a.chunk, 0, 1)
     pos = [0] * n_seq
 
-    def fill(b, rows: list[tuple[int, int, list[int], bool]]) -> None:
-        """rows: (seq, first position, tokens, logits for the last)."""
-        n = 0
-        for seq, p0, toks, last in rows:
-            for i, t in enumerate(toks):
-                b.token[n], b.pos[n], b.n_seq_id[n] = t, p0 + i, 1
-                b.seq_id[n][0] = seq
-                b.logits[n] = last and i == len(toks) - 1
-                n += 1
-        b.n_tokens = n
-
     def decode(c, b) -> None:
         rc = lc.llama_decode(c, b)
         if rc != 0:
@@ -118,7 +119,7 @@ def main() -> int:
 
     def step(extra: list[tuple[int, int, list[int], bool]] | None = None) -> float:
         rows = [(s, pos[s], [(pos[s] * 31 + s) % (n_vocab - 300) + 100], True) for s in range(a.streams)]
-        fill(batch, rows + (extra or []))
+        fill_batch(batch, rows + (extra or []))
         t = time.perf_counter()
         decode(serve, batch)
         took = time.perf_counter() - t
@@ -131,7 +132,7 @@ def main() -> int:
         lc.llama_memory_clear(mem, True)
         for s in range(a.streams):
             pos[s] = 0
-            fill(batch, [(s, 0, tokens[s * 7: s * 7 + a.stream_prompt], True)])
+            fill_batch(batch, [(s, 0, tokens[s * 7: s * 7 + a.stream_prompt], True)])
             decode(serve, batch)
             pos[s] = a.stream_prompt
 
@@ -140,7 +141,7 @@ def main() -> int:
         t = time.perf_counter()
         for i in range(0, a.prompt, chunk):
             part = tokens[i:i + chunk]
-            fill(b, [(seq, i, part, i + len(part) == a.prompt)])
+            fill_batch(b, [(seq, i, part, i + len(part) == a.prompt)])
             decode(ctx, b)
         return time.perf_counter() - t
 
@@ -245,10 +246,10 @@ def main() -> int:
     t_set = time.perf_counter() - t
     # Check: the next token's logits in both contexts (same KV before it) agree.
     probe_token = tokens[0]
-    fill(batch, [(long_seq, a.prompt, [probe_token], True)])
+    fill_batch(batch, [(long_seq, a.prompt, [probe_token], True)])
     decode(serve, batch)
     mine = [lc.llama_get_logits_ith(serve, 0)[i] for i in range(n_vocab)]
-    fill(side_batch, [(0, a.prompt, [probe_token], True)])
+    fill_batch(side_batch, [(0, a.prompt, [probe_token], True)])
     decode(side, side_batch)
     theirs = [lc.llama_get_logits_ith(side, 0)[i] for i in range(n_vocab)]
     diff = max(abs(x - y) for x, y in zip(mine, theirs, strict=True))
