@@ -37,7 +37,7 @@ class EngineTuning(EnvSettings):
     passes_streams: int | None = setting(
         None, "llama.cpp: prompt passes only while at most N sequences are in use (their recent peak); "
         "with more, one chunk of `prefill_budget_many` tokens a step (0: passes at any load)", ge=0,
-        shown="16 on CUDA, 0 elsewhere")
+        shown="16 on CUDA with a KV stream per sequence, else 0")
     prefill_budget_many: int | None = setting(
         None, "llama.cpp: prompt tokens a step takes while more than `passes_streams` sequences are in use",
         ge=1, shown="128, or the prefill budget if smaller")

@@ -164,6 +164,8 @@ def test_the_prefill_plan_by_backend_and_settings(monkeypatch: pytest.MonkeyPatc
         monkeypatch.setenv(k, v)
     plan = prefill_plan(backend, 512)
     assert (plan.budget, plan.passes, plan.streams, plan.many_budget) == want
+    shared = prefill_plan(backend, 512, shared=True)  # one pass a step there: the whole budget unless asked
+    assert shared.streams == (int(env["GATEWAY_PASSES_STREAMS"]) if "GATEWAY_PASSES_STREAMS" in env else 0)
     assert PrefillPlan(512, 8, 16, 128).for_step(16) == (512, 8)
     assert PrefillPlan(512, 8, 16, 128).for_step(17) == (128, 1)
     assert PrefillPlan(512, 8, 0, 128).for_step(64) == (512, 8)

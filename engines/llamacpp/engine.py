@@ -264,7 +264,7 @@ class LlamaCppEngine:
             draft_ngram=lo.draft_ngram,
             draft_max=lo.draft_max,
             draft_streams=lo.draft_streams,
-            prefill=prefill_plan(o.backend, budget),
+            prefill=prefill_plan(o.backend, budget, shared=lo.kv_unified),
             overlap=overlap_outputs(o.backend),
             n_swa=self._n_swa,
             # Requests sharing a prefix being prefilled wait and copy it (off: each prefills its own).

@@ -57,11 +57,13 @@ class PrefillPlan:
         return self.budget, self.passes
 
 
-def prefill_plan(backend: str, budget: int) -> PrefillPlan:
+def prefill_plan(backend: str, budget: int, shared: bool = False) -> PrefillPlan:
     """The backend's plan (PREFILL_PASSES, PASSES_STREAMS) under GATEWAY_PREFILL_PASSES,
-    _PASSES_STREAMS and _PREFILL_BUDGET_MANY (by default 128 tokens, or the budget if smaller)."""
+    _PASSES_STREAMS and _PREFILL_BUDGET_MANY (by default 128 tokens, or the budget if smaller).
+    The shared layout (kv_unified) runs one pass a step, so by default its budget stays whole."""
     t = engine_tuning()
-    streams = PASSES_STREAMS.get(backend, 0) if t.passes_streams is None else t.passes_streams
+    default = 0 if shared else PASSES_STREAMS.get(backend, 0)
+    streams = default if t.passes_streams is None else t.passes_streams
     return PrefillPlan(budget, t.prefill_passes or PREFILL_PASSES.get(backend, 1), streams,
                        t.prefill_budget_many or min(budget, 128))
 
