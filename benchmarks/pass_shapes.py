@@ -17,7 +17,6 @@ Prints one table (median of --reps timed passes each, every one from the same KV
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import statistics
@@ -27,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.probe_two_contexts import fill_batch  # noqa: E402
+from benchmarks.probe_two_contexts import fill_batch, load_model, new_context  # noqa: E402
 
 Rows = list[tuple[int, int, list[int], bool]]  # (sequence, first position, tokens, logits for the last)
 
@@ -59,20 +58,7 @@ def main() -> int:
     ap.add_argument("--json", default="")
     a = ap.parse_args()
 
-    import llama_cpp as lc
-
-    from engines.llamacpp.ggml_backends import ensure_loaded
-
-    ensure_loaded(None)
-    lc.llama_backend_init()
-    mp = lc.llama_model_default_params()
-    mp.n_gpu_layers = 999 if a.gpu else 0
-    if not a.gpu:
-        mp.devices = ctypes.cast((ctypes.c_void_p * 1)(None), ctypes.c_void_p)
-    model = lc.llama_model_load_from_file(a.model.encode(), mp)
-    if not model:
-        print(f"cannot load {a.model}", file=sys.stderr)
-        return 1
+    lc, model = load_model(a.model, a.gpu)
     n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(model))
     lens = [int(x) for x in a.lens.split(",") if x]
     n_seq = a.streams + max(len(lens), a.budget // 128)
@@ -96,26 +82,12 @@ def main() -> int:
             if take > 0:
                 mixed.append((p0 + j, 0, [tok(i, p0 + j) for i in range(take)], True))
             left -= take
-        return {
-            f"{a.streams} streams decoding": (True, decode),
-            f"1 prompt x {a.budget}": (False, one),
-            f"{k} prompt{'s' if k > 1 else ''} x {a.budget // k}": (False, equal),
-            f"prompts {a.lens}": (False, cut),
-            f"{a.streams} streams + prompts to {a.budget}": (True, decode + mixed),
-        }
-
-    def context(unified: bool):
-        cp = lc.llama_context_default_params()
-        cp.n_ctx = n_ctx_seq * n_seq
-        cp.n_batch = cp.n_ubatch = a.budget
-        cp.n_seq_max = n_seq
-        cp.kv_unified = unified
-        cp.n_threads = cp.n_threads_batch = os.cpu_count() or 1
-        cp.no_perf = True
-        c = lc.llama_init_from_model(model, cp)
-        if not c:
-            raise SystemExit(f"cannot create a context of {cp.n_ctx} tokens")
-        return c
+        out = {f"{a.streams} streams decoding": (True, decode), f"1 prompt x {a.budget}": (False, one)}
+        if k > 1:  # (a budget under 256 holds one 128-token prompt: the shape above)
+            out[f"{k} prompts x {a.budget // k}"] = (False, equal)
+        out[f"prompts {a.lens}"] = (False, cut)
+        out[f"{a.streams} streams + prompts to {a.budget}"] = (True, decode + mixed)
+        return out
 
     batch = lc.llama_batch_init(max(a.budget, a.streams * 2 + sum(lens)), 0, 1)
 
@@ -142,7 +114,7 @@ def main() -> int:
     table = []
     pp = pp_llama_bench(a.llama_bench, a.model, a.budget, a.gpu) if a.llama_bench else 0.0
     for unified in (False, True):
-        ctx = context(unified)
+        ctx = new_context(lc, model, n_ctx_seq * n_seq, n_seq, a.budget, os.cpu_count() or 1, unified)
         for name, (streams, rows) in shapes().items():
             times = []
             for r in range(a.reps + 2):

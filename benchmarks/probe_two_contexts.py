@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -34,6 +35,39 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 def pct(xs: list[float], q: float) -> float:
     s = sorted(xs)
     return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
+
+
+def load_model(path: str, gpu: bool) -> tuple[Any, Any]:
+    """(llama_cpp, the model at `path`), every layer offloaded with `gpu` and none without."""
+    import llama_cpp as lc
+
+    from engines.llamacpp.ggml_backends import ensure_loaded
+
+    ensure_loaded(None)  # a build with loadable backends (the CPU variants) needs them registered
+    lc.llama_backend_init()
+    mp = lc.llama_model_default_params()
+    mp.n_gpu_layers = 999 if gpu else 0
+    if not gpu:  # an empty device list: nothing offloaded, not even a large batch's matrices
+        no_devices = (ctypes.c_void_p * 1)(None)
+        mp.devices = ctypes.cast(no_devices, ctypes.c_void_p)
+    model = lc.llama_model_load_from_file(path.encode(), mp)
+    if not model:
+        raise SystemExit(f"cannot load {path}")
+    return lc, model
+
+
+def new_context(lc: Any, model: Any, n_ctx: int, n_seq: int, n_batch: int, threads: int,
+                unified: bool = False) -> Any:
+    """A context of `n_ctx` tokens over `n_seq` sequences, passes of `n_batch` (= n_ubatch)."""
+    cp = lc.llama_context_default_params()
+    cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = n_ctx, n_batch, n_batch, n_seq
+    cp.n_threads = cp.n_threads_batch = threads
+    cp.kv_unified = unified
+    cp.no_perf = True
+    c = lc.llama_init_from_model(model, cp)
+    if not c:
+        raise SystemExit(f"cannot create a context of {n_ctx} tokens")
+    return c
 
 
 def fill_batch(b, rows: list[tuple[int, int, list[int], bool]]) -> None:
@@ -71,34 +105,13 @@ def main() -> int:
 
     import os
 
-    import llama_cpp as lc
-
-    from engines.llamacpp.ggml_backends import ensure_loaded
-
-    ensure_loaded(None)  # a build with loadable backends (the CPU variants) needs them registered
     threads = a.threads or os.cpu_count() or 1
-    lc.llama_backend_init()
-    mp = lc.llama_model_default_params()
-    mp.n_gpu_layers = 999 if a.gpu else 0
-    if not a.gpu:  # an empty device list: nothing offloaded, not even a large batch's matrices
-        no_devices = (ctypes.c_void_p * 1)(None)
-        mp.devices = ctypes.cast(no_devices, ctypes.c_void_p)
-    model = lc.llama_model_load_from_file(a.model.encode(), mp)
-    if not model:
-        print(f"cannot load {a.model}", file=sys.stderr)
-        return 1
+    lc, model = load_model(a.model, a.gpu)
     n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(model))
     ctx_stream = a.stream_prompt + 1024
 
     def context(n_ctx: int, n_seq: int, n_batch: int) -> ctypes.c_void_p:
-        cp = lc.llama_context_default_params()
-        cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = n_ctx, n_batch, n_batch, n_seq
-        cp.n_threads = cp.n_threads_batch = threads
-        cp.no_perf = True
-        c = lc.llama_init_from_model(model, cp)
-        if not c:
-            raise SystemExit(f"cannot create a context of {n_ctx} tokens")
-        return c
+        return new_context(lc, model, n_ctx, n_seq, n_batch, threads)
 
     # The serving context: one KV stream per sequence (the gateway's default layout); one more
     # sequence than streams, for the baseline's prompt and the hand-over.
