@@ -125,7 +125,9 @@ async def test_passes_end_when_those_admitted_between_them_are_more_than_the_pla
     monkeypatch.setattr(lc, "llama_decode", slow)
     monkeypatch.setenv("GATEWAY_PASSES_STREAMS", "2")
     monkeypatch.setenv("GATEWAY_PREFILL_BUDGET_MANY", "8")
-    late = [(0.3, "Tell me everything about the sea and its tides. " * 16, 2), (0.4, "Name every planet you know. " * 6, 2)]
+    # The first prompt's passes take at least 16 x 30 ms from when its step begins (by 0.55 s even on a
+    # busy machine), so the second, 250 ms after it, comes while they run.
+    late = [(0.3, "Tell me everything about the sea and its tides. " * 24, 2), (0.55, "Name every planet you know. " * 6, 2)]
     counts, steps = await _stream_beside(tmp_path, monkeypatch, 32, 40, late)
     assert counts == [40, 2, 2]
     beside = [(s.prompt_tokens, s.passes) for s in steps if s.decoding and s.prompt_tokens]
